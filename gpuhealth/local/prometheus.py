@@ -1,0 +1,119 @@
+"""Real Prometheus and Alertmanager servers on loopback, plus a tiny HTTP API client.
+
+Prometheus's own engine evaluates every query and rule: callers never re-implement PromQL.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gpuhealth.local.process import ManagedProcess, ProcessError, free_port, http_ok
+
+PROMETHEUS_BIN = "prometheus"
+ALERTMANAGER_BIN = "prometheus-alertmanager"  # Debian's name; upstream tarballs call it "alertmanager"
+
+
+def find_binary(*names: str) -> str:
+    """First of ``names`` found on PATH; a clear error naming the Debian package otherwise."""
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+    raise ProcessError(f"none of {', '.join(names)} found on PATH; install the Debian packages "
+                       "'prometheus' and 'prometheus-alertmanager' (see README)")
+
+
+class PrometheusAPI:
+    """The few Prometheus HTTP API calls gpuhealth needs, on the standard library."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    def _get(self, path: str, params: dict[str, Any] | None = None, timeout: float = 60.0) -> Any:
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        with urllib.request.urlopen(f"{self.url}{path}{query}", timeout=timeout) as resp:
+            body = json.load(resp)
+        if body.get("status") != "success":
+            raise RuntimeError(f"Prometheus {path} failed: {body.get('error', body)}")
+        return body["data"]
+
+    def query(self, expr: str, time: float | None = None) -> list[dict[str, Any]]:
+        params: dict[str, Any] = {"query": expr}
+        if time is not None:
+            params["time"] = f"{time:.3f}"
+        return self._get("/api/v1/query", params)["result"]
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
+        params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}
+        return self._get("/api/v1/query_range", params)["result"]
+
+    def targets(self) -> list[dict[str, Any]]:
+        return self._get("/api/v1/targets")["activeTargets"]
+
+    def rule_groups(self) -> list[dict[str, Any]]:
+        return self._get("/api/v1/rules")["groups"]
+
+    def alerts(self) -> list[dict[str, Any]]:
+        return self._get("/api/v1/alerts")["alerts"]
+
+
+class PrometheusServer(ManagedProcess):
+    """A Prometheus started on a free loopback port with a config written into ``workdir``."""
+
+    def __init__(self, workdir: Path, config: dict[str, Any], port: int | None = None,
+                 extra_args: list[str] | None = None, data_dir: Path | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.port = port or free_port()
+        self.config_path = self.workdir / "prometheus.yml"
+        self.data_dir = data_dir or self.workdir / "data"
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        argv = [
+            find_binary(PROMETHEUS_BIN),
+            f"--config.file={self.config_path}",
+            f"--storage.tsdb.path={self.data_dir}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--web.enable-lifecycle",
+            *(extra_args or []),
+        ]
+        super().__init__("prometheus", argv, self.workdir / "prometheus.log")
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api = PrometheusAPI(self.url)
+
+    def start(self, timeout: float = 60.0) -> PrometheusServer:
+        super().start()
+        self.wait_ready(lambda: http_ok(f"{self.url}/-/ready"), timeout)
+        return self
+
+
+class AlertmanagerServer(ManagedProcess):
+    """An Alertmanager on a free loopback port, clustering off (no gossip port to collide on)."""
+
+    def __init__(self, workdir: Path, config: dict[str, Any] | str, port: int | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.port = port or free_port()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path = self.workdir / "alertmanager.yml"
+        text = config if isinstance(config, str) else yaml.safe_dump(config, sort_keys=False)
+        self.config_path.write_text(text)
+        argv = [
+            find_binary(ALERTMANAGER_BIN, "alertmanager"),
+            f"--config.file={self.config_path}",
+            f"--storage.path={self.workdir / 'am-data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--cluster.listen-address=",
+        ]
+        super().__init__("alertmanager", argv, self.workdir / "alertmanager.log")
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> AlertmanagerServer:
+        super().start()
+        self.wait_ready(lambda: http_ok(f"{self.url}/-/ready"), timeout)
+        return self
