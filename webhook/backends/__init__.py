@@ -1,0 +1,1 @@
+"""Cluster backends: the only code that acts on a scheduler or orchestrator."""

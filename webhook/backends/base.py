@@ -1,0 +1,49 @@
+"""The interface every cluster backend implements, so the decision engine is backend-agnostic.
+
+Backends must be idempotent where the cluster allows it (draining a drained node is a no-op) and
+raise ``BackendError`` with the cluster's own message on failure; the action worker retries with
+backoff and records the error, it never marks a failed step done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class BackendError(RuntimeError):
+    """A cluster call failed (non-zero exit, HTTP error, timeout); ``retryable`` says if it may pass."""
+
+    def __init__(self, message: str, *, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """What the cluster says about one node."""
+
+    name: str
+    exists: bool
+    drained: bool  # no new work may start there (Slurm DRAIN/DRAINING/DRAINED, Kubernetes cordon)
+    reason: str = ""  # who drained it and why (Slurm Reason, our cordon annotation)
+
+
+class Backend(Protocol):
+    name: str
+
+    async def node_state(self, node: str) -> NodeState: ...
+
+    async def fleet_size(self) -> int: ...
+
+    async def drain(self, node: str, reason: str) -> None: ...
+
+    async def resume(self, node: str) -> None: ...
+
+    async def jobs_on_node(self, node: str) -> list[str]: ...
+
+    async def requeue(self, job_id: str, exclude_nodes: list[str]) -> None: ...
+
+    async def reset_gpu(self, node: str, gpu: str | None, reason: str) -> None: ...
+
+    async def reboot(self, node: str, reason: str) -> None: ...
