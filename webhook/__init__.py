@@ -1,0 +1,1 @@
+"""gpuhealth-webhook: turns Alertmanager notifications into safe, journaled cluster actions."""
