@@ -1,0 +1,158 @@
+"""A simulated cluster: try the webhook's decisions end to end with no scheduler at hand.
+
+It keeps node drains, running jobs and a history of every call the webhook made, optionally in a
+JSON file that survives restarts (replaced atomically, so a killed webhook never leaves it torn).
+Like a real scheduler it is idempotent: draining a drained node or requeueing a job that is already
+pending changes nothing and adds no history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from gpuhealth.webhook.backends.base import BackendError, NodeState
+
+_RANGE = re.compile(r"^(?P<prefix>[^\[\]]*)\[(?P<first>\d+)-(?P<last>\d+)\](?P<suffix>[^\[\]]*)$")
+
+
+def expand_hostlist(pattern: str) -> list[str]:
+    """``gpu[01-04]`` -> gpu01..gpu04 (the one Slurm hostlist form worth supporting here)."""
+    match = _RANGE.match(pattern)
+    if not match:
+        return [pattern]
+    first, last = match["first"], match["last"]
+    width = len(first) if first.startswith("0") else 0
+    return [f"{match['prefix']}{i:0{width}d}{match['suffix']}" for i in range(int(first), int(last) + 1)]
+
+
+class SimulatedBackend:
+    name = "simulated"
+
+    def __init__(self, nodes: list[str], jobs: dict[str, list[str]] | None = None,
+                 state_file: Path | None = None, latency_seconds: float = 0.0) -> None:
+        self.state_file = state_file
+        self.latency_seconds = latency_seconds
+        if state_file is not None and state_file.exists():
+            self.state = json.loads(state_file.read_text())
+        else:
+            self.state = {
+                "nodes": {n: {"drained": False, "reason": ""} for n in nodes},
+                "jobs": {job: {"node": node, "requeues": 0, "excluded": []}
+                         for node, ids in (jobs or {}).items() for job in ids},
+                "history": [],
+            }
+
+    @classmethod
+    def from_config(cls, section: dict[str, Any]) -> SimulatedBackend:
+        errors = []
+        unknown = set(section) - {"nodes", "jobs", "state_file", "latency_seconds"}
+        if unknown:
+            errors.append(f"backend: unknown keys {', '.join(sorted(unknown))}")
+        raw_nodes = section.get("nodes")
+        if isinstance(raw_nodes, str):
+            raw_nodes = [raw_nodes]
+        if not isinstance(raw_nodes, list) or not raw_nodes or not all(isinstance(n, str) for n in raw_nodes):
+            errors.append("backend.nodes: a non-empty list of node names or hostlists like 'gpu[01-08]'")
+            raw_nodes = []
+        jobs = section.get("jobs") or {}
+        if not isinstance(jobs, dict) or not all(isinstance(v, list) for v in jobs.values()):
+            errors.append("backend.jobs: a mapping of node name to a list of job ids")
+            jobs = {}
+        latency = section.get("latency_seconds", 0.0)
+        if not isinstance(latency, int | float) or isinstance(latency, bool) or latency < 0:
+            errors.append("backend.latency_seconds: a number >= 0")
+            latency = 0.0
+        state_file = section.get("state_file")
+        if state_file is not None and not isinstance(state_file, str):
+            errors.append("backend.state_file: a path")
+            state_file = None
+        if errors:
+            raise ValueError("; ".join(errors))
+        nodes = [n for pattern in raw_nodes for n in expand_hostlist(pattern)]
+        return cls(nodes, {str(n): [str(j) for j in ids] for n, ids in jobs.items()},
+                   Path(state_file) if state_file else None, float(latency))
+
+    async def _latency(self) -> None:
+        if self.latency_seconds:
+            await asyncio.sleep(self.latency_seconds)
+
+    def _record(self, op: str, *args: Any) -> None:
+        self.state["history"].append([op, *args])
+        self._save()
+
+    def _save(self) -> None:
+        if self.state_file is None:
+            return
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state))
+        os.replace(tmp, self.state_file)
+
+    def _node(self, node: str) -> dict[str, Any]:
+        if node not in self.state["nodes"]:
+            raise BackendError(f"node {node} not found", retryable=False)
+        return self.state["nodes"][node]
+
+    @property
+    def history(self) -> list[list[Any]]:
+        return self.state["history"]
+
+    async def node_state(self, node: str) -> NodeState:
+        entry = self.state["nodes"].get(node)
+        if entry is None:
+            return NodeState(node, exists=False, drained=False)
+        return NodeState(node, exists=True, drained=entry["drained"], reason=entry["reason"])
+
+    async def fleet_size(self) -> int:
+        return len(self.state["nodes"])
+
+    async def drain(self, node: str, reason: str) -> None:
+        await self._latency()
+        entry = self._node(node)
+        if entry["drained"]:
+            return
+        entry.update(drained=True, reason=reason)
+        self._record("drain", node, reason)
+
+    async def resume(self, node: str) -> None:
+        await self._latency()
+        entry = self._node(node)
+        if not entry["drained"]:
+            return
+        entry.update(drained=False, reason="")
+        self._record("resume", node)
+
+    async def jobs_on_node(self, node: str) -> list[str]:
+        self._node(node)
+        return sorted(job for job, entry in self.state["jobs"].items() if entry["node"] == node)
+
+    async def requeue(self, job_id: str, exclude_nodes: list[str]) -> None:
+        await self._latency()
+        job = self.state["jobs"].get(job_id)
+        if job is None:
+            raise BackendError(f"job {job_id} not found", retryable=False)
+        if job["node"] is None:
+            return
+        job.update(node=None, requeues=job["requeues"] + 1,
+                   excluded=sorted(set(job["excluded"]) | set(exclude_nodes)))
+        self._record("requeue", job_id, sorted(exclude_nodes))
+
+    async def reset_gpu(self, node: str, gpu: str | None, reason: str) -> None:
+        await self._latency()
+        self._node(node)
+        self._record("reset_gpu", node, gpu, reason)
+
+    async def reboot(self, node: str, reason: str) -> None:
+        await self._latency()
+        self._node(node)
+        self._record("reboot", node, reason)
+
+    def start_job(self, job_id: str, node: str) -> None:
+        """Run ``job_id`` on ``node`` (again): how a requeued job lands on a new node."""
+        job = self.state["jobs"].setdefault(job_id, {"node": None, "requeues": 0, "excluded": []})
+        job["node"] = node
+        self._save()
