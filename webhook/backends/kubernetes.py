@@ -1,0 +1,356 @@
+"""Kubernetes backend: cordon and taint nodes, evict or restart the pods that use their GPUs.
+
+Everything we change on a node is marked as ours (the ``gpuhealth.io/unhealthy`` taint and
+``gpuhealth.io/*`` annotations), so that a cordon someone else set is reported as theirs and
+``resume`` takes back only what we added. Node updates carry the ``resourceVersion`` they were
+computed from: the taint list is replaced as a whole, and a concurrent change must not be lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from .base import BackendError, NodeState
+from .kubernetes_api import PATCH_TYPES, KubeAPIError, KubeClient, KubeSession
+from .kubernetes_config import SERVICE_ACCOUNT_DIR, Connection, from_kubeconfig, in_cluster
+
+log = logging.getLogger(__name__)
+
+TAINT_KEY = "gpuhealth.io/unhealthy"
+REASON_ANNOTATION = "gpuhealth.io/drain-reason"
+PRIOR_CORDON_ANNOTATION = "gpuhealth.io/cordoned-before-drain"
+ACTION_ANNOTATION = "gpuhealth.io/requested-action"
+ACTION_GPU_ANNOTATION = "gpuhealth.io/requested-action-gpu"
+ACTION_REASON_ANNOTATION = "gpuhealth.io/requested-action-reason"
+ACTION_AT_ANNOTATION = "gpuhealth.io/requested-action-at"
+OUR_ANNOTATIONS = (REASON_ANNOTATION, PRIOR_CORDON_ANNOTATION, ACTION_ANNOTATION, ACTION_GPU_ANNOTATION,
+                   ACTION_REASON_ANNOTATION, ACTION_AT_ANNOTATION)
+REASON_PREFIX = "gpuhealth:"
+CONFLICT_ATTEMPTS = 5
+MAX_EVICTION_BACKOFF_S = 30.0
+TERMINAL_PHASES = {"Succeeded", "Failed"}
+
+NodePatch = Callable[[Mapping[str, Any]], dict[str, Any] | None]
+
+
+@dataclass(frozen=True)
+class Settings:
+    gpu_resource: str = "nvidia.com/gpu"
+    node_selector: str = ""
+    request_timeout_seconds: float = 10.0
+    eviction_deadline_seconds: float = 120.0
+    eviction_backoff_seconds: float = 1.0
+    patch_type: str = "strategic"
+    node_actions: str = "annotate"
+    job_pods: str = "all"
+
+
+_CHOICES = {"patch_type": tuple(PATCH_TYPES), "node_actions": ("annotate", "none"),
+            "job_pods": ("all", "on_excluded_nodes")}
+_CONNECTION_KEYS = {"type", "kubeconfig", "context", "service_account_dir", "insecure_skip_tls_verify"}
+
+
+class KubernetesBackend:
+    """Acts through the API server with the rights of the ClusterRole in ``KUBERNETES.md``."""
+
+    name = "kubernetes"
+
+    def __init__(self, connection: Connection, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings()
+        self._client = KubeClient(connection, self.settings.request_timeout_seconds)
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any]) -> KubernetesBackend:
+        """Build from the ``backend:`` section; raises ``ValueError`` listing every problem."""
+        errors: list[str] = []
+        settings = _settings(section, errors)
+        insecure = section.get("insecure_skip_tls_verify", False)
+        if not isinstance(insecure, bool):
+            errors.append("backend.insecure_skip_tls_verify: must be true or false")
+            insecure = False
+        context = section.get("context")
+        if context is not None and not isinstance(context, str):
+            errors.append("backend.context: must be a string")
+        if section.get("kubeconfig"):
+            connection = from_kubeconfig(Path(str(section["kubeconfig"])).expanduser(), context,
+                                         insecure, errors)
+        else:
+            if context is not None:
+                errors.append("backend.context: only meaningful with backend.kubeconfig")
+            sa_dir = Path(str(section.get("service_account_dir") or SERVICE_ACCOUNT_DIR))
+            connection = in_cluster(sa_dir, insecure, errors)
+        if errors or connection is None:
+            raise ValueError("kubernetes backend:\n  " + "\n  ".join(errors))
+        return cls(connection, settings)
+
+    async def node_state(self, node: str) -> NodeState:
+        async with self._client.session() as api:
+            obj = await _get_node(api, node, missing_ok=True)
+        if obj is None:
+            return NodeState(node, exists=False, drained=False)
+        spec, annotations = obj.get("spec") or {}, _annotations(obj)
+        ours = REASON_ANNOTATION in annotations or _has_our_taint(spec)
+        cordoned = spec.get("unschedulable") is True
+        if ours:
+            return NodeState(node, exists=True, drained=True, reason=_our_reason(annotations))
+        if cordoned:
+            taints = ",".join(str(t.get("key")) for t in spec.get("taints") or []) or "none"
+            return NodeState(node, exists=True, drained=True,
+                             reason=f"cordoned outside gpuhealth (taints: {taints})")
+        return NodeState(node, exists=True, drained=False)
+
+    async def fleet_size(self) -> int:
+        params = {"labelSelector": self.settings.node_selector} if self.settings.node_selector else {}
+        async with self._client.session() as api:
+            return len(await api.list_all("/api/v1/nodes", params))
+
+    async def drain(self, node: str, reason: str) -> None:
+        def patch(obj: Mapping[str, Any]) -> dict[str, Any] | None:
+            spec, annotations = obj.get("spec") or {}, _annotations(obj)
+            body: dict[str, Any] = {}
+            new_annotations: dict[str, str] = {}
+            if annotations.get(REASON_ANNOTATION) != reason:
+                new_annotations[REASON_ANNOTATION] = reason
+            if spec.get("unschedulable") is True:
+                if REASON_ANNOTATION not in annotations and PRIOR_CORDON_ANNOTATION not in annotations:
+                    new_annotations[PRIOR_CORDON_ANNOTATION] = "true"
+            else:
+                body["spec"] = {"unschedulable": True}
+            if not _has_our_taint(spec):
+                taint = {"key": TAINT_KEY, "value": "true", "effect": "NoSchedule"}
+                body.setdefault("spec", {})["taints"] = [*(spec.get("taints") or []), taint]
+            if new_annotations:
+                body["metadata"] = {"annotations": new_annotations}
+            return body or None
+
+        await self._update_node(node, patch, what="cordon", missing="cannot cordon it")
+        log.info("kubernetes cordoned node=%s taint=%s reason=%r", node, TAINT_KEY, reason)
+
+    async def resume(self, node: str) -> None:
+        def patch(obj: Mapping[str, Any]) -> dict[str, Any] | None:
+            spec, annotations = obj.get("spec") or {}, _annotations(obj)
+            body: dict[str, Any] = {}
+            drop = {key: None for key in OUR_ANNOTATIONS if key in annotations}
+            if drop:
+                body["metadata"] = {"annotations": drop}
+            if _has_our_taint(spec):
+                body["spec"] = {"taints": [t for t in spec["taints"] if t.get("key") != TAINT_KEY]}
+            ours = REASON_ANNOTATION in annotations or _has_our_taint(spec)
+            if ours and spec.get("unschedulable") is True and PRIOR_CORDON_ANNOTATION not in annotations:
+                body.setdefault("spec", {})["unschedulable"] = False
+            return body or None
+
+        await self._update_node(node, patch, what="uncordon", missing=None)
+        log.info("kubernetes resumed node=%s", node)
+
+    async def jobs_on_node(self, node: str) -> list[str]:
+        async with self._client.session() as api:
+            pods = await api.list_all("/api/v1/pods", {"fieldSelector": f"spec.nodeName={node}"})
+        jobs = {_job_id(pod) for pod in pods if _active(pod) and self._uses_gpus(pod)}
+        return sorted(jobs)
+
+    async def requeue(self, job_id: str, exclude_nodes: list[str]) -> None:
+        """Evict a pod (its controller recreates it) or restart a Job by deleting its pods.
+
+        The exclusion is the cordon and taint that ``drain`` set: Kubernetes cannot pin a
+        recreated pod away from a node that is still schedulable, so that case is logged.
+        """
+        parts = job_id.split("/")
+        if len(parts) == 2 and all(parts):
+            namespace, pod, job = parts[0], parts[1], None
+        elif len(parts) == 3 and parts[1] == "job" and parts[0] and parts[2]:
+            namespace, pod, job = parts[0], None, parts[2]
+        else:
+            raise BackendError(f"{job_id!r} is not a Kubernetes job id (namespace/pod or "
+                               "namespace/job/name)", retryable=False)
+        for node in exclude_nodes:
+            state = await self.node_state(node)
+            if not state.drained:
+                log.warning("kubernetes requeue job=%s excluded node=%s is schedulable; the scheduler "
+                            "may place the work there again", job_id, node)
+        async with self._client.session() as api:
+            if job is None:
+                await self._evict(api, namespace, str(pod))
+            else:
+                await self._restart_job(api, namespace, job, exclude_nodes)
+
+    async def reset_gpu(self, node: str, gpu: str | None, reason: str) -> None:
+        await self._request_node_action(node, "reset-gpu", gpu or "all", reason)
+
+    async def reboot(self, node: str, reason: str) -> None:
+        await self._request_node_action(node, "reboot", None, reason)
+
+    async def _request_node_action(self, node: str, action: str, gpu: str | None, reason: str) -> None:
+        """Record the request on the node for the node-local agent, which clears it when done."""
+        if self.settings.node_actions == "none":
+            raise BackendError(f"kubernetes backend: node_actions is 'none', cannot {action} on {node}",
+                               retryable=False)
+
+        def patch(obj: Mapping[str, Any]) -> dict[str, Any] | None:
+            annotations = _annotations(obj)
+            if annotations.get(ACTION_ANNOTATION) == action and annotations.get(ACTION_GPU_ANNOTATION) == gpu:
+                return None
+            stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            return {"metadata": {"annotations": {
+                ACTION_ANNOTATION: action, ACTION_GPU_ANNOTATION: gpu, ACTION_REASON_ANNOTATION: reason,
+                ACTION_AT_ANNOTATION: stamp}}}
+
+        await self._update_node(node, patch, what=action, missing=f"cannot request {action}")
+        log.info("kubernetes requested node action node=%s action=%s gpu=%s", node, action, gpu or "")
+
+    async def _update_node(self, node: str, patch: NodePatch, *, what: str, missing: str | None) -> None:
+        """Read, compute and PATCH with the read ``resourceVersion``; recompute on a 409 conflict."""
+        async with self._client.session() as api:
+            for _ in range(CONFLICT_ATTEMPTS):
+                obj = await _get_node(api, node, missing_ok=missing is None)
+                if obj is None:
+                    log.warning("kubernetes %s skipped node=%s: no such node", what, node)
+                    return
+                body = patch(obj)
+                if body is None:
+                    return
+                body.setdefault("metadata", {})["resourceVersion"] = obj["metadata"].get("resourceVersion")
+                try:
+                    await api.patch(_node_path(node), body, self.settings.patch_type)
+                    return
+                except KubeAPIError as exc:
+                    if exc.code != 409:
+                        raise
+                    log.info("kubernetes %s conflict node=%s, re-reading", what, node)
+        raise BackendError(f"{what} {node}: the node kept changing under us ({CONFLICT_ATTEMPTS} conflicts)")
+
+    async def _evict(self, api: KubeSession, namespace: str, pod: str) -> None:
+        """Evict through the Eviction API, waiting out PodDisruptionBudgets up to the deadline."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.eviction_deadline_seconds
+        delay = self.settings.eviction_backoff_seconds
+        body = {"apiVersion": "policy/v1", "kind": "Eviction",
+                "metadata": {"name": pod, "namespace": namespace}}
+        path = f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(pod)}/eviction"
+        while True:
+            try:
+                await api.post(path, body)
+            except KubeAPIError as exc:
+                if exc.code == 404:
+                    log.info("kubernetes evict pod=%s/%s already gone", namespace, pod)
+                    return
+                if exc.code != 429:
+                    raise
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise BackendError(f"evicting {namespace}/{pod}: still refused after "
+                                       f"{self.settings.eviction_deadline_seconds:g}s: {exc}") from None
+                wait = min(max(delay, exc.retry_after or 0.0), remaining)
+                log.info("kubernetes evict pod=%s/%s blocked, retry_in=%.1fs message=%r",
+                         namespace, pod, wait, str(exc))
+                await asyncio.sleep(wait)
+                delay = min(delay * 2, MAX_EVICTION_BACKOFF_S)
+                continue
+            log.info("kubernetes evicted pod=%s/%s", namespace, pod)
+            return
+
+    async def _restart_job(self, api: KubeSession, namespace: str, job: str,
+                           exclude_nodes: list[str]) -> None:
+        """Delete the Job's pods; the Job controller creates new ones where the scheduler allows."""
+        pods = await api.list_all(f"/api/v1/namespaces/{quote(namespace)}/pods",
+                                  {"labelSelector": f"job-name={job}"})
+        pods = [p for p in pods if _active(p) and _owning_job(p) == job]
+        if self.settings.job_pods == "on_excluded_nodes":
+            pods = [p for p in pods if (p.get("spec") or {}).get("nodeName") in exclude_nodes]
+        if not pods:
+            log.info("kubernetes restart job=%s/%s: no running pods", namespace, job)
+        for pod in pods:
+            name = pod["metadata"]["name"]
+            try:
+                await api.delete(f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}")
+            except KubeAPIError as exc:
+                if exc.code != 404:
+                    raise
+            log.info("kubernetes deleted pod=%s/%s job=%s", namespace, name, job)
+
+    def _uses_gpus(self, pod: Mapping[str, Any]) -> bool:
+        spec = pod.get("spec") or {}
+        for container in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
+            resources = container.get("resources") or {}
+            for kind in ("limits", "requests"):
+                amount = str((resources.get(kind) or {}).get(self.settings.gpu_resource, "0"))
+                if amount.strip() not in ("", "0"):
+                    return True
+        return False
+
+
+def _settings(section: Mapping[str, Any], errors: list[str]) -> Settings:
+    defaults = asdict(Settings())
+    known = set(defaults) | _CONNECTION_KEYS
+    errors.extend(f"backend.{key}: unknown setting" for key in sorted(set(section) - known))
+    values: dict[str, Any] = {}
+    for key, default in defaults.items():
+        value = section.get(key, default)
+        if isinstance(default, float):
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                errors.append(f"backend.{key}: must be a positive number of seconds, got {value!r}")
+                continue
+            value = float(value)
+        elif not isinstance(value, str):
+            errors.append(f"backend.{key}: must be a string, got {value!r}")
+            continue
+        elif key in _CHOICES and value not in _CHOICES[key]:
+            errors.append(f"backend.{key}: must be one of {', '.join(_CHOICES[key])}, got {value!r}")
+            continue
+        values[key] = value
+    return Settings(**values) if len(values) == len(defaults) else Settings()
+
+
+async def _get_node(api: KubeSession, node: str, *, missing_ok: bool) -> dict[str, Any] | None:
+    try:
+        return await api.get(_node_path(node))
+    except KubeAPIError as exc:
+        if exc.code == 404 and missing_ok:
+            return None
+        raise
+
+
+def _node_path(node: str) -> str:
+    return f"/api/v1/nodes/{quote(node)}"
+
+
+def _annotations(obj: Mapping[str, Any]) -> dict[str, str]:
+    return (obj.get("metadata") or {}).get("annotations") or {}
+
+
+def _has_our_taint(spec: Mapping[str, Any]) -> bool:
+    return any(t.get("key") == TAINT_KEY for t in spec.get("taints") or [])
+
+
+def _our_reason(annotations: Mapping[str, str]) -> str:
+    reason = annotations.get(REASON_ANNOTATION, "").strip()
+    return reason if reason.startswith(REASON_PREFIX) else f"{REASON_PREFIX} {reason}".rstrip()
+
+
+def _active(pod: Mapping[str, Any]) -> bool:
+    """Not finished and not already being deleted: the pods a requeue would still affect."""
+    metadata = pod.get("metadata") or {}
+    return (pod.get("status") or {}).get("phase") not in TERMINAL_PHASES and not metadata.get(
+        "deletionTimestamp")
+
+
+def _owning_job(pod: Mapping[str, Any]) -> str | None:
+    for ref in (pod.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller") is True and ref.get("kind") == "Job" and str(
+                ref.get("apiVersion", "")).startswith("batch/"):
+            return str(ref.get("name"))
+    return None
+
+
+def _job_id(pod: Mapping[str, Any]) -> str:
+    """A Job's pods are restarted together; any other pod is evicted for its controller to replace."""
+    metadata = pod["metadata"]
+    job = _owning_job(pod)
+    return f"{metadata['namespace']}/job/{job}" if job else f"{metadata['namespace']}/{metadata['name']}"
