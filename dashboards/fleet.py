@@ -1,0 +1,136 @@
+"""Fleet overview: where the fleet stands now and which GPUs and nodes to look at first."""
+
+from __future__ import annotations
+
+from gpuhealth.dashboards.build import new_dashboard
+from gpuhealth.dashboards.panels import (
+    CLUSTER,
+    NODE,
+    bargauge_panel,
+    query,
+    row,
+    selector,
+    stat_panel,
+    state_timeline_panel,
+    table_panel,
+    thresholds,
+    timeseries_panel,
+)
+from gpuhealth.dashboards.settings import Settings
+from grafana_foundation_sdk.builders import dashboard
+
+UID = "gpuhealth-fleet"
+SCOPE = selector(CLUSTER, NODE)
+RISK = f"gpuhealth:gpu_failure_risk:score{SCOPE}"
+
+
+def risk_steps(settings: Settings):
+    return thresholds((None, "green"), (settings.risk_warning, "orange"), (settings.risk_critical, "red"))
+
+
+def gpu_evidence(scope: str) -> str:
+    """Every per-GPU evidence recording rule, its signal name moved into a ``signal`` label."""
+    return (f'label_replace({{__name__=~"gpuhealth:gpu_evidence:.+", {scope[1:-1]}}}, '
+            f'"signal", "$1", "__name__", "gpuhealth:gpu_evidence:(.+)")')
+
+
+def _inventory(settings: Settings) -> list:
+    missing = f"sum(gpuhealth_gpus_expected{SCOPE}) - sum(gpuhealth_gpus_visible{SCOPE})"
+    return [
+        stat_panel("GPUs visible", "GPUs NVML enumerates now, over the selected nodes.",
+                   [query(f"sum(gpuhealth_gpus_visible{SCOPE})", "visible", instant=True)]),
+        stat_panel("GPUs missing", "Expected minus visible: a GPU that fell off the bus disappears here.",
+                   [query(missing, "missing", instant=True)],
+                   steps=thresholds((None, "green"), (1, "red"))),
+        stat_panel("GPUs at risk", f"GPUs whose failure risk is at least {settings.risk_warning}.",
+                   [query(f"count({RISK} >= {settings.risk_warning}) or vector(0)", "at risk", instant=True)],
+                   steps=thresholds((None, "green"), (1, "orange"))),
+        stat_panel("Nodes drained", "Nodes the remediation webhook holds drained now.",
+                   [query("sum(gpuhealth_webhook_nodes_drained)", "drained", instant=True)],
+                   steps=thresholds((None, "green"), (1, "orange"))),
+        timeseries_panel(
+            "GPUs visible vs expected",
+            "A gap between the lines is a GPU lost from NVML (fallen off the bus, driver failure).",
+            [query(f"sum(gpuhealth_gpus_expected{SCOPE})", "expected"),
+             query(f"sum(gpuhealth_gpus_visible{SCOPE})", "visible")],
+            w=8, h=8, min_val=0),
+        timeseries_panel(
+            "Nodes missing GPUs", "Per node, expected minus visible GPUs; zero while every GPU answers.",
+            [query(f"gpuhealth_gpus_expected{SCOPE} - gpuhealth_gpus_visible{SCOPE}", "{{node}}")],
+            w=16, h=8, min_val=0, unit="short"),
+    ]
+
+
+def _risk(settings: Settings) -> list:
+    top = f"topk({settings.top_gpus}, {RISK})"
+    signals = (f"topk by (node, gpu) ({settings.top_signals}, {gpu_evidence(SCOPE)} > 0) "
+               f"and on (node, gpu) {top}")
+    return [
+        state_timeline_panel(
+            "Failure risk by node and GPU",
+            "Fused failure risk (0..1) of every GPU over time, one row per GPU; colours follow the alert "
+            "thresholds.",
+            [query(f"max by (node, gpu) ({RISK})", "{{node}} gpu {{gpu}}")],
+            w=24, h=12, unit="percentunit", steps=risk_steps(settings)),
+        bargauge_panel(
+            "Riskiest GPUs", f"The {settings.top_gpus} GPUs with the highest failure risk now.",
+            [query(f"sort_desc({top})", "{{node}} gpu {{gpu}}", instant=True)],
+            w=10, h=10, unit="percentunit", steps=risk_steps(settings)),
+        table_panel(
+            "Top signals of the riskiest GPUs",
+            f"For each of the {settings.top_gpus} riskiest GPUs, its {settings.top_signals} strongest "
+            "evidence signals (each 0..1).",
+            [query(signals, instant=True, table_format=True)],
+            w=14, h=10, hide=("__name__",), rename={"Value": "evidence"}, sort_by="evidence"),
+    ]
+
+
+def _events(settings: Settings) -> list:
+    scope = SCOPE[1:-1]
+    classes = [
+        query(f'sum(increase(gpuhealth_xid_events_total{{{scope}, xid=~"{"|".join(map(str, c.xids))}"}}'
+              f"[$__rate_interval]))", c.name)
+        for c in settings.xid_classes
+    ]
+    nfs = selector(CLUSTER, NODE, f'op="{settings.nfs_op}"')
+    lemons = (f"topk({settings.lemon_nodes}, sum by (node) "
+              f"(increase(gpuhealth_xid_events_total{SCOPE}[$__range])))")
+    return [
+        timeseries_panel(
+            "XID events by action class",
+            "XIDs grouped by the response the XID catalog calls for; 'watch' needs no action alone.",
+            classes, w=12, h=8, bars=True, stacked=True, unit="short", min_val=0),
+        bargauge_panel(
+            "Lemon nodes",
+            "Nodes with the most XID events over the time range: a few nodes cause most exclusions, "
+            "so repeat offenders are candidates for repair rather than another retry.",
+            [query(f"sort_desc({lemons})", "{{node}}", instant=True)],
+            w=12, h=8, unit="short", steps=thresholds((None, "green"), (1, "orange"), (10, "red"))),
+        timeseries_panel(
+            "Remediation actions",
+            "Actions the webhook took, by action and outcome; the drained line counts nodes held drained.",
+            [query("sum by (action, outcome) (increase(gpuhealth_webhook_actions_total[$__rate_interval]))",
+                   "{{action}} {{outcome}}"),
+             query("sum(gpuhealth_webhook_nodes_drained)", "nodes drained")],
+            w=12, h=8, unit="short", min_val=0),
+        timeseries_panel(
+            f"NFS {settings.nfs_op} queueing share",
+            f"Share of NFS {settings.nfs_op} time spent queued on the client (RPC slot table) rather than on "
+            "the wire; checkpoint bursts push it towards 1.",
+            [query(f"sum by (node) (rate(gpuhealth_nfs_rpc_queue_seconds_total{nfs}[$__rate_interval])) "
+                   f"/ sum by (node) (rate(gpuhealth_nfs_rpc_execute_seconds_total{nfs}[$__rate_interval]))",
+                   "{{node}}")],
+            w=12, h=8, unit="percentunit", min_val=0),
+    ]
+
+
+def build(settings: Settings) -> dashboard.Dashboard:
+    dash = new_dashboard(UID, "gpuhealth / Fleet overview",
+                         "GPU inventory, failure risk, XID events, remediation and checkpoint storage "
+                         "across the fleet.", settings, node="multi")
+    for title, panels in (("Inventory", _inventory(settings)), ("Failure risk", _risk(settings)),
+                          ("Events and remediation", _events(settings))):
+        dash = dash.with_row(row(title))
+        for panel in panels:
+            dash = dash.with_panel(panel)
+    return dash
