@@ -63,6 +63,7 @@ class KubernetesBackend:
     name = "kubernetes"
 
     def __init__(self, connection: Connection, settings: Settings | None = None) -> None:
+        self.connection = connection
         self.settings = settings or Settings()
         self._client = KubeClient(connection, self.settings.request_timeout_seconds)
 

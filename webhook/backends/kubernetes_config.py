@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import yaml
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -42,7 +41,8 @@ class Connection:
         if token:
             return {"Authorization": f"Bearer {token}"}
         if self.basic_auth is not None:
-            return {"Authorization": aiohttp.BasicAuth(*self.basic_auth).encode()}
+            pair = ":".join(self.basic_auth).encode()
+            return {"Authorization": f"Basic {base64.b64encode(pair).decode()}"}
         return {}
 
 
