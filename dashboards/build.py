@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from gpuhealth.dashboards.panels import CLUSTER, DATASOURCE, NODE, selector
+from gpuhealth.dashboards.queries import panels
 from gpuhealth.dashboards.settings import Settings
 from grafana_foundation_sdk.builders import dashboard
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
@@ -56,20 +57,11 @@ def new_dashboard(uid: str, title: str, description: str, settings: Settings, *,
     return dash
 
 
-def _panels(model: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every panel, rows' nested panels included, in layout order."""
-    out = []
-    for panel in model.get("panels", []):
-        out.append(panel)
-        out.extend(panel.get("panels", []))
-    return out
-
-
 def finalise(dash: dashboard.Dashboard) -> dict[str, Any]:
     """The builder's dashboard as Grafana's "export for sharing externally" JSON."""
     model = json.loads(JSONEncoder().encode(dash.build()))
     panel_types = set()
-    for panel_id, panel in enumerate(_panels(model), start=1):
+    for panel_id, panel in enumerate(panels(model), start=1):
         panel["id"] = panel_id
         if panel["type"] != "row":
             panel_types.add(panel["type"])

@@ -63,8 +63,8 @@ def _inventory(settings: Settings) -> list:
 
 def _risk(settings: Settings) -> list:
     top = f"topk({settings.top_gpus}, {RISK})"
-    signals = (f"topk by (node, gpu) ({settings.top_signals}, {gpu_evidence(SCOPE)} > 0) "
-               f"and on (node, gpu) {top}")
+    contributions = f"gpuhealth:gpu_failure_risk:contribution{SCOPE}"
+    signals = f"topk by (node, gpu) ({settings.top_signals}, {contributions}) and on (node, gpu) {top}"
     return [
         state_timeline_panel(
             "Failure risk by node and GPU",
@@ -78,10 +78,10 @@ def _risk(settings: Settings) -> list:
             w=10, h=10, unit="percentunit", steps=risk_steps(settings)),
         table_panel(
             "Top signals of the riskiest GPUs",
-            f"For each of the {settings.top_gpus} riskiest GPUs, its {settings.top_signals} strongest "
-            "evidence signals (each 0..1).",
+            f"For each of the {settings.top_gpus} riskiest GPUs, the {settings.top_signals} signals that "
+            "add most to its risk (weight x evidence; the risk is their sum, capped at 1).",
             [query(signals, instant=True, table_format=True)],
-            w=14, h=10, hide=("__name__",), rename={"Value": "evidence"}, sort_by="evidence"),
+            w=14, h=10, hide=("__name__",), rename={"Value": "contribution"}, sort_by="contribution"),
     ]
 
 
