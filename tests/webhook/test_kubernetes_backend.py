@@ -260,7 +260,7 @@ async def test_api_errors_say_whether_a_retry_can_help(kube, tmp_path):
         await backend.jobs_on_node("gpu01")
     assert exc.value.retryable
     kube.delay_s = 0.5
-    with pytest.raises(BackendError, match=r"no answer within 0\.3s") as exc:
+    with pytest.raises(BackendError, match=r"no answer within 0\.2s") as exc:
         await backend.fleet_size()
     assert exc.value.retryable
     kube.delay_s = 0.0
