@@ -92,13 +92,17 @@ def _events(settings: Settings) -> list:
               f"[$__rate_interval]))", c.name)
         for c in settings.xid_classes
     ]
+    classified = "|".join(str(x) for c in settings.xid_classes for x in c.xids)
+    classes.append(query(f'sum(increase(gpuhealth_xid_events_total{{{scope}, xid!~"{classified}"}}'
+                         "[$__rate_interval]))", "informational"))
     nfs = selector(CLUSTER, NODE, f'op="{settings.nfs_op}"')
     lemons = (f"topk({settings.lemon_nodes}, sum by (node) "
               f"(increase(gpuhealth_xid_events_total{SCOPE}[$__range])))")
     return [
         timeseries_panel(
             "XID events by action class",
-            "XIDs grouped by the response the XID catalog calls for; 'watch' needs no action alone.",
+            "XIDs grouped by the action their alert asks of the webhook (the rules' XID classes); "
+            "informational XIDs raise no alert.",
             classes, w=12, h=8, bars=True, stacked=True, unit="short", min_val=0),
         bargauge_panel(
             "Lemon nodes",

@@ -110,3 +110,32 @@ def run(api: PrometheusAPI, query: PanelQuery, variables: dict[str, str], window
     if query.instant:
         return api.query(expr, time=window.end)
     return api.query_range(expr, window.start, window.end, window.step)
+
+
+def riskiest_gpu(api: PrometheusAPI, window: Window) -> tuple[str, str]:
+    """The (node, gpu) a user would drill into: the highest failure risk over the window.
+
+    Falls back to the first GPU the inventory lists when no risk has been recorded.
+    """
+    span = _duration(window.end - window.start)
+    for expr in (f"topk(1, max_over_time(gpuhealth:gpu_failure_risk:score[{span}]))",
+                 f"topk(1, last_over_time(gpuhealth_gpu_up[{span}]))"):
+        result = api.query(expr, time=window.end)
+        if result:
+            labels = result[0]["metric"]
+            return labels["node"], labels["gpu"]
+    raise LookupError("no GPU in Prometheus over the window: nothing to drill into")
+
+
+def variable_values(model: dict[str, Any], node: str, gpu: str) -> dict[str, str]:
+    """What a user would pick: "All" for multi-value pickers, the given node and GPU otherwise."""
+    values = {}
+    for variable in model["templating"]["list"]:
+        name = variable["name"]
+        if variable["type"] != "query":
+            continue
+        if variable.get("includeAll"):
+            values[name] = variable["allValue"]
+        else:
+            values[name] = {"node": node, "gpu": gpu}[name]
+    return values

@@ -28,7 +28,7 @@ class PeerFeature:
 
 @dataclass(frozen=True)
 class XidClass:
-    """A group of XIDs that call for the same response (DOMAIN.md's XID catalog)."""
+    """XIDs that call for the same response; any XID in no class is drawn as informational."""
 
     name: str
     xids: tuple[int, ...]
@@ -65,20 +65,18 @@ def _default_features() -> tuple[PeerFeature, ...]:
 
 
 def _default_xid_classes() -> tuple[XidClass, ...]:
+    # The classes of rules/catalogue.yaml, named by the alert `action` they lead to.
     return (
-        XidClass("restart job", (13, 31, 32, 94)),
-        XidClass("reset GPU", (48, 61, 62, 95, 109, 119, 120, 140, 143)),
-        XidClass("NVLink", (74, 144, 145, 146, 147, 148, 149, 150)),
-        XidClass("reboot node", (79,)),
-        XidClass("replace", (64,)),
-        XidClass("watch", (43, 45, 63, 92, 154)),
+        XidClass("restart_job", (13, 31, 32, 94)),
+        XidClass("drain_reset_gpu", (48, 61, 62, 64, 74, 95, 109, 119, 120, 140, 143)),
+        XidClass("drain_reboot", (79,)),
     )
 
 
 @dataclass(frozen=True)
 class Settings:
-    # Grafana colours risk above these; keep them in step with the rules' alert thresholds.
-    risk_warning: float = 0.5
+    # Grafana colours risk above these; keep the warning in step with the rules' `fusion.threshold`.
+    risk_warning: float = 0.6
     risk_critical: float = 0.8
     # Peer band of the drill-down: widen it on fleets with mixed load, narrow it on uniform jobs.
     peer_band: tuple[float, float] = (0.1, 0.9)
