@@ -59,6 +59,7 @@ class FakeKube:
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.pdb_blocks: dict[tuple[str, str], float] = {}  # 429s left per pod; float("inf") forever
         self.forbidden: set[tuple[str, str]] = set()  # (verb, resource) the caller's role lacks
+        self.used: set[tuple[str, str]] = set()  # (verb, resource) the caller needed, for RBAC checks
         self.fail_next: list[int] = []  # answer the next requests with these codes (5xx, 429)
         self.delay_s = 0.0
         self.requests: list[tuple[str, str, str]] = []  # (method, path with query, content type)
@@ -166,14 +167,14 @@ class FakeKube:
         raise StatusError(401, "Unauthorized", "Unauthorized")
 
     def _authorize(self, verb: str, resource: str, name: str = "", namespace: str = "") -> None:
+        self.used.add((verb, resource))
         if (verb, resource) not in self.forbidden:
             return
         target = f'{resource} "{name}"' if name else resource
         scope = f'in the namespace "{namespace}"' if namespace else "at the cluster scope"
-        group = '"policy"' if resource == "pods/eviction" else '""'
         user = "system:serviceaccount:gpuhealth:gpuhealth-webhook"
         raise StatusError(403, "Forbidden", f'{target} is forbidden: User "{user}" cannot {verb} resource '
-                          f'"{resource}" in API group {group} {scope}')
+                          f'"{resource}" in API group "" {scope}')
 
     # ---- nodes -----------------------------------------------------------------------------------
 

@@ -328,3 +328,29 @@ async def test_in_cluster_service_account_with_a_rotating_token(pki, tmp_path, m
         assert (await backend.node_state("gpu01")).exists
     finally:
         await kube.close()
+
+
+def _documented_cluster_role() -> set[tuple[str, str]]:
+    text = (Path(__file__).parents[2] / "webhook" / "KUBERNETES.md").read_text()
+    for block in text.split("```yaml")[1:]:
+        for doc in yaml.safe_load_all(block.split("```")[0]):
+            if doc and doc.get("kind") == "ClusterRole":
+                return {(verb, resource) for rule in doc["rules"] if rule["apiGroups"] == [""]
+                        for resource in rule["resources"] for verb in rule["verbs"]}
+    raise AssertionError("no ClusterRole in webhook/KUBERNETES.md")
+
+
+async def test_the_documented_cluster_role_is_exactly_what_the_backend_uses(kube, tmp_path):
+    for name in ("gpu01", "gpu02"):
+        kube.add_node(name)
+    kube.add_pod("ml", "train-0", "gpu01", gpus=8, job="train")
+    kube.add_pod("ml", "notebook", "gpu01", gpus=1)
+    backend = _backend(kube, tmp_path)
+    await backend.fleet_size()
+    await backend.drain("gpu01", REASON)
+    for job in await backend.jobs_on_node("gpu01"):
+        await backend.requeue(job, ["gpu01"])
+    await backend.reset_gpu("gpu01", "0", REASON)
+    await backend.reboot("gpu01", REASON)
+    await backend.resume("gpu01")
+    assert kube.used == _documented_cluster_role()
