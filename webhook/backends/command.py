@@ -1,0 +1,237 @@
+"""Command backend: each operation runs a configured program, for clusters no built-in backend knows.
+
+A command is an argv template, never a shell line: ``{node}``-style placeholders are filled in per
+argument, so an alert's text can never become shell syntax. The same fields are in the environment
+(``GPUHEALTH_NODE``, ``GPUHEALTH_GPU``, ``GPUHEALTH_REASON``, ``GPUHEALTH_ALERTNAME``,
+``GPUHEALTH_JOB_ID``, ``GPUHEALTH_EXCLUDE_NODES``, ``GPUHEALTH_OPERATION``). A non-zero exit or a
+timeout is a ``BackendError`` carrying the tail of the program's stderr; the whole process group is
+killed on timeout, so a hung helper cannot leave children behind.
+
+Read-only operations have safe defaults when no command is set: ``node_state`` reports the node as
+existing and not drained (so drains by others cannot be seen: configure it if that matters),
+``jobs_on_node`` reports no jobs, ``fleet_size`` comes from the ``fleet_size`` number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import string
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuhealth.webhook.backends.base import BackendError, NodeState
+
+log = logging.getLogger(__name__)
+
+STDERR_TAIL_CHARS = 2000
+REASON_ALERTNAME = re.compile(r"^gpuhealth: (?P<alertname>[^:]+):")
+
+# The placeholders each operation may use; the environment carries the same fields.
+FIELDS: dict[str, frozenset[str]] = {
+    "node_state": frozenset({"node"}),
+    "fleet_size": frozenset(),
+    "drain": frozenset({"node", "reason", "alertname"}),
+    "resume": frozenset({"node"}),
+    "jobs_on_node": frozenset({"node"}),
+    "requeue": frozenset({"job_id", "exclude_nodes"}),
+    "reset_gpu": frozenset({"node", "gpu", "reason", "alertname"}),
+    "reboot": frozenset({"node", "reason", "alertname"}),
+}
+_KEYS = {"commands", "timeout_seconds", "fleet_size", "env", "cwd", "permanent_exit_codes"}
+
+
+def _tail(data: bytes) -> str:
+    text = data.decode(errors="replace").strip()
+    return text[-STDERR_TAIL_CHARS:]
+
+
+async def run_argv(argv: Sequence[str], *, env: Mapping[str, str] | None, timeout: float,
+                   cwd: str | None = None, permanent_exit_codes: frozenset[int] = frozenset()) -> str:
+    """Run ``argv`` with no shell and return its stdout; ``BackendError`` on failure or timeout.
+
+    Missing programs and ``permanent_exit_codes`` are not retryable; other failures and timeouts are.
+    """
+    what = " ".join(argv)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=dict(env) if env is not None else None, cwd=cwd,
+            start_new_session=True)
+    except OSError as exc:
+        raise BackendError(f"{what}: cannot run {argv[0]!r}: {exc.strerror}", retryable=False) from None
+    try:
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout)
+    except (TimeoutError, asyncio.CancelledError) as exc:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        raise BackendError(f"{what}: timed out after {timeout:g}s") from None
+    if proc.returncode != 0:
+        detail = _tail(stderr) or _tail(stdout) or "no output"
+        raise BackendError(f"{what}: exit {proc.returncode}: {detail}",
+                           retryable=proc.returncode not in permanent_exit_codes)
+    return stdout.decode(errors="replace")
+
+
+def template_errors(name: str, template: Any, allowed: frozenset[str]) -> list[str]:
+    """Every problem with one argv template: its type and any placeholder ``allowed`` does not hold."""
+    if not isinstance(template, list) or not template or not all(isinstance(a, str) for a in template):
+        return [f"{name}: a non-empty list of strings (argv, no shell)"]
+    errors = []
+    for arg in template:
+        try:
+            names = {f for _, f, _, _ in string.Formatter().parse(arg) if f is not None}
+        except ValueError as exc:
+            errors.append(f"{name}: bad placeholder in {arg!r}: {exc}")
+            continue
+        unknown = sorted(names - allowed)
+        if unknown:
+            known = ", ".join("{" + a + "}" for a in sorted(allowed)) or "none"
+            errors.append(f"{name}: unknown placeholder(s) {', '.join('{' + u + '}' for u in unknown)} "
+                          f"in {arg!r}; allowed: {known}")
+    return errors
+
+
+def fill(template: Sequence[str], fields: Mapping[str, str]) -> list[str]:
+    """Substitute placeholders argument by argument; values are inserted verbatim, never re-parsed."""
+    return [arg.format_map(fields) for arg in template]
+
+
+def environment(operation: str, fields: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    env = {**os.environ, **extra, "GPUHEALTH_OPERATION": operation}
+    env.update({f"GPUHEALTH_{key.upper()}": value for key, value in fields.items()})
+    return env
+
+
+def alert_fields(node: str, reason: str, gpu: str | None = None) -> dict[str, str]:
+    """The fields of an alert-driven operation; the alert name is read back from our reason format."""
+    match = REASON_ALERTNAME.match(reason)
+    fields = {"node": node, "reason": reason, "alertname": match["alertname"] if match else ""}
+    if gpu is not None:
+        fields["gpu"] = gpu
+    return fields
+
+
+@dataclass(frozen=True)
+class CommandSettings:
+    commands: dict[str, list[str]]
+    timeout_seconds: float = 60.0
+    fleet_size: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    permanent_exit_codes: frozenset[int] = frozenset()
+
+
+def _settings(section: Mapping[str, Any]) -> CommandSettings:
+    errors = [f"backend.{key}: unknown key" for key in sorted(set(section) - _KEYS)]
+    commands = section.get("commands") or {}
+    if not isinstance(commands, dict):
+        errors.append("backend.commands: a mapping of operation to argv list")
+        commands = {}
+    for op in sorted(set(commands) - set(FIELDS)):
+        errors.append(f"backend.commands.{op}: unknown operation; known: {', '.join(FIELDS)}")
+    for op, template in commands.items():
+        if op in FIELDS:
+            errors.extend(template_errors(f"backend.commands.{op}", template, FIELDS[op]))
+    timeout = section.get("timeout_seconds", 60.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+        errors.append("backend.timeout_seconds: a number > 0")
+    fleet = section.get("fleet_size")
+    if fleet is not None and (isinstance(fleet, bool) or not isinstance(fleet, int) or fleet < 1):
+        errors.append("backend.fleet_size: an integer >= 1")
+    if fleet is None and "fleet_size" not in commands:
+        errors.append("backend: set fleet_size (the node count) or commands.fleet_size; the circuit "
+                      "breaker needs the fleet size")
+    env = section.get("env") or {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                            for k, v in env.items()):
+        errors.append("backend.env: a mapping of variable name to string")
+    cwd = section.get("cwd")
+    if cwd is not None and not isinstance(cwd, str):
+        errors.append("backend.cwd: a directory path")
+    codes = section.get("permanent_exit_codes") or []
+    if not isinstance(codes, list) or not all(isinstance(c, int) and not isinstance(c, bool) for c in codes):
+        errors.append("backend.permanent_exit_codes: a list of exit codes that must not be retried")
+    if errors:
+        raise ValueError("command backend:\n  " + "\n  ".join(errors))
+    return CommandSettings({op: list(argv) for op, argv in commands.items()}, float(timeout), fleet,
+                           dict(env), cwd, frozenset(codes))
+
+
+class CommandBackend:
+    """Runs one configured program per operation; an operation with no command fails clearly."""
+
+    name = "command"
+
+    def __init__(self, settings: CommandSettings) -> None:
+        self.settings = settings
+        if "node_state" not in settings.commands:
+            log.warning("command backend has no node_state command: drains set by others cannot be seen")
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any]) -> CommandBackend:
+        """Build from the ``backend:`` section; raises ``ValueError`` listing every problem."""
+        return cls(_settings(section))
+
+    async def _run(self, operation: str, fields: Mapping[str, str]) -> str:
+        template = self.settings.commands.get(operation)
+        if template is None:
+            raise BackendError(f"command backend: no '{operation}' command configured "
+                               f"(backend.commands.{operation})", retryable=False)
+        argv = fill(template, fields)
+        log.info("command operation=%s argv=%s", operation, json.dumps(argv))
+        return await run_argv(argv, env=environment(operation, fields, self.settings.env),
+                              timeout=self.settings.timeout_seconds, cwd=self.settings.cwd,
+                              permanent_exit_codes=self.settings.permanent_exit_codes)
+
+    async def node_state(self, node: str) -> NodeState:
+        if "node_state" not in self.settings.commands:
+            return NodeState(node, exists=True, drained=False)
+        out = await self._run("node_state", {"node": node})
+        try:
+            data = json.loads(out)
+            return NodeState(node, exists=bool(data.get("exists", True)), drained=bool(data["drained"]),
+                             reason=str(data.get("reason") or ""))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise BackendError(f"node_state command must print JSON like "
+                               f'{{"exists": true, "drained": false, "reason": ""}}; got {out[:200]!r}',
+                               retryable=False) from None
+
+    async def fleet_size(self) -> int:
+        if "fleet_size" not in self.settings.commands:
+            return self.settings.fleet_size or 0
+        out = await self._run("fleet_size", {})
+        try:
+            return int(out.strip())
+        except ValueError:
+            raise BackendError(f"fleet_size command must print an integer; got {out[:200]!r}",
+                               retryable=False) from None
+
+    async def drain(self, node: str, reason: str) -> None:
+        await self._run("drain", alert_fields(node, reason))
+
+    async def resume(self, node: str) -> None:
+        await self._run("resume", {"node": node})
+
+    async def jobs_on_node(self, node: str) -> list[str]:
+        if "jobs_on_node" not in self.settings.commands:
+            return []
+        return (await self._run("jobs_on_node", {"node": node})).split()
+
+    async def requeue(self, job_id: str, exclude_nodes: list[str]) -> None:
+        await self._run("requeue", {"job_id": job_id, "exclude_nodes": ",".join(exclude_nodes)})
+
+    async def reset_gpu(self, node: str, gpu: str | None, reason: str) -> None:
+        await self._run("reset_gpu", alert_fields(node, reason, gpu or ""))
+
+    async def reboot(self, node: str, reason: str) -> None:
+        await self._run("reboot", alert_fields(node, reason))
