@@ -1,0 +1,354 @@
+"""A real Slurm cluster on loopback: munged, slurmctld and one slurmd per node, all on this host.
+
+The webhook's Slurm backend, the closed-loop demo and the end-to-end tests act on real Slurm daemons
+rather than on a model of them, so drain reasons, requeue rules and reboot requests behave exactly as
+Slurm 22.05 makes them behave. Every daemon binds 127.0.0.1 on a port chosen free at start; the munge
+key, sockets, state and spool directories live in temporary folders removed by ``stop()``.
+
+Node reboots are simulated: Slurm's ``RebootProgram`` only records the request, and
+``complete_reboot(node)`` restarts that node's slurmd as a freshly booted one (``slurmd -b``), so that
+``nextstate=RESUME`` returns it to service as after a real reboot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuhealth.local.process import ManagedProcess, ProcessError, free_port, wait_until
+
+log = logging.getLogger(__name__)
+
+SBIN_PATH = "/usr/sbin:/usr/bin"
+TOOLS = ("scontrol", "squeue", "sbatch", "sinfo", "scancel")
+_STATE = re.compile(r"(?:^|\s)State=(\S+)")
+_REASON = re.compile(r"\sReason=(.*)$")
+_JOB_FIELDS = re.compile(r"(?:^|\s)(JobState|NodeList|ExcNodeList|Reason|Restarts)=(\S*)")
+
+
+class SlurmError(RuntimeError):
+    """A Slurm client command failed; the message carries its stderr."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A node as ``scontrol show node`` prints it: ``state`` with its flags (``IDLE+DRAIN``), raw reason."""
+
+    name: str
+    state: str
+    reason: str
+
+    @property
+    def flags(self) -> set[str]:
+        return set(self.state.split("+"))
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A job as ``scontrol show job`` prints it, node lists expanded to names."""
+
+    job_id: str
+    state: str
+    nodes: list[str]
+    excluded: list[str]
+    reason: str
+    restarts: int
+
+
+def _binary(name: str) -> str:
+    path = shutil.which(name, path=f"{os.environ.get('PATH', '')}:{SBIN_PATH}")
+    if path is None:
+        raise ProcessError(f"{name} not found; install the Debian packages "
+                           "'slurmctld slurmd slurm-client munge'")
+    return path
+
+
+class SlurmCluster:
+    """``nodes`` slurmd named ``<prefix>01``.. in one partition, a controller and a private munged."""
+
+    def __init__(self, workdir: Path | None = None, nodes: int = 4, prefix: str = "gpu",
+                 partition: str = "gpu", cpus_per_node: int = 1) -> None:
+        if nodes < 1:
+            raise ValueError("a Slurm cluster needs at least one node")
+        if not re.fullmatch(r"[a-z][a-z0-9-]*", prefix):
+            raise ValueError(f"node name prefix {prefix!r} must be a hostname label (a-z, 0-9, '-')")
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="gpuhealth-slurm-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        width = max(2, len(str(nodes)))
+        self.node_names = [f"{prefix}{i:0{width}d}" for i in range(1, nodes + 1)]
+        self.partition = partition
+        self.cpus_per_node = cpus_per_node
+        self.conf_path = self.workdir / "slurm.conf"
+        self.reboot_log = self.workdir / "reboots.log"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf_path)}
+        self._munge_dir: Path | None = None
+        self._munged: ManagedProcess | None = None
+        self._slurmctld: ManagedProcess | None = None
+        self._slurmd: dict[str, ManagedProcess] = {}
+        self._ports: dict[str, int] = {}
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def start(self, timeout: float = 60.0) -> SlurmCluster:
+        """Start every daemon and wait until all nodes are IDLE; on failure nothing is left running."""
+        if os.geteuid() != 0:
+            raise ProcessError("a local Slurm cluster must be started as root: slurmd runs jobs as their "
+                               "submitting user and slurmctld/slurmd run as SlurmUser=root here")
+        binaries = {name: _binary(name) for name in ("munged", "slurmctld", "slurmd", *TOOLS)}
+        try:
+            self._start_munged(binaries["munged"])
+            self._write_config()
+            self._slurmctld = ManagedProcess(
+                "slurmctld", [binaries["slurmctld"], "-D", "-f", self.conf_path],
+                self.workdir / "slurmctld.out", env=self.env).start()
+            self._slurmctld.wait_ready(self._controller_answers, timeout)
+            for node in self.node_names:
+                self._start_slurmd(node)
+            self._slurmctld.wait_ready(lambda: self._all_idle(self.node_names), timeout)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("slurm cluster ready conf=%s nodes=%s", self.conf_path, ",".join(self.node_names))
+        return self
+
+    def _start_munged(self, munged: str) -> None:
+        # munged insists that its socket directory be world-searchable and its key private, which the
+        # 0700 temporary folders of pytest are not; a short /tmp path also keeps the socket under 108 bytes.
+        self._munge_dir = Path(tempfile.mkdtemp(prefix="gpuhealth-munge-"))
+        self._munge_dir.chmod(0o755)
+        key_dir = self._munge_dir / "key"
+        key_dir.mkdir(mode=0o700)
+        key = key_dir / "munge.key"
+        key.write_bytes(secrets.token_bytes(1024))
+        key.chmod(stat.S_IRUSR)
+        self._munged = ManagedProcess("munged", [
+            munged, "-F", f"--socket={self.munge_socket}", f"--key-file={key}",
+            f"--pid-file={self._munge_dir / 'munged.pid'}", f"--seed-file={key_dir / 'seed'}",
+            f"--log-file={self.workdir / 'munged.log'}",
+        ], self.workdir / "munged.out").start()
+        self._munged.wait_ready(self.munge_socket.exists, timeout=10)
+
+    def _start_slurmd(self, node: str, rebooted: bool = False) -> None:
+        (self.workdir / "spool" / node).mkdir(parents=True, exist_ok=True)
+        argv = [_binary("slurmd"), "-D", *(["-b"] if rebooted else []), "-N", node, "-f", self.conf_path]
+        self._slurmd[node] = ManagedProcess(f"slurmd-{node}", argv, self.workdir / f"slurmd.{node}.out",
+                                            env=self.env).start()
+
+    def stop(self) -> None:
+        """Cancel every job, then stop the node daemons, the controller and munged. Safe to call twice."""
+        if self._slurmctld is not None and self._slurmctld.running:
+            with contextlib.suppress(SlurmError, subprocess.TimeoutExpired):
+                self.run("scancel", f"--partition={self.partition}", timeout=10)
+                wait_until(lambda: not self.run("squeue", "-h", "-o", "%i", timeout=10).strip(), 15,
+                           interval=0.3, what="jobs to end")
+        for daemon in self._slurmd.values():
+            daemon.stop()
+        self._kill_job_leftovers()
+        for daemon in (self._slurmctld, self._munged):
+            if daemon is not None:
+                daemon.stop()
+        if self._munge_dir is not None:
+            shutil.rmtree(self._munge_dir, ignore_errors=True)
+            self._munge_dir = None
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _kill_job_leftovers(self) -> None:
+        """Job steps (slurmstepd and the job's processes) run in their own sessions, outside the slurmd's
+        process group; the jobs we submit run in our workdir, so any process still there is ours."""
+        root = str(self.workdir.resolve())
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                cwd = os.readlink(proc / "cwd")
+            except OSError:
+                continue
+            if cwd == root or cwd.startswith(root + "/"):
+                log.warning("killing leftover job process pid=%s cwd=%s", proc.name, cwd)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(proc.name), signal.SIGKILL)
+
+    def __enter__(self) -> SlurmCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def munge_socket(self) -> Path:
+        if self._munge_dir is None:
+            raise RuntimeError("munged is not started")
+        return self._munge_dir / "munge.sock"
+
+    def _write_config(self) -> None:
+        self._ports = {"slurmctld": free_port(), **{node: free_port() for node in self.node_names}}
+        host = socket.gethostname().split(".")[0]
+        reboot = self.workdir / "reboot-program"
+        reboot.write_text(f'#!/bin/sh\necho "$(date +%s) reboot requested $*" >> {self.reboot_log}\n')
+        reboot.chmod(0o755)
+        lines = [
+            "# Generated by gpuhealth.local.slurm: a throwaway loopback cluster.",
+            "ClusterName=gpuhealth",
+            f"SlurmctldHost={host}(127.0.0.1)",
+            f"SlurmctldPort={self._ports['slurmctld']}",
+            "CommunicationParameters=NoInAddrAny,NoCtldInAddrAny",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={self.munge_socket}",
+            f"StateSaveLocation={self.workdir / 'state'}",
+            f"SlurmdSpoolDir={self.workdir / 'spool'}/%n",
+            f"SlurmctldPidFile={self.workdir / 'slurmctld.pid'}",
+            f"SlurmdPidFile={self.workdir / 'slurmd.%n.pid'}",
+            f"SlurmctldLogFile={self.workdir / 'slurmctld.log'}",
+            f"SlurmdLogFile={self.workdir / 'slurmd.%n.log'}",
+            f"RebootProgram={reboot}",
+            "ProctrackType=proctrack/pgid",
+            "TaskPlugin=task/none",
+            "SelectType=select/linear",
+            "SchedulerType=sched/backfill",
+            "MpiDefault=none",
+            "SwitchType=switch/none",
+            "JobCompType=jobcomp/none",
+            "AccountingStorageType=accounting_storage/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "SlurmdParameters=config_overrides",
+            "ReturnToService=2",
+            "JobRequeue=1",
+            "KillWait=2",
+            "MessageTimeout=5",
+            "SlurmdTimeout=30",
+            "ResumeTimeout=600",
+            *(f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={self._ports[node]} "
+              f"CPUs={self.cpus_per_node} RealMemory=1000 State=UNKNOWN" for node in self.node_names),
+            f"PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+        ]
+        (self.workdir / "state").mkdir(exist_ok=True)
+        self.conf_path.write_text("\n".join(lines) + "\n")
+
+    def _controller_answers(self) -> bool:
+        try:
+            return "UP" in self.run("scontrol", "ping", timeout=5)
+        except (SlurmError, subprocess.TimeoutExpired):
+            return False
+
+    def _all_idle(self, nodes: list[str]) -> bool:
+        try:
+            return all(self.node(n).state == "IDLE" for n in nodes)
+        except (SlurmError, subprocess.TimeoutExpired):
+            return False
+
+    # --- client commands -------------------------------------------------------------------------
+
+    def run(self, tool: str, *args: str, timeout: float = 30.0) -> str:
+        """Run a Slurm client against this cluster; its stdout, or ``SlurmError`` with its stderr."""
+        proc = subprocess.run([_binary(tool), *map(str, args)], env=self.env, capture_output=True,
+                              text=True, timeout=timeout, check=False)
+        if proc.returncode != 0:
+            raise SlurmError(f"{tool} {' '.join(map(str, args))}: exit {proc.returncode}: "
+                             f"{(proc.stderr or proc.stdout).strip()}")
+        return proc.stdout
+
+    def scontrol(self, *args: str) -> str:
+        return self.run("scontrol", *args)
+
+    def squeue(self, *args: str) -> str:
+        return self.run("squeue", *args)
+
+    def sbatch(self, *args: str) -> str:
+        """Submit a batch job from the cluster's folder (so ``stop`` can find its processes); its id."""
+        out = self.run("sbatch", "--parsable", f"--chdir={self.workdir}",
+                       f"--output={self.workdir / 'job-%j.out'}", *args)
+        return out.strip().split(";")[0]
+
+    def submit_training_job(self, nodes: int = 2, seconds: int = 600, name: str = "train") -> str:
+        """A requeueable multi-node job, started on ``nodes`` nodes; returns once it runs."""
+        job_id = self.sbatch("--requeue", f"--nodes={nodes}", f"--job-name={name}", "--wrap",
+                             f"sleep {seconds}")
+        self.wait_job(job_id, lambda job: job.state == "RUNNING", what=f"job {job_id} to run")
+        return job_id
+
+    def hostnames(self, hostlist: str) -> list[str]:
+        """Expand a Slurm hostlist (``gpu[01-02,04]``) the way Slurm does."""
+        if hostlist in ("", "(null)"):
+            return []
+        return self.scontrol("show", "hostnames", hostlist).split()
+
+    def node(self, name: str) -> NodeInfo:
+        line = self.scontrol("show", "node", name, "-o").strip()
+        state = _STATE.search(line)
+        reason = _REASON.search(line)
+        return NodeInfo(name, state[1] if state else "", reason[1] if reason else "")
+
+    def job(self, job_id: str) -> JobInfo:
+        fields = dict(_JOB_FIELDS.findall(self.scontrol("show", "job", job_id, "-o")))
+        return JobInfo(job_id, fields.get("JobState", ""), self.hostnames(fields.get("NodeList", "")),
+                       self.hostnames(fields.get("ExcNodeList", "")), fields.get("Reason", ""),
+                       int(fields.get("Restarts", "0")))
+
+    def jobs_on(self, node: str) -> list[str]:
+        return self.squeue("-h", "-w", node, "-o", "%i").split()
+
+    def wait_job(self, job_id: str, predicate, timeout: float = 30.0, what: str = "") -> JobInfo:
+        """Poll ``scontrol show job`` until ``predicate(JobInfo)``; the matching JobInfo."""
+        found: list[JobInfo] = []
+
+        def check() -> bool:
+            found[:] = [self.job(job_id)]
+            return predicate(found[0])
+        wait_until(check, timeout, interval=0.2, what=what or f"job {job_id}")
+        return found[0]
+
+    def wait_node(self, node: str, predicate, timeout: float = 30.0, what: str = "") -> NodeInfo:
+        found: list[NodeInfo] = []
+
+        def check() -> bool:
+            found[:] = [self.node(node)]
+            return predicate(found[0])
+        wait_until(check, timeout, interval=0.2, what=what or f"node {node}")
+        return found[0]
+
+    # --- simulation helpers ----------------------------------------------------------------------
+
+    def reboot_requests(self) -> list[str]:
+        """One line per reboot Slurm asked the RebootProgram to perform."""
+        try:
+            return self.reboot_log.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+
+    def complete_reboot(self, node: str, timeout: float = 30.0) -> None:
+        """Bring ``node`` back as if it had rebooted: its slurmd restarts and reports a fresh boot."""
+        self._slurmd[node].stop()
+        self._start_slurmd(node, rebooted=True)
+        self.wait_node(node, lambda info: "REBOOT_ISSUED" not in info.flags
+                       and "REBOOT_REQUESTED" not in info.flags, timeout, f"{node} to finish rebooting")
+
+    def reset(self, timeout: float = 30.0) -> None:
+        """Cancel every job and return every node to IDLE with no reason: a clean slate between tests."""
+        self.run("scancel", f"--partition={self.partition}")
+        wait_until(lambda: not self.squeue("-h", "-o", "%i").strip(), timeout, interval=0.2,
+                   what="jobs to end")
+        for node in self.node_names:
+            flags = self.node(node).flags
+            if "REBOOT_ISSUED" in flags:
+                self.complete_reboot(node, timeout)
+            elif "REBOOT_REQUESTED" in flags:
+                self.scontrol("cancel_reboot", node)
+            if {"DRAIN", "DOWN", "FAIL"} & self.node(node).flags:
+                self.scontrol("update", f"NodeName={node}", "State=RESUME")
+        wait_until(lambda: self._all_idle(self.node_names), timeout, interval=0.2, what="all nodes idle")
