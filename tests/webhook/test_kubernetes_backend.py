@@ -154,7 +154,7 @@ async def test_fleet_size_honours_the_selector_across_pages(kube, tmp_path):
     assert await _backend(kube, tmp_path).fleet_size() == 1100
 
 
-async def test_jobs_on_node_are_the_gpu_pods_with_jobs_collapsed(kube, tmp_path):
+async def test_jobs_on_node_are_the_movable_gpu_pods_with_jobs_collapsed(kube, tmp_path):
     kube.add_node("gpu01")
     kube.add_node("gpu02")
     kube.add_pod("ml", "train-0", "gpu01", gpus=8, job="train")
@@ -164,6 +164,9 @@ async def test_jobs_on_node_are_the_gpu_pods_with_jobs_collapsed(kube, tmp_path)
     kube.add_pod("ml", "cpu-only", "gpu01")
     kube.add_pod("ml", "finished", "gpu01", gpus=8, phase="Succeeded")
     kube.add_pod("ml", "elsewhere", "gpu02", gpus=8)
+    kube.add_pod("gpuhealth", "node-agent-x1", "gpu01", gpus=1, owner_kind="DaemonSet")
+    static = kube.add_pod("kube-system", "gpu-burn-gpu01", "gpu01", gpus=8)
+    static["metadata"]["annotations"] = {"kubernetes.io/config.mirror": "abc123"}
     jobs = await _backend(kube, tmp_path).jobs_on_node("gpu01")
     assert jobs == ["ml/job/train", "ml/notebook", "ml/serve-0"]
     assert ("GET", "/api/v1/pods?fieldSelector=spec.nodeName%3Dgpu01&limit=500", "") in kube.requests

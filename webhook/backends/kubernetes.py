@@ -154,7 +154,7 @@ class KubernetesBackend:
     async def jobs_on_node(self, node: str) -> list[str]:
         async with self._client.session() as api:
             pods = await api.list_all("/api/v1/pods", {"fieldSelector": f"spec.nodeName={node}"})
-        jobs = {_job_id(pod) for pod in pods if _active(pod) and self._uses_gpus(pod)}
+        jobs = {_job_id(pod) for pod in pods if _active(pod) and _movable(pod) and self._uses_gpus(pod)}
         return sorted(jobs)
 
     async def requeue(self, job_id: str, exclude_nodes: list[str]) -> None:
@@ -340,6 +340,19 @@ def _active(pod: Mapping[str, Any]) -> bool:
     metadata = pod.get("metadata") or {}
     return (pod.get("status") or {}).get("phase") not in TERMINAL_PHASES and not metadata.get(
         "deletionTimestamp")
+
+
+def _movable(pod: Mapping[str, Any]) -> bool:
+    """Not bound to this node by design, as ``kubectl drain`` sees it: no DaemonSet or static pods.
+
+    A DaemonSet pod (the node agent that carries out a GPU reset, say) belongs on its node, and a
+    static pod's API object is only a mirror that eviction cannot remove.
+    """
+    metadata = pod.get("metadata") or {}
+    if "kubernetes.io/config.mirror" in (metadata.get("annotations") or {}):
+        return False
+    return not any(ref.get("controller") is True and ref.get("kind") == "DaemonSet"
+                   for ref in metadata.get("ownerReferences") or [])
 
 
 def _owning_job(pod: Mapping[str, Any]) -> str | None:
