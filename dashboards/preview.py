@@ -244,14 +244,16 @@ class Previewer:
         left, bottom, width, height = rect
         unit = _defaults(panel).get("unit", "")
         bars = [(name, pts[-1][1]) for _, series in results for name, _, pts in series][:12]
+        names = [n for n, _ in bars]
+        values = [0.0 if math.isnan(v) else v for _, v in bars]
+        rows = range(len(bars))
         ax = fig.add_axes((left + width * 0.3, bottom, width * 0.55, height))
         self._style(ax)
         ax.grid(False)
-        names = [n for n, _ in bars][::-1]
-        values = [0.0 if math.isnan(v) else v for _, v in bars][::-1]
-        ax.barh(range(len(bars)), values, color=[_threshold_colour(panel, v) for v in values], height=0.7)
-        ax.barh(range(len(bars)), [max([*values, 1e-9])] * len(bars), color=GRIDLINE, height=0.7, zorder=0)
-        ax.set_yticks(range(len(bars)), names, fontsize=7, color=TEXT)
+        ax.barh(rows, [max([*values, 1e-9])] * len(bars), color=GRIDLINE, height=0.7)
+        ax.barh(rows, values, color=[_threshold_colour(panel, v) for v in values], height=0.7)
+        ax.set_ylim(max(len(bars), 6) - 0.5, -0.5)
+        ax.set_yticks(rows, names, fontsize=7, color=TEXT)
         ax.set_xticks([])
         for i, v in enumerate(values):
             ax.text(1.01, i, format_value(v, unit), transform=ax.get_yaxis_transform(), color=TEXT,
@@ -309,5 +311,6 @@ class Previewer:
         ax.imshow(grid, aspect="auto", interpolation="nearest", extent=(start, end, len(series) - 0.5, -0.5))
         ax.xaxis_date(UTC)
         self._time_axis(ax)
-        size = 7 if len(series) <= 16 else max(3, int(110 * height * fig.get_figheight() / len(series)) / 10)
+        points_per_row = 72 * height * fig.get_figheight() * 0.88 / len(series)
+        size = max(4.0, min(7.0, points_per_row * 0.75))
         ax.set_yticks(range(len(series)), [s[0] for s in series], fontsize=size, color=TEXT)
