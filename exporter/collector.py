@@ -1,0 +1,68 @@
+"""Collector registration and the context handed to every collector.
+
+A collector is a class with ``collect()`` yielding metric families and an optional ``close()``. The
+``register`` decorator adds it to ``REGISTRY``, from which the command line grows its
+``--collector.<name>`` / ``--no-collector.<name>`` flags; adding a collector means adding one module
+under ``collectors/``. Constructors only store their context: no hardware is touched until the first
+``collect()``, in the sampling thread.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from gpuhealth.exporter.inventory import Inventory
+from prometheus_client.core import Metric
+
+
+@dataclass
+class Context:
+    """The injected adapters and settings collectors use instead of globals."""
+
+    nvml: Any = None
+    procfs: Path = Path("/proc")
+    kmsg_path: Path | None = Path("/dev/kmsg")
+    state_dir: Path | None = None
+    inventory: Inventory = field(default_factory=Inventory)
+    gpus_expected: int | None = None
+    window_seconds: float = 15.0
+    nvml_timeout_seconds: float = 2.0
+    clock: Callable[[], float] = time.monotonic
+
+
+class Collector(Protocol):
+    def collect(self) -> Iterable[Metric]: ...
+
+
+@dataclass(frozen=True)
+class Registration:
+    name: str
+    factory: Callable[[Context], Collector]
+    help: str
+    default_enabled: bool
+
+
+REGISTRY: dict[str, Registration] = {}
+
+
+def register(name: str, help: str, default_enabled: bool = True):
+    """Class decorator: make the collector selectable as ``--collector.<name>``."""
+    def wrap(cls):
+        REGISTRY[name] = Registration(name, cls, help, default_enabled)
+        return cls
+    return wrap
+
+
+def load_collectors() -> dict[str, Registration]:
+    """Import every module under ``collectors/`` so that they register; returns them in name order."""
+    from gpuhealth.exporter import collectors
+
+    for module in pkgutil.iter_modules(collectors.__path__):
+        importlib.import_module(f"{collectors.__name__}.{module.name}")
+    return dict(sorted(REGISTRY.items()))

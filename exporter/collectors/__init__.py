@@ -1,0 +1,1 @@
+"""One module per collector; each registers itself with ``gpuhealth.exporter.collector.register``."""

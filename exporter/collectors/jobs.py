@@ -1,0 +1,48 @@
+"""Which Slurm job uses which GPU, from the cgroup (or environment) of each GPU compute process.
+
+Lets an alert on a GPU name the job to requeue. Runs after the ``gpu`` collector (collectors run in
+name order), which records each GPU's compute processes in the shared inventory.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from gpuhealth.exporter.collector import Context, register
+from gpuhealth.exporter.metrics import Families
+from prometheus_client.core import Metric
+
+_CGROUP_JOB = re.compile(r"/job_(\d+)(?:/|$)")
+
+
+def slurm_job_of(procfs: Path, pid: int) -> str | None:
+    """The Slurm job id of ``pid``: its cgroup path (``.../job_<id>/...``), else ``SLURM_JOB_ID``."""
+    try:
+        if match := _CGROUP_JOB.search((procfs / str(pid) / "cgroup").read_text()):
+            return match.group(1)
+    except OSError:
+        pass  # the process ended, or it is in another pid namespace: try its environment
+    try:
+        environ = (procfs / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for entry in environ:
+        if entry.startswith(b"SLURM_JOB_ID="):
+            return entry.split(b"=", 1)[1].decode(errors="replace") or None
+    return None
+
+
+@register("jobs", "Slurm job attribution of GPU compute processes")
+class JobsCollector:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def collect(self) -> Iterator[Metric]:
+        f = Families()
+        for index, pids in sorted(self.ctx.inventory.processes.items()):
+            jobs = {job for pid in pids if (job := slurm_job_of(self.ctx.procfs, pid))}
+            for job in sorted(jobs):
+                f.add("gpuhealth_gpu_job_info", 1, [str(index), job])
+        yield from f

@@ -1,0 +1,139 @@
+"""XID events from NVML's event set and the kernel log, plus NVSwitch SXIDs and PCIe AER errors.
+
+Counters never lose repeated events, unlike a last-XID gauge. Both sources are drained without
+blocking at every sampling run; unparseable kernel lines are counted, never fatal.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+from gpuhealth.exporter.collector import Context, register
+from gpuhealth.exporter.dedup import XidDeduplicator
+from gpuhealth.exporter.kmsg import KmsgFollower, parse_line
+from gpuhealth.exporter.metrics import KMSG_RESULTS, RECOVERY_ACTIONS, Families
+from prometheus_client.core import Metric
+
+log = logging.getLogger(__name__)
+
+MAX_EVENTS_PER_RUN = 10000
+# Published at 0 for every known GPU, so that rate() and increase() see the first event.
+CATALOGUE_XIDS = (13, 31, 32, 43, 45, 48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 109, 119, 120, 140, 143, 154)
+
+
+def _boot_id(procfs: Path) -> str:
+    try:
+        return (procfs / "sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+@register("xid", "XID events (NVML and kernel log), NVSwitch SXIDs, PCIe AER errors")
+class XidCollector:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.dedup = XidDeduplicator()
+        self.follower: KmsgFollower | None = None
+        if ctx.kmsg_path is not None:
+            state = ctx.state_dir / "kmsg.seq" if ctx.state_dir else None
+            self.follower = KmsgFollower(ctx.kmsg_path, state, _boot_id(ctx.procfs))
+        self.event_set = None
+        self.xids: collections.Counter = collections.Counter()          # (gpu, xid)
+        self.sxids: collections.Counter = collections.Counter()         # (device, sxid, severity)
+        self.aer: collections.Counter = collections.Counter()           # (pci_bus_id, severity, gpu)
+        self.fallen: collections.Counter = collections.Counter()        # gpu
+        self.lines = collections.Counter(dict.fromkeys(KMSG_RESULTS, 0))
+        self.recovery: dict[str, str] = {}                             # gpu -> action
+
+    def collect(self) -> Iterator[Metric]:
+        if self.ctx.nvml is not None:
+            self._drain_nvml_events()
+        kmsg_error = None
+        if self.follower is not None:
+            try:
+                self._drain_kmsg()
+            except OSError as exc:  # e.g. no permission on /dev/kmsg: NVML events still count
+                kmsg_error = exc
+        yield from self._families()
+        if kmsg_error is not None:
+            raise kmsg_error
+
+    def _register_events(self) -> None:
+        nvml = self.ctx.nvml
+        self.event_set = nvml.nvmlEventSetCreate()
+        for index in range(nvml.nvmlDeviceGetCount()):
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, self.event_set)
+            except nvml.NVMLError as exc:
+                log.info("no NVML XID events gpu=%d error=%s", index, exc)
+
+    def _drain_nvml_events(self) -> None:
+        nvml = self.ctx.nvml
+        if self.event_set is None:
+            self._register_events()
+        for _ in range(MAX_EVENTS_PER_RUN):
+            try:
+                event = nvml.nvmlEventSetWait(self.event_set, 0)
+                gpu = str(nvml.nvmlDeviceGetIndex(event.device))
+            except nvml.NVMLError_Timeout:
+                return
+            except nvml.NVMLError as exc:
+                log.warning("NVML event wait failed error=%s", exc)
+                return
+            if event.eventType == nvml.nvmlEventTypeXidCriticalError:
+                self._count_xid("nvml", gpu, int(event.eventData))
+
+    def _count_xid(self, source: str, gpu: str, xid: int) -> None:
+        if self.dedup.is_new(source, gpu, xid, self.ctx.clock()):
+            self.xids[(gpu, str(xid))] += 1
+
+    def _drain_kmsg(self) -> None:
+        assert self.follower is not None
+        inventory = self.ctx.inventory
+        for line in self.follower.read_lines(MAX_EVENTS_PER_RUN):
+            event = parse_line(line)
+            self.lines[event.kind] += 1
+            if event.kind == "xid":
+                gpu = inventory.gpu_for_pci(event.pci_bus_id)
+                self._count_xid("kmsg", gpu, event.code)
+                if event.action:
+                    self.recovery[gpu] = event.action
+                    log.warning("gpu recovery action gpu=%s action=%s", gpu, event.action)
+            elif event.kind == "sxid":
+                self.sxids[(event.device, str(event.code), event.severity)] += 1
+            elif event.kind == "aer":
+                gpu = inventory.gpu_for_pci(event.pci_bus_id)
+                self.aer[(event.pci_bus_id, event.severity, "" if gpu == "unknown" else gpu)] += 1
+            elif event.kind == "fallen_off_bus":
+                self.fallen[inventory.gpu_for_pci(event.pci_bus_id)] += 1
+        self.follower.save_state()
+
+    def _families(self) -> Iterator[Metric]:
+        f = Families()
+        for index in self.ctx.inventory.gpus:
+            for xid in CATALOGUE_XIDS:
+                self.xids.setdefault((str(index), str(xid)), 0)
+            self.fallen.setdefault(str(index), 0)
+        for labels, count in sorted(self.xids.items(), key=lambda kv: (kv[0][0], int(kv[0][1]))):
+            f.add("gpuhealth_xid_events_total", count, labels)
+        for gpu, count in sorted(self.fallen.items()):
+            f.add("gpuhealth_gpu_fallen_off_bus_total", count, [gpu])
+        for gpu, requested in sorted(self.recovery.items()):
+            for action in RECOVERY_ACTIONS:
+                f.add("gpuhealth_gpu_recovery_action", int(action == requested), [gpu, action])
+        for labels, count in sorted(self.sxids.items()):
+            f.add("gpuhealth_sxid_events_total", count, labels)
+        for labels, count in sorted(self.aer.items()):
+            f.add("gpuhealth_pcie_aer_errors_total", count, labels)
+        if self.follower is not None:
+            for result in KMSG_RESULTS:
+                f.add("gpuhealth_kmsg_lines_total", self.lines[result], [result])
+        yield from f
+
+    def close(self) -> None:
+        if self.follower is not None:
+            self.follower.close()

@@ -1,0 +1,189 @@
+"""``gpuhealth-exporter``: command line, start-up checks, signal handling."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import logging
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from gpuhealth.exporter import __version__
+from gpuhealth.exporter.collector import Context, load_collectors
+from gpuhealth.exporter.config import DEFAULT_PORT, ConfigError, Settings, build_settings, read_yaml
+from gpuhealth.exporter.metrics import SPECS
+from gpuhealth.exporter.sampler import Sampler
+from gpuhealth.exporter.web import hash_password, make_server
+from prometheus_client.core import GaugeMetricFamily
+
+log = logging.getLogger("gpuhealth.exporter")
+
+
+def build_parser(collector_names: dict[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpuhealth-exporter",
+        description="Prometheus exporter of GPU health features: NVML telemetry sampled every second, "
+                    "XID events from NVML and the kernel log, host and NFS client figures.",
+        epilog="Flags override the YAML file given with --config. SIGHUP reloads the --sim-scenario file.",
+    )
+    add = parser.add_argument
+    add("--backend", choices=("nvml", "sim"), help="real NVML, or the simulator for machines without "
+        "GPUs (default: nvml)")
+    add("--sim-scenario", metavar="FILE", help="simulator scenario (YAML); default: 8 healthy H100s")
+    add("--kmsg-path", metavar="PATH", help="kernel log to follow: /dev/kmsg (default with nvml) or a "
+        "file in kmsg or plain format; with sim, the simulator also writes its kernel lines there")
+    add("--no-kmsg", action="store_true", default=None, help="do not read the kernel log")
+    add("--listen", metavar="HOST:PORT", help=f"address to serve on (default :{DEFAULT_PORT})")
+    add("--config", metavar="FILE", help="YAML settings file (keys: the long flag names with _)")
+    add("--state-dir", metavar="DIR", help="where to keep the last kernel log sequence number, so that "
+        "a restart does not count old events again (default: skip what is in the log at start-up)")
+    add("--path.procfs", dest="procfs", metavar="DIR", help="procfs mount point (default /proc)")
+    add("--sampling.interval", dest="sampling_interval", type=float, metavar="SECONDS",
+        help="how often collectors sample (default 1)")
+    add("--sampling.window", dest="sampling_window", type=float, metavar="SECONDS",
+        help="window of the max-over-window features, about the scrape interval (default 15)")
+    add("--nvml.timeout", dest="nvml_timeout", type=float, metavar="SECONDS",
+        help="deadline for one GPU's NVML sample before it counts as a timeout (default 2)")
+    add("--gpus-expected", type=int, metavar="N", help="GPUs this node should have (default: the count "
+        "NVML sees at start-up)")
+    add("--web.tls-cert-file", dest="tls_cert_file", metavar="FILE", help="serve HTTPS with this certificate")
+    add("--web.tls-key-file", dest="tls_key_file", metavar="FILE", help="private key of the certificate")
+    add("--log-level", choices=("debug", "info", "warning", "error"), help="default info")
+    add("--hash-password", action="store_true", help="read a password on stdin, print its hash for "
+        "web.basic_auth_users, and exit")
+    group = parser.add_argument_group("collectors")
+    for name, help_text in collector_names.items():
+        group.add_argument(f"--collector.{name}", dest=f"collector_{name}", action="store_true", default=None,
+                           help=f"enable: {help_text}")
+        group.add_argument(f"--no-collector.{name}", dest=f"collector_{name}", action="store_false",
+                           help="disable it")
+    return parser
+
+
+def _settings(argv: list[str] | None) -> tuple[Settings | None, argparse.Namespace]:
+    registrations = load_collectors()
+    parser = build_parser({name: reg.help for name, reg in registrations.items()})
+    args = parser.parse_args(argv)
+    if args.hash_password:
+        return None, args
+    problems: list[str] = []
+    file_values = read_yaml(Path(args.config), problems) if args.config else {}
+    flags = {k: v for k, v in vars(args).items()
+             if k not in ("config", "hash_password") and not k.startswith("collector_")}
+    flags["collectors"] = {name: getattr(args, f"collector_{name}") for name in registrations
+                           if getattr(args, f"collector_{name}") is not None}
+    return build_settings(file_values, flags, list(registrations), problems), args
+
+
+def _open_nvml(settings: Settings, kmsg_path: Path | None) -> Any:
+    """The NVML module for the backend, initialised. Exits 2 with one line when NVML is missing."""
+    if settings.backend == "sim":
+        from gpuhealth.exporter.sim.nvml import SimulatedNvml
+        from gpuhealth.exporter.sim.scenario import load_scenario
+
+        nvml: Any = SimulatedNvml(load_scenario(settings.sim_scenario), kmsg_path)
+    else:
+        import pynvml as nvml
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        print(f"gpuhealth-exporter: cannot use NVML ({exc}); on a machine without NVIDIA GPUs or driver, "
+              "run with --backend sim", file=sys.stderr)
+        raise SystemExit(2) from None
+    return nvml
+
+
+def _build_info(backend: str):
+    def families():
+        family = GaugeMetricFamily("gpuhealth_exporter_build_info", SPECS["gpuhealth_exporter_build_info"].help,
+                                   labels=["version", "backend"])
+        family.add_metric([__version__, backend], 1)
+        return [family]
+    return families
+
+
+def run(settings: Settings) -> int:
+    from gpuhealth.exporter.sim.scenario import ScenarioError, load_scenario
+
+    tmpdir = None
+    kmsg_path = settings.kmsg_path
+    if kmsg_path is None and not settings.no_kmsg:
+        if settings.backend == "sim":
+            tmpdir = Path(tempfile.mkdtemp(prefix="gpuhealth-sim-"))
+            kmsg_path = tmpdir / "kmsg"
+        else:
+            kmsg_path = Path("/dev/kmsg")
+    try:
+        nvml = _open_nvml(settings, kmsg_path)
+    except ScenarioError as exc:
+        for problem in exc.problems:
+            print(f"gpuhealth-exporter: {settings.sim_scenario}: {problem}", file=sys.stderr)
+        return 2
+    ctx = Context(nvml=nvml, procfs=settings.procfs, kmsg_path=None if settings.no_kmsg else kmsg_path,
+                  state_dir=settings.state_dir, gpus_expected=settings.gpus_expected,
+                  window_seconds=settings.sampling_window, nvml_timeout_seconds=settings.nvml_timeout)
+    ctx.inventory.driver_version = str(nvml.nvmlSystemGetDriverVersion())
+    if ctx.gpus_expected is None:
+        ctx.gpus_expected = nvml.nvmlDeviceGetCount()
+    collectors = {name: reg.factory(ctx) for name, reg in load_collectors().items()
+                  if settings.collectors.get(name, reg.default_enabled)}
+    sampler = Sampler(collectors, _build_info(settings.backend), settings.sampling_interval)
+    host, port = settings.host_port
+    try:
+        server = make_server(host, port, sampler, settings.tls_cert_file, settings.tls_key_file,
+                             settings.basic_auth_users)
+    except OSError as exc:
+        print(f"gpuhealth-exporter: cannot serve on {settings.listen}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def reload(*_: object) -> None:
+        if settings.backend != "sim":
+            log.info("SIGHUP ignored backend=%s", settings.backend)
+            return
+        try:
+            nvml.reload(load_scenario(settings.sim_scenario))
+            log.info("scenario reloaded path=%s", settings.sim_scenario)
+        except (ScenarioError, ValueError) as exc:
+            log.error("scenario reload failed, keeping the old one error=%s", exc)
+
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, reload)
+    sampler.start()
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    log.info("listening address=%s:%d backend=%s collectors=%s kmsg=%s tls=%s", host or "*", port,
+             settings.backend, ",".join(collectors), ctx.kmsg_path, settings.tls_cert_file is not None)
+    while not stop.wait(1.0):
+        pass
+    log.info("shutting down")
+    server.shutdown()
+    sampler.stop()
+    if tmpdir is not None:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings, args = _settings(argv)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"gpuhealth-exporter: {problem}", file=sys.stderr)
+        return 2
+    if settings is None:
+        password = getpass.getpass("password: ") if sys.stdin.isatty() else sys.stdin.readline().rstrip("\n")
+        print(hash_password(password))
+        return 0
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+    return run(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

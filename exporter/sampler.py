@@ -1,0 +1,91 @@
+"""The background sampling loop and the snapshot that ``/metrics`` serves.
+
+Collectors run in one thread at a fixed interval (about 1 s), far faster than Prometheus scrapes,
+which is what makes window maxima and time-in-state features possible. Each run renders the whole
+exposition once; a scrape only copies bytes, so it never waits on NVML or the filesystem.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from gpuhealth.exporter.collector import Collector
+from gpuhealth.exporter.metrics import Families, render
+from prometheus_client.core import Metric
+
+log = logging.getLogger(__name__)
+
+
+class Sampler:
+    """Runs the collectors, times them, isolates their failures and keeps the latest exposition."""
+
+    def __init__(self, collectors: dict[str, Collector], static: Callable[[], Iterable[Metric]] = tuple,
+                 interval: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.collectors = collectors
+        self.static = static
+        self.interval = interval
+        self.clock = clock
+        self._failing: set[str] = set()
+        self._exposition = b""
+        self._last_run: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # sample_once may also be called from a reload signal
+
+    def sample_once(self) -> bytes:
+        with self._lock:
+            families: list[Metric] = list(self.static())
+            meta = Families()
+            for name, collector in self.collectors.items():
+                start = time.perf_counter()
+                try:
+                    for family in collector.collect():  # what a failing collector yielded still counts
+                        families.append(family)
+                    ok = True
+                except Exception:
+                    ok = False
+                    if name not in self._failing:
+                        log.exception("collector failed collector=%s", name)
+                    else:
+                        log.debug("collector still failing collector=%s", name, exc_info=True)
+                if ok and name in self._failing:
+                    log.info("collector recovered collector=%s", name)
+                (self._failing.discard if ok else self._failing.add)(name)
+                meta.add("gpuhealth_collector_success", int(ok), [name])
+                meta.add("gpuhealth_collector_duration_seconds", time.perf_counter() - start, [name])
+            self._exposition = render([*families, *meta])
+            self._last_run = self.clock()
+            return self._exposition
+
+    @property
+    def exposition(self) -> bytes:
+        return self._exposition
+
+    def healthy(self) -> bool:
+        """True while the loop keeps up: the last run ended less than three intervals ago."""
+        return self._last_run is not None and self.clock() - self._last_run < 3 * self.interval + 1
+
+    def start(self) -> None:
+        self.sample_once()  # the first scrape already has data
+        self._thread = threading.Thread(target=self._loop, name="sampler", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        next_run = time.monotonic() + self.interval
+        while not self._stop.wait(max(next_run - time.monotonic(), 0)):
+            self.sample_once()
+            next_run += self.interval
+            if next_run < time.monotonic():  # fell behind (slow collector): do not try to catch up
+                next_run = time.monotonic() + self.interval
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for collector in self.collectors.values():
+            close = getattr(collector, "close", None)
+            if close is not None:
+                close()

@@ -1,0 +1,289 @@
+"""The state of one simulated GPU and how workload, faults and noise move it.
+
+Counters only grow: each fault adds the change of a cumulative curve between two instants, so the
+totals do not depend on how often the exporter samples. Transient values (temperatures, clocks,
+link width) are recomputed from the baseline at every step.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gpuhealth.exporter.sim.scenario import Fault, Scenario
+
+# H100 SXM figures: thresholds, clocks (MHz), limits, HBM row-remap banks.
+SLOWDOWN_C, SHUTDOWN_C = 87.0, 92.0
+SM_CLOCK_MAX, MEM_CLOCK_MAX = 1980, 2619
+POWER_LIMIT_W, IDLE_POWER_W, IDLE_TEMP_C = 700.0, 70.0, 34.0
+MEMORY_TOTAL = 80 * 1024**3
+REMAP_BANKS = 8192
+PCIE_GEN, PCIE_WIDTH = 5, 16
+
+# Clock event reason bits, as NVML defines them.
+REASON_GPU_IDLE, REASON_SW_POWER_CAP, REASON_SW_THERMAL, REASON_HW_THERMAL = 0x1, 0x4, 0x20, 0x40
+REASON_HW_SLOWDOWN = 0x8
+
+Emit = Callable[[int, str, int | None], None]  # (gpu index, kernel log text, NVML XID event or None)
+
+
+@dataclass
+class GpuState:
+    index: int
+    pci_bus_id: str
+    nvlinks: int
+    temp_offset: float = 0.0
+    # transient, recomputed every step
+    utilization: float = 0.0
+    memory_utilization: float = 0.0
+    power_watts: float = 0.0
+    power_limit_watts: float = POWER_LIMIT_W
+    temperature: float = IDLE_TEMP_C
+    memory_temperature: float = IDLE_TEMP_C
+    sm_clock: float = SM_CLOCK_MAX
+    reasons: int = 0
+    pcie_gen: int = PCIE_GEN
+    pcie_width: int = PCIE_WIDTH
+    nvml_delay: float = 0.0
+    # persistent: counters and failure states
+    ecc_corrected_volatile: float = 0.0
+    ecc_corrected_aggregate: float = 0.0
+    ecc_uncorrected_volatile: float = 0.0
+    ecc_uncorrected_aggregate: float = 0.0
+    retired_single_bit: int = 0
+    retired_double_bit: int = 0
+    retired_pending: int = 0
+    remapped_correctable: float = 0.0
+    remapped_uncorrectable: int = 0
+    remap_pending: int = 0
+    remap_failure: int = 0
+    pcie_replays: float = 0.0
+    nvlink_down: set[int] = field(default_factory=set)
+    nvlink_errors: dict[tuple[int, str], float] = field(default_factory=dict)
+    lost: bool = False
+    hung: bool = False
+
+    @property
+    def pci_kernel(self) -> str:
+        """The PCI address as the NVIDIA driver prints it in XID lines, ``PCI:0000:3b:00``."""
+        domain, bus, rest = self.pci_bus_id.split(":")
+        return f"PCI:{domain[-4:]}:{bus.lower()}:{rest.split('.')[0]}"
+
+    def histogram(self) -> dict[str, int]:
+        touched = min(int(self.remapped_correctable) + self.remapped_uncorrectable, REMAP_BANKS)
+        exhausted = min(self.remap_failure, touched)
+        return {"max": REMAP_BANKS - touched, "high": touched - exhausted, "partial": 0, "low": 0,
+                "none": exhausted}
+
+
+def _smooth(p: float) -> float:
+    """Cumulative share of precursor events by progress ``p``: slow at first, accelerating."""
+    return min(max(p, 0.0), 1.0) ** 3
+
+
+class FaultRun:
+    """One scenario fault or noise item, stepped over time on its GPUs."""
+
+    def __init__(self, fault: Fault, emit: Emit) -> None:
+        self.fault = fault
+        self.emit = emit
+        self.progress = 0.0
+        self.failed = False
+
+    def phase_progress(self, t: float) -> float | None:
+        """Progress 0..1 through the precursor (or noise) phase; None before it starts."""
+        if t < self.fault.start:
+            return None
+        if self.fault.duration <= 0:
+            return 1.0
+        return min((t - self.fault.start) / self.fault.duration, 1.0)
+
+    def step(self, t: float, gpus: list[GpuState]) -> None:
+        p = self.phase_progress(t)
+        if p is None:
+            return
+        noise_over = self.fault.is_noise and t > self.fault.start + self.fault.duration
+        for index in self.fault.gpus:
+            gpu = gpus[index]
+            if not gpu.lost:
+                getattr(self, f"_{self.fault.kind}")(gpu, p, self.progress, active=not noise_over)
+        if not self.fault.is_noise and p >= 1.0 and not self.failed:
+            self.failed = True
+            for index in self.fault.gpus:
+                getattr(self, f"_fail_{self.fault.kind}")(gpus[index])
+        self.progress = p
+
+    def _xid(self, gpu: GpuState, xid: int, text: str, event: bool = True) -> None:
+        self.emit(gpu.index, f"NVRM: Xid ({gpu.pci_kernel}): {xid}, {text}", xid if event else None)
+
+    def _grow(self, p: float, p_old: float, total: float) -> float:
+        return total * (_smooth(p) - _smooth(p_old))
+
+    # faults: precursor effects
+    def _hbm_degradation(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        ecc = self._grow(p, p_old, 4000)
+        gpu.ecc_corrected_volatile += ecc
+        gpu.ecc_corrected_aggregate += ecc
+        before = int(gpu.remapped_correctable)
+        gpu.remapped_correctable += self._grow(p, p_old, 64)
+        for _ in range(int(gpu.remapped_correctable) - before):
+            self._xid(gpu, 63, "pid=4242, name=python, Row Remapper: New row marked for remapping, reset "
+                               "gpu to activate.", event=False)
+
+    def _thermal_runaway(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        gpu.temp_offset += 32.0 * p
+        if gpu.temperature + gpu.temp_offset >= SLOWDOWN_C - 2:
+            gpu.reasons |= REASON_SW_THERMAL
+            gpu.sm_clock *= 0.8
+        if gpu.temperature + gpu.temp_offset >= SLOWDOWN_C:
+            gpu.reasons |= REASON_HW_THERMAL | REASON_HW_SLOWDOWN
+            gpu.sm_clock *= 0.6
+
+    def _pcie_degradation(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        gpu.pcie_replays += self._grow(p, p_old, 20000)
+        if p >= 0.5:
+            gpu.pcie_width = 8
+        if p >= 0.8:
+            gpu.pcie_gen = 4
+        for _ in range(int(40 * _smooth(p)) - int(40 * _smooth(p_old))):
+            self.emit(gpu.index, f"nvidia {gpu.pci_bus_id.lower()[4:]}: AER: PCIe Bus Error: "
+                                 "severity=Corrected, type=Physical Layer, (Receiver ID)", None)
+
+    def _nvlink_errors(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        link = self.fault.params.get("link", 0)
+        for kind, total in (("crc_flit", 50000), ("crc_data", 5000), ("replay", 2000), ("recovery", 20)):
+            key = (link, kind)
+            gpu.nvlink_errors[key] = gpu.nvlink_errors.get(key, 0.0) + self._grow(p, p_old, total)
+
+    def _gsp_timeout(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        gpu.nvml_delay = 0.25 * p if p < 1.0 else 0.0
+
+    def _fell_off_bus(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        """No precursor."""
+
+    # faults: hard failures
+    def _fail_hbm_degradation(self, gpu: GpuState) -> None:
+        xid = self.fault.params.get("xid", 95)
+        gpu.ecc_uncorrected_volatile += 1
+        gpu.ecc_uncorrected_aggregate += 1
+        gpu.remapped_uncorrectable += 1
+        gpu.remap_pending = 1
+        if xid == 64:
+            gpu.remap_failure = 1
+        text = {48: "pid=4242, name=python, An uncorrectable double bit error (DBE) has been detected on "
+                    "GPU in the framebuffer at partition 1, subpartition 0.",
+                64: "pid=4242, name=python, Row Remapper Error: remapping failed.",
+                94: "pid=4242, name=python, Contained: SM (0x1). RST: No, D-RST: No",
+                95: "pid=4242, name=python, Uncontained: FBHUB. RST: Yes, D-RST: No"}[xid]
+        self._xid(gpu, xid, text)
+        self._xid(gpu, 154, "GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)")
+
+    def _fail_thermal_runaway(self, gpu: GpuState) -> None:
+        self._fail_fell_off_bus(gpu)
+
+    def _fail_pcie_degradation(self, gpu: GpuState) -> None:
+        self._fail_fell_off_bus(gpu)
+
+    def _fail_nvlink_errors(self, gpu: GpuState) -> None:
+        link = self.fault.params.get("link", 0)
+        gpu.nvlink_down.add(link)
+        self._xid(gpu, 74, f"pid=4242, name=python, NVLink: fatal error detected on link {link}(0x0, 0x0, "
+                           "0x10000, 0x0, 0x0, 0x0, 0x0)")
+
+    def _fail_gsp_timeout(self, gpu: GpuState) -> None:
+        gpu.hung = True
+        self._xid(gpu, 119, "pid=4242, name=python, Timeout after 6s of waiting for RPC response from GPU0 "
+                            "GSP! Expected function 76 (GSP_RM_CONTROL) (0x20802a02 0x8).")
+
+    def _fail_fell_off_bus(self, gpu: GpuState) -> None:
+        gpu.lost = True
+        self._xid(gpu, 79, "pid=4242, name=python, GPU has fallen off the bus.")
+        self.emit(gpu.index, f"NVRM: The NVIDIA GPU {gpu.pci_bus_id.lower()[4:]} (PCI ID: 10de:2330) installed "
+                             "in this system has fallen off the bus and is not responding to commands.", None)
+
+    # noise: active=False once the noise window is over
+    def _sbe_burst(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        count = self.fault.params.get("count", 200) * (p - p_old)
+        gpu.ecc_corrected_volatile += count
+        gpu.ecc_corrected_aggregate += count
+
+    def _hot_aisle(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        if active:
+            gpu.temp_offset += self.fault.params.get("delta_celsius", 8.0)
+
+    def _boot_replay_burst(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        gpu.pcie_replays += self.fault.params.get("count", 500) * (p - p_old)
+
+    def _power_cap(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        if active:
+            gpu.power_limit_watts = self.fault.params.get("watts", 350.0)
+            if gpu.power_watts > gpu.power_limit_watts:
+                gpu.sm_clock *= gpu.power_limit_watts / gpu.power_watts
+                gpu.power_watts = gpu.power_limit_watts
+                gpu.reasons |= REASON_SW_POWER_CAP
+
+    def _idle_node(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        if active:
+            _idle(gpu)
+
+
+def _idle(gpu: GpuState) -> None:
+    gpu.utilization = gpu.memory_utilization = 0.0
+    gpu.power_watts = IDLE_POWER_W
+    gpu.temperature = IDLE_TEMP_C
+    gpu.memory_temperature = IDLE_TEMP_C + 2
+    gpu.sm_clock = 345
+    gpu.reasons |= REASON_GPU_IDLE
+
+
+class Node:
+    """All simulated GPUs of one node, advanced together to the scenario time ``t``."""
+
+    def __init__(self, scenario: Scenario, emit: Emit) -> None:
+        rng = random.Random(scenario.seed)
+        self.gpus = [GpuState(i, _pci_bus_id(i), scenario.nvlinks) for i in range(scenario.gpus)]
+        self._peer_offsets = [rng.uniform(-2.0, 2.0) for _ in self.gpus]
+        self.emit = emit
+        self.load(scenario)
+
+    def load(self, scenario: Scenario) -> None:
+        """Start (or restart, on reload) the scenario; GPUs come back as after a reset, counters stay."""
+        self.scenario = scenario
+        self.runs = [FaultRun(f, self.emit) for f in scenario.faults]
+        for gpu in self.gpus:
+            gpu.lost = gpu.hung = False
+            gpu.nvlink_down.clear()
+            gpu.remap_pending = gpu.retired_pending = 0
+            gpu.ecc_corrected_volatile = gpu.ecc_uncorrected_volatile = 0.0
+
+    def advance(self, t: float) -> None:
+        w = self.scenario.workload
+        busy = True
+        if w.period_seconds > 0:
+            busy = (t % w.period_seconds) >= w.idle_fraction * w.period_seconds
+        for gpu, offset in zip(self.gpus, self._peer_offsets, strict=True):
+            gpu.reasons, gpu.temp_offset, gpu.nvml_delay = 0, 0.0, 0.0
+            gpu.pcie_gen, gpu.pcie_width, gpu.power_limit_watts = PCIE_GEN, PCIE_WIDTH, POWER_LIMIT_W
+            if busy and w.utilization > 0:
+                wobble = 0.02 * math.sin(t / 7.0 + gpu.index)
+                gpu.utilization = min(w.utilization + wobble, 1.0)
+                gpu.memory_utilization = gpu.utilization * 0.6
+                gpu.power_watts = w.power_watts * (1 + wobble)
+                gpu.temperature = w.temperature_celsius + offset
+                gpu.memory_temperature = w.memory_temperature_celsius + offset
+                gpu.sm_clock = SM_CLOCK_MAX
+            else:
+                _idle(gpu)
+        for run in self.runs:
+            run.step(t, self.gpus)
+        for gpu in self.gpus:
+            gpu.temperature += gpu.temp_offset
+            gpu.memory_temperature += gpu.temp_offset * 0.9
+
+
+def _pci_bus_id(index: int) -> str:
+    buses = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
+    bus = buses[index] if index < len(buses) else 0xE0 + index
+    return f"00000000:{bus:02X}:00.0"

@@ -1,0 +1,315 @@
+"""A pynvml-compatible module backed by the simulated node.
+
+Only the calls the exporter makes exist. Return values are pynvml's own ctypes structures and
+errors are pynvml's own exception classes, so the collectors' ``except pynvml.NVMLError_...``
+clauses behave exactly as on real hardware.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pynvml
+from gpuhealth.exporter.sim.gpu import (
+    MEM_CLOCK_MAX,
+    MEMORY_TOTAL,
+    PCIE_GEN,
+    PCIE_WIDTH,
+    SHUTDOWN_C,
+    SLOWDOWN_C,
+    SM_CLOCK_MAX,
+    GpuState,
+    Node,
+)
+from gpuhealth.exporter.sim.kmsg_writer import KmsgWriter
+from gpuhealth.exporter.sim.scenario import Scenario
+
+HANG_SECONDS = 30.0  # how long a call on a GPU hung by a GSP timeout blocks before failing
+
+
+class SimHandle:
+    """Device handle; like NVML's, only meaningful to the module that issued it."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _EventSet:
+    def __init__(self) -> None:
+        self.devices: set[int] = set()
+        self.pending: collections.deque[tuple[int, int]] = collections.deque()
+
+
+class SimulatedNvml:
+    """Stands in for the ``pynvml`` module. Constants and exception classes come from pynvml itself."""
+
+    def __init__(self, scenario: Scenario, kmsg_path: Path | None = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+        self._clock = clock
+        self._sleep = sleep
+        self._lock = threading.RLock()
+        self._writer = KmsgWriter(kmsg_path) if kmsg_path else None
+        self._event_sets: list[_EventSet] = []
+        self._node = Node(scenario, self._emit)
+        self._start = clock()
+        self._initialised = False
+
+    def __getattr__(self, name: str):
+        if name.startswith(("NVML", "nvmlClocks", "nvmlEventType")):
+            return getattr(pynvml, name)
+        raise AttributeError(f"the NVML simulator does not implement {name}")
+
+    # scenario control
+    def reload(self, scenario: Scenario) -> None:
+        """Replace the faults; their times count from now. GPUs come back as after a reset."""
+        with self._lock:
+            self._advance()
+            if scenario.gpus != len(self._node.gpus):
+                raise ValueError(f"a reload cannot change the GPU count ({len(self._node.gpus)} -> "
+                                 f"{scenario.gpus}); restart the exporter")
+            self._node.load(scenario)
+            self._start = self._clock()
+
+    def _emit(self, index: int, text: str, xid: int | None) -> None:
+        if self._writer is not None:
+            self._writer.write(text)
+        if xid is not None:
+            for event_set in self._event_sets:
+                if index in event_set.devices:
+                    event_set.pending.append((index, xid))
+
+    def _advance(self) -> None:
+        self._node.advance(self._clock() - self._start)
+
+    def _gpu(self, handle: SimHandle) -> GpuState:
+        if not self._initialised:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+        with self._lock:
+            self._advance()
+            gpu = self._node.gpus[handle.index]
+        if gpu.hung:
+            self._sleep(HANG_SECONDS)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+        if gpu.lost:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return gpu
+
+    # library
+    def nvmlInit(self) -> None:
+        self._initialised = True
+
+    def nvmlShutdown(self) -> None:
+        self._initialised = False
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return self._node.scenario.driver_version
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self._node.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> SimHandle:
+        if not 0 <= index < len(self._node.gpus):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        handle = SimHandle(index)
+        self._gpu(handle)
+        return handle
+
+    def nvmlDeviceGetIndex(self, handle: SimHandle) -> int:
+        return handle.index
+
+    # identity
+    def nvmlDeviceGetUUID(self, handle: SimHandle) -> str:
+        self._gpu(handle)
+        return f"GPU-{uuid.UUID(int=(self._node.scenario.seed << 16) + handle.index + 0x5EED)}"
+
+    def nvmlDeviceGetName(self, handle: SimHandle) -> str:
+        self._gpu(handle)
+        return self._node.scenario.model
+
+    def nvmlDeviceGetSerial(self, handle: SimHandle) -> str:
+        self._gpu(handle)
+        return f"16549220{handle.index:05d}"
+
+    def nvmlDeviceGetVbiosVersion(self, handle: SimHandle) -> str:
+        self._gpu(handle)
+        return "96.00.89.00.01"
+
+    def nvmlDeviceGetPciInfo(self, handle: SimHandle) -> pynvml.nvmlPciInfo_t:
+        gpu = self._gpu(handle)
+        info = pynvml.nvmlPciInfo_t()
+        info.busId = gpu.pci_bus_id.encode()
+        info.pciDeviceId = 0x233010DE
+        return info
+
+    # thermals, power, clocks
+    def nvmlDeviceGetTemperature(self, handle: SimHandle, sensor: int) -> int:
+        gpu = self._gpu(handle)
+        if gpu.nvml_delay:
+            self._sleep(gpu.nvml_delay)
+        return round(gpu.temperature)
+
+    def nvmlDeviceGetTemperatureThreshold(self, handle: SimHandle, threshold: int) -> int:
+        self._gpu(handle)
+        values = {pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: SLOWDOWN_C,
+                  pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: SHUTDOWN_C}
+        if threshold not in values:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return int(values[threshold])
+
+    def nvmlDeviceGetFieldValues(self, handle: SimHandle, field_ids: list[int]):
+        gpu = self._gpu(handle)
+        values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
+        for value, field_id in zip(values, field_ids, strict=True):
+            value.fieldId = field_id
+            if field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP:
+                value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+                value.value.uiVal = round(gpu.memory_temperature)
+            else:
+                value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+        return values
+
+    def nvmlDeviceGetPowerUsage(self, handle: SimHandle) -> int:
+        return int(self._gpu(handle).power_watts * 1000)
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: SimHandle) -> int:
+        return int(self._gpu(handle).power_limit_watts * 1000)
+
+    def nvmlDeviceGetClockInfo(self, handle: SimHandle, clock_type: int) -> int:
+        gpu = self._gpu(handle)
+        return int(gpu.sm_clock) if clock_type == pynvml.NVML_CLOCK_SM else MEM_CLOCK_MAX
+
+    def nvmlDeviceGetMaxClockInfo(self, handle: SimHandle, clock_type: int) -> int:
+        self._gpu(handle)
+        return SM_CLOCK_MAX if clock_type == pynvml.NVML_CLOCK_SM else MEM_CLOCK_MAX
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: SimHandle) -> int:
+        return self._gpu(handle).reasons
+
+    def nvmlDeviceGetUtilizationRates(self, handle: SimHandle) -> pynvml.c_nvmlUtilization_t:
+        gpu = self._gpu(handle)
+        rates = pynvml.c_nvmlUtilization_t()
+        rates.gpu, rates.memory = round(gpu.utilization * 100), round(gpu.memory_utilization * 100)
+        return rates
+
+    def nvmlDeviceGetMemoryInfo(self, handle: SimHandle) -> pynvml.c_nvmlMemory_t:
+        gpu = self._gpu(handle)
+        memory = pynvml.c_nvmlMemory_t()
+        memory.total = MEMORY_TOTAL
+        memory.used = sum(p.memory_bytes for p in self._node.scenario.processes if gpu.index in p.gpus)
+        memory.free = memory.total - memory.used
+        return memory
+
+    # memory errors
+    def nvmlDeviceGetTotalEccErrors(self, handle: SimHandle, error_type: int, counter_type: int) -> int:
+        gpu = self._gpu(handle)
+        corrected = error_type == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED
+        volatile = counter_type == pynvml.NVML_VOLATILE_ECC
+        name = f"ecc_{'corrected' if corrected else 'uncorrected'}_{'volatile' if volatile else 'aggregate'}"
+        return int(getattr(gpu, name))
+
+    def nvmlDeviceGetRetiredPages(self, handle: SimHandle, cause: int) -> list[int]:
+        gpu = self._gpu(handle)
+        self._page_retirement_supported()
+        count = gpu.retired_double_bit if cause else gpu.retired_single_bit
+        return [0x1000 * (i + 1) for i in range(count)]
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: SimHandle) -> int:
+        gpu = self._gpu(handle)
+        self._page_retirement_supported()
+        return gpu.retired_pending
+
+    def _page_retirement_supported(self) -> None:
+        """Since Ampere, HBM errors are handled by row remapping; page retirement is not supported."""
+        if "V100" not in self._node.scenario.model:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    def nvmlDeviceGetRemappedRows(self, handle: SimHandle) -> tuple[int, int, int, int]:
+        gpu = self._gpu(handle)
+        return (int(gpu.remapped_correctable), gpu.remapped_uncorrectable, gpu.remap_pending, gpu.remap_failure)
+
+    def nvmlDeviceGetRowRemapperHistogram(self, handle: SimHandle) -> pynvml.c_nvmlRowRemapperHistogramValues:
+        gpu = self._gpu(handle)
+        values = pynvml.c_nvmlRowRemapperHistogramValues()
+        for name, count in gpu.histogram().items():
+            setattr(values, name, count)
+        return values
+
+    # PCIe
+    def nvmlDeviceGetPcieReplayCounter(self, handle: SimHandle) -> int:
+        return int(self._gpu(handle).pcie_replays)
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: SimHandle) -> int:
+        return self._gpu(handle).pcie_gen
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: SimHandle) -> int:
+        self._gpu(handle)
+        return PCIE_GEN
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: SimHandle) -> int:
+        return self._gpu(handle).pcie_width
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: SimHandle) -> int:
+        self._gpu(handle)
+        return PCIE_WIDTH
+
+    # NVLink
+    def _link(self, handle: SimHandle, link: int) -> GpuState:
+        gpu = self._gpu(handle)
+        if not 0 <= link < gpu.nvlinks:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu
+
+    def nvmlDeviceGetNvLinkState(self, handle: SimHandle, link: int) -> int:
+        gpu = self._link(handle, link)
+        return pynvml.NVML_FEATURE_DISABLED if link in gpu.nvlink_down else pynvml.NVML_FEATURE_ENABLED
+
+    def nvmlDeviceGetNvLinkErrorCounter(self, handle: SimHandle, link: int, counter: int) -> int:
+        gpu = self._link(handle, link)
+        kind = {pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit", pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data",
+                pynvml.NVML_NVLINK_ERROR_DL_REPLAY: "replay", pynvml.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery"}
+        if counter not in kind:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return int(gpu.nvlink_errors.get((link, kind[counter]), 0))
+
+    # processes
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: SimHandle) -> list[pynvml.nvmlFriendlyObject]:
+        gpu = self._gpu(handle)
+        return [pynvml.nvmlFriendlyObject({"pid": p.pid, "usedGpuMemory": p.memory_bytes})
+                for p in self._node.scenario.processes if gpu.index in p.gpus]
+
+    # events
+    def nvmlEventSetCreate(self) -> _EventSet:
+        event_set = _EventSet()
+        self._event_sets.append(event_set)
+        return event_set
+
+    def nvmlDeviceRegisterEvents(self, handle: SimHandle, event_types: int, event_set: _EventSet) -> None:
+        self._gpu(handle)
+        event_set.devices.add(handle.index)
+
+    def nvmlEventSetWait(self, event_set: _EventSet, timeout_ms: int) -> _Event:
+        with self._lock:
+            self._advance()
+            if not event_set.pending:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+            index, xid = event_set.pending.popleft()
+        return _Event(SimHandle(index), xid)
+
+    def nvmlEventSetFree(self, event_set: _EventSet) -> None:
+        if event_set in self._event_sets:
+            self._event_sets.remove(event_set)
+
+
+class _Event:
+    """Event data shaped like ``c_nvmlEventData_t``, whose ``device`` is a simulator handle."""
+
+    eventType = pynvml.nvmlEventTypeXidCriticalError
+
+    def __init__(self, handle: SimHandle, xid: int) -> None:
+        self.device = handle
+        self.eventData = xid
