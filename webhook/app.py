@@ -1,0 +1,283 @@
+"""The aiohttp application: receive, journal, answer; the worker does the acting.
+
+``POST /alerts`` answers 200 once the notification is committed to the journal, 400 for a body
+Alertmanager should not send again, 401 without credentials, and 503 only when the journal cannot
+be written, which is the one case where Alertmanager's retry helps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from aiohttp import web
+from gpuhealth.webhook.auth import Authenticator
+from gpuhealth.webhook.backends import Backend, create_backend
+from gpuhealth.webhook.config import Config
+from gpuhealth.webhook.engine import Engine
+from gpuhealth.webhook.journal import (
+    ACTIVE_STATES,
+    AWAITING_APPROVAL,
+    CANCELLED,
+    PENDING,
+    STATES,
+    AsyncJournal,
+)
+from gpuhealth.webhook.metrics import Metrics
+from gpuhealth.webhook.models import PayloadError, parse_notification
+from gpuhealth.webhook.outcomes import Outcome, Reason
+from gpuhealth.webhook.policy import decide
+from gpuhealth.webhook.worker import Worker
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+log = logging.getLogger(__name__)
+
+CONFIG = web.AppKey("config", Config)
+BACKEND = web.AppKey("backend", Backend)
+AUTH = web.AppKey("auth", Authenticator)
+METRICS = web.AppKey("metrics", Metrics)
+JOURNAL = web.AppKey("journal", AsyncJournal)
+ENGINE = web.AppKey("engine", Engine)
+WORKER = web.AppKey("worker", Worker)
+
+_TEMPLATES = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent), autoescape=True,
+                                undefined=jinja2.StrictUndefined)
+
+
+def _json_error(status: type[web.HTTPException], message: str) -> web.HTTPException:
+    return status(text=json.dumps({"error": message}), content_type="application/json")
+
+
+@web.middleware
+async def _require_auth(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every request that changes something needs credentials; reads stay open."""
+    if request.method not in ("GET", "HEAD", "OPTIONS") and \
+            not request.app[AUTH].allows(request.headers.get("Authorization")):
+        if request.path == "/alerts":
+            request.app[METRICS].notifications.labels("unauthorized").inc()
+        log.warning("event=unauthorized path=%s remote=%s", request.path, request.remote)
+        raise web.HTTPUnauthorized(text=json.dumps({"error": "missing or wrong credentials"}),
+                                   content_type="application/json",
+                                   headers={"WWW-Authenticate": 'Bearer realm="gpuhealth-webhook"'})
+    return await handler(request)
+
+
+async def post_alerts(request: web.Request) -> web.Response:
+    metrics = request.app[METRICS]
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        metrics.notifications.labels("too_large").inc()
+        raise
+    try:
+        notification = parse_notification(json.loads(raw))
+    except (ValueError, RecursionError) as exc:
+        metrics.notifications.labels("malformed").inc()
+        message = str(exc) if isinstance(exc, PayloadError) else f"body is not valid JSON: {exc}"
+        log.warning("event=notification_rejected remote=%s error=%r", request.remote, message[:300])
+        raise _json_error(web.HTTPBadRequest, message) from None
+    journal = request.app[JOURNAL]
+    decisions = decide(notification, request.app[CONFIG])
+    try:
+        result = await journal.call(journal.sync.record, notification, decisions)
+    except (sqlite3.Error, OSError) as exc:
+        metrics.notifications.labels("journal_error").inc()
+        log.error("event=journal_write_failed error=%r", exc)
+        raise _json_error(web.HTTPServiceUnavailable, f"journal cannot be written: {exc}") from None
+    request.app[WORKER].wake()
+    for kind in result.cancelled:
+        metrics.action(kind, Outcome.CANCELLED, Reason.RESOLVED)
+    all_seen = bool(notification.alerts) and result.duplicates == len(notification.alerts)
+    outcome = "duplicate" if all_seen else "accepted"
+    metrics.notifications.labels(outcome).inc()
+    log.info("event=notification_%s id=%s receiver=%s alerts=%d new_actions=%d duplicates=%d resolved=%d",
+             outcome, result.notification_id, notification.receiver, len(notification.alerts),
+             len(result.new_actions), result.duplicates, result.resolved)
+    return web.json_response({"status": outcome, "notification": result.notification_id,
+                              "alerts": len(notification.alerts), "new_actions": result.new_actions,
+                              "duplicates": result.duplicates, "resolved": result.resolved})
+
+
+def _since(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise _json_error(web.HTTPBadRequest, f"since: {value!r} is neither unix seconds nor an RFC 3339 "
+                                              "time") from None
+    if parsed.tzinfo is None:
+        raise _json_error(web.HTTPBadRequest, f"since: {value!r} needs a time zone")
+    return parsed.timestamp()
+
+
+async def get_actions(request: web.Request) -> web.Response:
+    query = request.query
+    state = query.get("state")
+    if state is not None and state not in STATES:
+        raise _json_error(web.HTTPBadRequest, f"state: one of {', '.join(STATES)}")
+    limit = query.get("limit", "500")
+    if not limit.isdigit() or not 0 < int(limit) <= 10000:
+        raise _json_error(web.HTTPBadRequest, "limit: an integer 1..10000")
+    journal = request.app[JOURNAL]
+    since = _since(query.get("since"))
+    actions = await journal.call(journal.sync.list_actions, query.get("node"), state, since, int(limit))
+    return web.json_response({"actions": [a.as_json() for a in actions]})
+
+
+def _action_id(request: web.Request) -> int:
+    raw = request.match_info["id"]
+    if not raw.isdigit():
+        raise _json_error(web.HTTPNotFound, f"no action {raw!r}")
+    return int(raw)
+
+
+async def get_action(request: web.Request) -> web.Response:
+    journal = request.app[JOURNAL]
+    action = await journal.call(journal.sync.get, _action_id(request))
+    if action is None:
+        raise _json_error(web.HTTPNotFound, "no such action")
+    transitions = await journal.call(journal.sync.transitions, action.id)
+    return web.json_response(action.as_json() | {"transitions": transitions})
+
+
+async def _move(request: web.Request, from_states: tuple[str, ...], to: str, verb: str,
+                outcome: str = "") -> web.Response:
+    journal = request.app[JOURNAL]
+    action_id = _action_id(request)
+    who = request.app[AUTH].who(request.headers.get("Authorization"))
+    moved = await journal.call(journal.sync.try_move, action_id, from_states, to,
+                               "operator" if to == CANCELLED else "approved", f"{verb} by {who}", outcome)
+    if moved is None:
+        current = await journal.call(journal.sync.get, action_id)
+        if current is None:
+            raise _json_error(web.HTTPNotFound, "no such action")
+        raise _json_error(web.HTTPConflict, f"action {action_id} is {current.state}; only "
+                                            f"{' or '.join(from_states)} actions can be {verb}")
+    log.warning("event=action_%s id=%s kind=%s node=%s by=%s", verb, action_id, moved.kind, moved.node, who)
+    if to == CANCELLED:
+        request.app[METRICS].action(moved.kind, Outcome.CANCELLED, Reason.OPERATOR)
+    request.app[WORKER].wake()
+    return web.json_response(moved.as_json())
+
+
+async def approve(request: web.Request) -> web.Response:
+    return await _move(request, (AWAITING_APPROVAL,), PENDING, "approved")
+
+
+async def cancel(request: web.Request) -> web.Response:
+    return await _move(request, (PENDING, AWAITING_APPROVAL), CANCELLED, "cancelled", Outcome.CANCELLED.value)
+
+
+async def reset_breaker(request: web.Request) -> web.Response:
+    who = request.app[AUTH].who(request.headers.get("Authorization"))
+    state = await request.app[ENGINE].reset_breaker(who)
+    request.app[WORKER].wake()
+    return web.json_response({"breaker": state})
+
+
+async def _status(app: web.Application) -> dict[str, Any]:
+    journal, db = app[JOURNAL], app[JOURNAL].sync
+    counts = await journal.call(db.counts)
+    drained = await journal.call(db.drained)
+    breaker = await app[ENGINE].breaker()
+    metrics = app[METRICS]
+    metrics.queue_depth.set(sum(counts[s] for s in ACTIVE_STATES))
+    metrics.breaker_open.set(int(breaker["open"]))
+    metrics.nodes_drained.set(len(drained))
+    jobs = await journal.call(db.exhausted_jobs)
+    return {
+        "dry_run": app[CONFIG].dry_run,
+        "backend": app[BACKEND].name,
+        "breaker": breaker,
+        "drained_by_us": [{"node": n, "since": e["since"], "reason": e["reason"], "action_id": e["action_id"],
+                           "left_for_human": bool(e["keep"])} for n, e in drained.items()],
+        "queue": counts,
+        "jobs_out_of_retries": [{"job_id": j.job_id, "attempts": j.attempts, "nodes": j.excluded,
+                                 "last_at": j.last_at} for j in jobs],
+        "worker_alive": app[WORKER].alive,
+    }
+
+
+async def get_status(request: web.Request) -> web.Response:
+    return web.json_response(await _status(request.app))
+
+
+async def get_metrics(request: web.Request) -> web.Response:
+    await _status(request.app)  # refreshes the gauges read from the journal
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    journal = request.app[JOURNAL]
+    try:
+        await journal.call(journal.sync.counts)
+    except sqlite3.Error as exc:
+        raise _json_error(web.HTTPServiceUnavailable, f"journal: {exc}") from None
+    if not request.app[WORKER].alive:
+        raise _json_error(web.HTTPServiceUnavailable, "action worker stopped")
+    return web.json_response({"ok": True})
+
+
+def _when(ts: float | None) -> str:
+    return "" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts))
+
+
+async def status_page(request: web.Request) -> web.Response:
+    journal = request.app[JOURNAL]
+    status = await _status(request.app)
+    actions = await journal.call(journal.sync.list_actions, None, None, None, 50)
+    html = _TEMPLATES.get_template("status.html").render(status=status, actions=actions, when=_when,
+                                                          now=_when(time.time()))
+    return web.Response(text=html, content_type="text/html")
+
+
+def create_app(config: Config, *, backend: Backend | None = None) -> web.Application:
+    """The webhook application; ``backend`` defaults to the one the config names."""
+    app = web.Application(middlewares=[_require_auth], client_max_size=config.max_body_bytes)
+    app[CONFIG] = config
+    app[BACKEND] = backend if backend is not None else create_backend(config.backend)
+    app[AUTH] = Authenticator.from_config(config)
+    app[METRICS] = Metrics()
+    app.cleanup_ctx.append(_runtime)
+    app.add_routes([
+        web.post("/alerts", post_alerts),
+        web.get("/actions", get_actions),
+        web.get("/actions/{id}", get_action),
+        web.post("/actions/{id}/approve", approve),
+        web.post("/actions/{id}/cancel", cancel),
+        web.post("/breaker/reset", reset_breaker),
+        web.get("/status", get_status),
+        web.get("/metrics", get_metrics),
+        web.get("/healthz", healthz),
+        web.get("/", status_page),
+    ])
+    return app
+
+
+async def _runtime(app: web.Application):
+    """Open the journal and start the worker; on shutdown stop the worker before closing the journal."""
+    config = app[CONFIG]
+    journal = AsyncJournal(config.journal_path)
+    engine = Engine(config, app[BACKEND], journal, app[METRICS])
+    worker = Worker(engine, journal)
+    app[JOURNAL], app[ENGINE], app[WORKER] = journal, engine, worker
+    breaker = await engine.breaker()
+    app[METRICS].breaker_open.set(int(breaker["open"]))
+    log.info("event=started journal=%s backend=%s dry_run=%s breaker_open=%s", config.journal_path,
+             app[BACKEND].name, config.dry_run, breaker["open"])
+    worker.start()
+    yield
+    await worker.stop()
+    await journal.close()

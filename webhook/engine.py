@@ -1,0 +1,366 @@
+"""The decision engine: guardrails first, then the action's steps, each step journaled as it ends.
+
+An action is admitted once (pending -> running) after every guardrail passed; from then on it only
+moves forward through its steps, and a restart resumes after the last journaled step. Backends are
+idempotent, so a step interrupted by a crash is safely sent again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gpuhealth.webhook.backends.base import Backend, BackendError, NodeState
+from gpuhealth.webhook.config import Config
+from gpuhealth.webhook.journal import (
+    ACTIVE_STATES,
+    CANCELLED,
+    DONE,
+    DRAINING_KINDS,
+    FAILED,
+    PENDING,
+    RUNNING,
+    SKIPPED,
+    UNDRAIN,
+    Action,
+    AsyncJournal,
+    JobRecord,
+)
+from gpuhealth.webhook.metrics import Metrics
+from gpuhealth.webhook.outcomes import Outcome, Reason
+from gpuhealth.webhook.policy import STEPS, drain_reason, is_ours
+
+log = logging.getLogger(__name__)
+
+BREAKER = "breaker"  # journal meta key: {"open": bool, "since": float, "reason": str}
+ACTING_DRAINS = (*DRAINING_KINDS, "replace")
+FINAL_STATE = {Outcome.DONE: DONE, Outcome.DRY_RUN: DONE, Outcome.FAILED: FAILED,
+               Outcome.CANCELLED: CANCELLED}  # anything else ends SKIPPED
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A guardrail's answer that ends or postpones admission."""
+
+    outcome: Outcome
+    reason: Reason
+    detail: str
+    retry_at: float | None = None  # for DEFERRED
+    drop_drained: bool = False
+
+
+class Halt(Exception):
+    """A step cannot go on now: it must wait (retry interval, failed health check) or end the action."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(verdict.detail)
+        self.verdict = verdict
+
+
+def _matches(node: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(node, p) for p in patterns)
+
+
+class Engine:
+    def __init__(self, config: Config, backend: Backend, journal: AsyncJournal, metrics: Metrics) -> None:
+        self.config = config
+        self.backend = backend
+        self.journal = journal
+        self.db = journal.sync
+        self.metrics = metrics
+        self._admission = asyncio.Lock()  # one admission at a time: the breaker count stays exact
+
+    async def breaker(self) -> dict[str, Any]:
+        return await self.journal.call(self.db.get_meta, BREAKER) or {"open": False}
+
+    async def reset_breaker(self, by: str) -> dict[str, Any]:
+        state = {"open": False, "since": time.time(), "reason": f"reset by {by}"}
+        await self.journal.call(self.db.set_meta, BREAKER, state)
+        self.metrics.breaker_open.set(0)
+        log.warning("event=breaker_reset by=%s", by)
+        return state
+
+    async def run(self, action: Action) -> None:
+        """Carry ``action`` forward as far as it can go now; every outcome lands in the journal."""
+        try:
+            if action.state == PENDING:
+                async with self._admission:
+                    verdict = await self._admit(action)
+                if verdict is not None:
+                    await self._conclude(action, verdict)
+                    return
+                refreshed = await self.journal.call(self.db.get, action.id)
+                if refreshed is None or refreshed.state != RUNNING:
+                    return
+                action = refreshed
+            await self._steps(action)
+        except Halt as halt:
+            await self._conclude(action, halt.verdict)
+        except BackendError as exc:
+            await self._backend_failed(action, str(exc), exc.retryable)
+        except Exception as exc:  # a bug must not spin or lose the action: back off and keep it
+            log.exception("event=action_error id=%s kind=%s node=%s", action.id, action.kind, action.node)
+            await self._backend_failed(action, f"internal error: {exc!r}", True)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    async def _admit(self, a: Action) -> Verdict | None:
+        if a.kind == "none":
+            return Verdict(Outcome.DONE, Reason.RECORD_ONLY, "recorded only (action none)")
+        if not a.node:
+            return Verdict(Outcome.SKIPPED, Reason.NO_NODE, "the alert has no node label")
+        verdict = await (self._admit_undrain(a) if a.kind == UNDRAIN else self._admit_action(a))
+        if verdict is not None:
+            return verdict
+        if self.config.dry_run:
+            return Verdict(Outcome.DRY_RUN, Reason.DRY_RUN, "would " + self._plan(a))
+        reserve = None
+        if a.kind in ACTING_DRAINS:
+            reserve = (a.node, self._reason(a), a.kind == "replace")
+        started = await self.journal.call(self.db.start, a.id, reserve)
+        if started:
+            log.info("event=action_started id=%s kind=%s node=%s gpu=%s alertname=%s plan=%r", a.id, a.kind,
+                     a.node, a.gpu, a.alertname, self._plan(a))
+        return None
+
+    async def _state(self, node: str) -> NodeState | None:
+        """The node's state; in dry-run an unreachable cluster is tolerated (None: unknown)."""
+        try:
+            return await self.backend.node_state(node)
+        except BackendError:
+            if self.config.dry_run:
+                return None
+            raise
+
+    async def _admit_action(self, a: Action) -> Verdict | None:
+        g = self.config.guardrails
+        if _matches(a.node, g.deny_nodes):
+            return Verdict(Outcome.SKIPPED, Reason.DENIED, f"{a.node} is on the deny list")
+        if g.allow_nodes and not _matches(a.node, g.allow_nodes):
+            return Verdict(Outcome.SKIPPED, Reason.NOT_ALLOWED, f"{a.node} is not on the allow list")
+        if (await self.breaker())["open"]:
+            return Verdict(Outcome.SKIPPED, Reason.BREAKER_OPEN, "the circuit breaker is open")
+        state = await self._state(a.node)
+        drained_by_us = False
+        if state is not None:
+            if not state.exists:
+                return Verdict(Outcome.SKIPPED, Reason.UNKNOWN_NODE, f"the cluster has no node {a.node}")
+            if state.drained and not is_ours(state.reason):
+                return Verdict(Outcome.SKIPPED, Reason.DRAINED_BY_OTHER,
+                               f"{a.node} was drained by someone else: {state.reason!r}")
+            drained_by_us = state.drained
+            if a.kind == "drain" and drained_by_us:
+                return Verdict(Outcome.SKIPPED, Reason.ALREADY_DRAINED, f"{a.node} is already drained by us")
+        now = time.time()
+        last = await self.journal.call(self.db.last_acted_at, a.node, a.id)
+        if last is not None and now - last < g.node_cooldown_seconds:
+            return Verdict(Outcome.SKIPPED, Reason.COOLDOWN, f"{a.node} was acted on {now - last:.0f}s ago "
+                                                             f"(cooldown {g.node_cooldown_seconds:.0f}s)")
+        if self.config.dry_run:
+            return None
+        starts = await self.journal.call(self.db.started_since, now - g.rate_limit_window_seconds)
+        if len(starts) >= g.rate_limit_actions:
+            retry_at = starts[len(starts) - g.rate_limit_actions] + g.rate_limit_window_seconds
+            return Verdict(Outcome.DEFERRED, Reason.RATE_LIMITED,
+                           f"{len(starts)} actions in the last {g.rate_limit_window_seconds:.0f}s "
+                           f"(limit {g.rate_limit_actions})", retry_at)
+        if a.kind in ACTING_DRAINS and not drained_by_us:
+            return await self._check_breaker(a)
+        return None
+
+    async def _check_breaker(self, a: Action) -> Verdict | None:
+        g = self.config.guardrails
+        ours = await self.drained_by_us()
+        fleet = await self.backend.fleet_size()
+        cap = min(g.breaker_max_nodes, max(1, math.floor(g.breaker_max_fraction * fleet)))
+        would_be = len(ours - {a.node}) + 1
+        if would_be <= cap:
+            return None
+        reason = (f"draining {a.node} would make {would_be} nodes drained by gpuhealth; cap is {cap} "
+                  f"(breaker_max_nodes {g.breaker_max_nodes}, breaker_max_fraction "
+                  f"{g.breaker_max_fraction:g} of {fleet} nodes)")
+        state = {"open": True, "since": time.time(), "reason": reason}
+        await self.journal.call(self.db.set_meta, BREAKER, state)
+        self.metrics.breaker_open.set(1)
+        log.error("event=breaker_tripped node=%s drained_by_us=%d cap=%d fleet=%d", a.node, len(ours), cap,
+                  fleet)
+        return Verdict(Outcome.SKIPPED, Reason.BREAKER_OPEN, f"circuit breaker tripped: {reason}")
+
+    async def drained_by_us(self) -> set[str]:
+        """Our drain records, pruned of nodes a human resumed or re-drained since."""
+        entries = await self.journal.call(self.db.drained)
+        ours = set()
+        for node, entry in entries.items():
+            owner = await self.journal.call(self.db.get, entry["action_id"])
+            if owner is not None and owner.state in ACTIVE_STATES:
+                ours.add(node)  # reserved by an action still under way
+                continue
+            state = await self.backend.node_state(node)
+            if state.drained and is_ours(state.reason):
+                ours.add(node)
+            else:
+                await self.journal.call(self.db.remove_drained, node)
+        self.metrics.nodes_drained.set(len(ours))
+        return ours
+
+    async def _admit_undrain(self, a: Action) -> Verdict | None:
+        entry = (await self.journal.call(self.db.drained)).get(a.node)
+        if entry is None:
+            return Verdict(Outcome.SKIPPED, Reason.NOT_DRAINED_BY_US, f"{a.node} is not drained by us")
+        if entry["keep"]:
+            return Verdict(Outcome.SKIPPED, Reason.LEFT_FOR_HUMAN, f"{a.node} is left drained for a human")
+        if await self.journal.call(self.db.firing_drains, a.node, (a.fingerprint, a.starts_at)):
+            return Verdict(Outcome.SKIPPED, Reason.STILL_FIRING, f"other alerts still keep {a.node} drained")
+        if self.config.undrain.mode == "manual":
+            return Verdict(Outcome.SKIPPED, Reason.LEFT_FOR_HUMAN, "undrain mode is manual")
+        if (await self.breaker())["open"]:
+            return Verdict(Outcome.SKIPPED, Reason.BREAKER_OPEN, "the circuit breaker is open")
+        state = await self._state(a.node)
+        if state is not None and not state.drained:
+            return Verdict(Outcome.DONE, Reason.ALREADY_RESUMED, f"{a.node} is already back in service",
+                           drop_drained=True)
+        if state is not None and not is_ours(state.reason):
+            return Verdict(Outcome.SKIPPED, Reason.DRAINED_BY_OTHER,
+                           f"{a.node} was drained again by someone else: {state.reason!r}", drop_drained=True)
+        return None
+
+    # -- steps -------------------------------------------------------------------------------
+
+    async def _steps(self, a: Action) -> None:
+        progress = dict(a.progress)
+        done = progress.setdefault("done", [])
+        for step in STEPS[a.kind]:
+            if step in done:
+                continue
+            await getattr(self, f"_step_{step}")(a, progress)
+            done.append(step)
+            await self.journal.call(self.db.save_progress, a.id, progress)
+        summary = self._summary(a, progress)
+        await self._conclude(a, Verdict(Outcome.DONE, Reason.OK, summary, drop_drained=a.kind == UNDRAIN))
+
+    async def _step_drain(self, a: Action, progress: dict[str, Any]) -> None:
+        await self.backend.drain(a.node, self._reason(a))
+
+    async def _step_requeue(self, a: Action, progress: dict[str, Any]) -> None:
+        if "jobs" not in progress:
+            progress["jobs"] = sorted(await self.backend.jobs_on_node(a.node))
+            await self.journal.call(self.db.save_progress, a.id, progress)
+        retry = self.config.retry
+        handled = progress.setdefault("requeued", []), progress.setdefault("exhausted", [])
+        for job_id in progress["jobs"]:
+            if any(job_id in group for group in handled):
+                continue
+            job = await self.journal.call(self.db.job, job_id) or JobRecord(job_id, 0, 0.0, [], False, "")
+            if job.attempts >= retry.job_max_attempts:
+                handled[1].append(job_id)
+                job.exhausted = True
+                await self.journal.call(self.db.job_requeued, a.id, progress, job)
+                log.warning("event=job_retry_exhausted job=%s attempts=%d nodes=%s", job_id, job.attempts,
+                            ",".join([*job.excluded, a.node]))
+                continue
+            wait_until = job.last_at + retry.job_retry_interval_seconds
+            if job.attempts and wait_until > time.time():
+                detail = f"job {job_id} was requeued {time.time() - job.last_at:.0f}s ago"
+                raise Halt(Verdict(Outcome.DEFERRED, Reason.JOB_RETRY_INTERVAL, detail, wait_until))
+            excluded = sorted({*job.excluded, a.node})
+            await self.backend.requeue(job_id, excluded)
+            handled[0].append(job_id)
+            await self.journal.call(self.db.job_requeued, a.id, progress,
+                                    JobRecord(job_id, job.attempts + 1, time.time(), excluded, False, a.node))
+            log.info("event=job_requeued job=%s attempt=%d exclude=%s", job_id, job.attempts + 1,
+                     ",".join(excluded))
+
+    async def _step_reset_gpu(self, a: Action, progress: dict[str, Any]) -> None:
+        await self.backend.reset_gpu(a.node, a.gpu or None, self._reason(a))
+
+    async def _step_reboot(self, a: Action, progress: dict[str, Any]) -> None:
+        await self.backend.reboot(a.node, self._reason(a))
+
+    async def _step_resume(self, a: Action, progress: dict[str, Any]) -> None:
+        cfg = self.config.undrain
+        if cfg.health_check:
+            ok, output = await self._health_check(a.node)
+            if not ok:
+                progress["health_checks_failed"] = progress.get("health_checks_failed", 0) + 1
+                await self.journal.call(self.db.save_progress, a.id, progress)
+                if progress["health_checks_failed"] >= cfg.health_check_max_attempts:
+                    await self.journal.call(self.db.keep_drained, a.node)
+                    raise Halt(Verdict(Outcome.SKIPPED, Reason.HEALTH_CHECK_FAILED,
+                                       f"health check failed, node left drained: {output}"))
+                retry_at = time.time() + cfg.health_check_retry_seconds
+                raise Halt(Verdict(Outcome.DEFERRED, Reason.HEALTH_CHECK_FAILED,
+                                   f"health check failed: {output}", retry_at))
+        await self.backend.resume(a.node)
+
+    async def _health_check(self, node: str) -> tuple[bool, str]:
+        cfg = self.config.undrain
+        argv = [arg.replace("{node}", node) for arg in cfg.health_check]
+        try:
+            proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
+                                                        stderr=asyncio.subprocess.STDOUT)
+        except OSError as exc:
+            return False, f"cannot run {argv[0]}: {exc.strerror}"
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), cfg.health_check_timeout_seconds)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            return False, f"timed out after {cfg.health_check_timeout_seconds:g}s"
+        text = out.decode(errors="replace").strip()[-300:]
+        return proc.returncode == 0, f"exit {proc.returncode}: {text}"
+
+    # -- endings -----------------------------------------------------------------------------
+
+    async def _backend_failed(self, a: Action, error: str, retryable: bool) -> None:
+        current = await self.journal.call(self.db.get, a.id)
+        attempts = (current.attempts if current else a.attempts) + 1
+        retry = self.config.retry
+        if retryable and attempts < retry.backend_max_attempts:
+            delay = min(retry.backoff_initial_seconds * 2 ** (attempts - 1), retry.backoff_max_seconds)
+            verdict = Verdict(Outcome.DEFERRED, Reason.BACKEND_ERROR, error, time.time() + delay)
+        else:
+            verdict = Verdict(Outcome.FAILED, Reason.BACKEND_ERROR, error)
+        await self._conclude(current or a, verdict, attempts=attempts)
+
+    async def _conclude(self, a: Action, v: Verdict, **extra: Any) -> None:
+        fields = {"outcome": v.outcome.value, "reason": v.reason.value, "detail": v.detail, **extra}
+        if v.outcome is Outcome.DEFERRED:
+            current = await self.journal.call(self.db.get, a.id)
+            state = current.state if current else a.state
+            await self.journal.call(self.db.update, a.id, state, next_at=v.retry_at, **fields)
+        else:
+            state = FINAL_STATE.get(v.outcome, SKIPPED)
+            drop = a.node if v.drop_drained else None
+            await self.journal.call(self.db.update, a.id, state, drop_drained=drop, **fields)
+            if v.outcome is Outcome.DONE and a.kind != "none":
+                self.metrics.latency.observe(max(0.0, time.time() - a.received_at))
+        self.metrics.action(a.kind, v.outcome, v.reason)
+        level = logging.WARNING if v.outcome in (Outcome.FAILED, Outcome.SKIPPED) else logging.INFO
+        log.log(level, "event=action_%s id=%s kind=%s node=%s gpu=%s alertname=%s reason=%s detail=%r",
+                v.outcome.value, a.id, a.kind, a.node, a.gpu, a.alertname, v.reason.value, v.detail)
+
+    def _reason(self, a: Action) -> str:
+        summary = f"replace requested: {a.summary}" if a.kind == "replace" else a.summary
+        return drain_reason(a.alertname, summary)
+
+    def _plan(self, a: Action) -> str:
+        words = {"drain": f"drain {a.node} ({self._reason(a)!r})",
+                 "requeue": f"requeue the jobs on {a.node} excluding it",
+                 "reset_gpu": f"reset GPU {a.gpu or 'all'} on {a.node}",
+                 "reboot": f"reboot {a.node}",
+                 "resume": f"resume {a.node}"}
+        return ", then ".join(words[s] for s in STEPS[a.kind])
+
+    @staticmethod
+    def _summary(a: Action, progress: dict[str, Any]) -> str:
+        parts = [", ".join(progress.get("done", []))]
+        if progress.get("requeued"):
+            parts.append(f"requeued jobs {','.join(progress['requeued'])}")
+        if progress.get("exhausted"):
+            parts.append(f"jobs out of retries {','.join(progress['exhausted'])}")
+        return "; ".join(p for p in parts if p)

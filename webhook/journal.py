@@ -1,0 +1,416 @@
+"""The durable journal (SQLite, WAL): notifications, alerts, actions and every state transition.
+
+A notification is acknowledged only after its transaction commits, and the action worker is fed
+from the journal alone, so a webhook killed at any point resumes exactly where it stopped. All
+SQLite work runs on one dedicated thread: the event loop never blocks on a disk write, and the
+connection is never shared between threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from gpuhealth.webhook.models import Alert, Notification
+
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS notifications (
+    id INTEGER PRIMARY KEY, received_at REAL NOT NULL, receiver TEXT, group_key TEXT, status TEXT,
+    alerts INTEGER NOT NULL, new_alerts INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS alerts (
+    fingerprint TEXT NOT NULL, starts_at TEXT NOT NULL, status TEXT NOT NULL, node TEXT, gpu TEXT,
+    alertname TEXT, labels TEXT NOT NULL, annotations TEXT NOT NULL, received_at REAL NOT NULL,
+    resolved_at REAL, notification_id INTEGER NOT NULL, PRIMARY KEY (fingerprint, starts_at));
+CREATE INDEX IF NOT EXISTS alerts_node ON alerts (node, status);
+CREATE TABLE IF NOT EXISTS actions (
+    id INTEGER PRIMARY KEY, fingerprint TEXT NOT NULL, starts_at TEXT NOT NULL, kind TEXT NOT NULL,
+    node TEXT NOT NULL, gpu TEXT NOT NULL, alertname TEXT NOT NULL, summary TEXT NOT NULL,
+    state TEXT NOT NULL, outcome TEXT NOT NULL DEFAULT '', reason TEXT NOT NULL DEFAULT '',
+    detail TEXT NOT NULL DEFAULT '', attempts INTEGER NOT NULL DEFAULT 0, next_at REAL NOT NULL,
+    progress TEXT NOT NULL DEFAULT '{}', received_at REAL NOT NULL, started_at REAL, finished_at REAL,
+    updated_at REAL NOT NULL, UNIQUE (fingerprint, starts_at, kind));
+CREATE INDEX IF NOT EXISTS actions_state ON actions (state, next_at);
+CREATE INDEX IF NOT EXISTS actions_node ON actions (node, state);
+CREATE TABLE IF NOT EXISTS transitions (
+    id INTEGER PRIMARY KEY, action_id INTEGER NOT NULL, at REAL NOT NULL, state TEXT NOT NULL,
+    reason TEXT NOT NULL, detail TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS transitions_action ON transitions (action_id);
+CREATE TABLE IF NOT EXISTS drained (
+    node TEXT PRIMARY KEY, action_id INTEGER NOT NULL, since REAL NOT NULL, reason TEXT NOT NULL,
+    keep INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY, attempts INTEGER NOT NULL, last_at REAL NOT NULL, excluded TEXT NOT NULL,
+    exhausted INTEGER NOT NULL DEFAULT 0, last_node TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+PENDING, AWAITING_APPROVAL, RUNNING = "pending", "awaiting_approval", "running"
+DONE, SKIPPED, FAILED, CANCELLED = "done", "skipped", "failed", "cancelled"
+ACTIVE_STATES = (PENDING, AWAITING_APPROVAL, RUNNING)
+STATES = (*ACTIVE_STATES, DONE, SKIPPED, FAILED, CANCELLED)
+UNDRAIN = "undrain"  # the action kind created when a drain's alert resolves
+DRAINING_KINDS = ("drain", "drain_reset_gpu", "drain_reboot")  # followed by an undrain on resolve
+
+
+class JournalError(RuntimeError):
+    """The journal cannot be written; the notification must be retried by Alertmanager."""
+
+
+@dataclass
+class Action:
+    id: int
+    fingerprint: str
+    starts_at: str
+    kind: str
+    node: str
+    gpu: str
+    alertname: str
+    summary: str
+    state: str
+    outcome: str
+    reason: str
+    detail: str
+    attempts: int
+    next_at: float
+    progress: dict[str, Any]
+    received_at: float
+    started_at: float | None
+    finished_at: float | None
+    updated_at: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+@dataclass
+class Decision:
+    """What the policy chose for one firing alert, before any guardrail looked at it."""
+
+    alert: Alert
+    kind: str
+    needs_approval: bool
+
+
+@dataclass
+class RecordResult:
+    notification_id: int
+    new_actions: list[int] = field(default_factory=list)
+    duplicates: int = 0
+    resolved: int = 0
+    cancelled: list[str] = field(default_factory=list)  # kinds of actions the resolution made moot
+
+
+@dataclass
+class JobRecord:
+    job_id: str
+    attempts: int
+    last_at: float
+    excluded: list[str]
+    exhausted: bool
+    last_node: str
+
+
+def _action(row: sqlite3.Row) -> Action:
+    data = dict(row)
+    data["progress"] = json.loads(data["progress"])
+    return Action(**data)
+
+
+class Journal:
+    """Synchronous journal operations; use ``AsyncJournal`` from the event loop."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")  # a commit survives power loss, not only a crash
+        self.db.execute("PRAGMA busy_timeout=5000")
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _tx(self, fn: Callable[[], T]) -> T:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn()
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+        return result
+
+    def _transition(self, action_id: int, state: str, reason: str, detail: str, now: float) -> None:
+        self.db.execute("INSERT INTO transitions (action_id, at, state, reason, detail) VALUES (?,?,?,?,?)",
+                        (action_id, now, state, reason, detail))
+
+    def _insert_action(self, alert: Alert, kind: str, state: str, reason: str, now: float) -> int | None:
+        cur = self.db.execute(
+            "INSERT OR IGNORE INTO actions (fingerprint, starts_at, kind, node, gpu, alertname, summary, "
+            "state, reason, next_at, received_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (*alert.key, kind, alert.node, alert.gpu, alert.alertname, alert.annotations.get("summary", ""),
+             state, reason, now, now, now))
+        if not cur.rowcount:
+            return None
+        self._transition(cur.lastrowid, state, reason, "", now)
+        return cur.lastrowid
+
+    def record(self, notification: Notification, decisions: dict[tuple[str, str], Decision],
+               now: float | None = None) -> RecordResult:
+        """Journal a notification and the actions its new alerts call for, in one transaction."""
+        now = time.time() if now is None else now
+
+        def run() -> RecordResult:
+            cur = self.db.execute(
+                "INSERT INTO notifications (received_at, receiver, group_key, status, alerts, new_alerts) "
+                "VALUES (?,?,?,?,?,0)", (now, notification.receiver, notification.group_key,
+                                        notification.status, len(notification.alerts)))
+            result = RecordResult(cur.lastrowid)
+            for alert in notification.alerts:
+                if alert.status == "firing":
+                    self._record_firing(alert, decisions.get(alert.key), now, result)
+                else:
+                    self._record_resolved(alert, now, result)
+            self.db.execute("UPDATE notifications SET new_alerts = ? WHERE id = ?",
+                            (len(notification.alerts) - result.duplicates, result.notification_id))
+            return result
+
+        return self._tx(run)
+
+    def _insert_alert(self, alert: Alert, status: str, now: float, notification_id: int) -> bool:
+        cur = self.db.execute(
+            "INSERT OR IGNORE INTO alerts (fingerprint, starts_at, status, node, gpu, alertname, labels, "
+            "annotations, received_at, resolved_at, notification_id) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (*alert.key, status, alert.node, alert.gpu, alert.alertname, json.dumps(alert.labels),
+             json.dumps(alert.annotations), now, now if status == "resolved" else None, notification_id))
+        return bool(cur.rowcount)
+
+    def _record_firing(self, alert: Alert, decision: Decision | None, now: float,
+                       result: RecordResult) -> None:
+        if not self._insert_alert(alert, "firing", now, result.notification_id):
+            result.duplicates += 1
+            return
+        if decision is not None:
+            state = AWAITING_APPROVAL if decision.needs_approval else PENDING
+            action_id = self._insert_action(alert, decision.kind, state,
+                                            "approval_required" if decision.needs_approval else "", now)
+            if action_id is not None:
+                result.new_actions.append(action_id)
+
+    def _record_resolved(self, alert: Alert, now: float, result: RecordResult) -> None:
+        row = self.db.execute("SELECT status FROM alerts WHERE fingerprint = ? AND starts_at = ?",
+                              alert.key).fetchone()
+        if row is None:
+            self._insert_alert(alert, "resolved", now, result.notification_id)
+            result.resolved += 1
+            return
+        if row["status"] == "resolved":
+            result.duplicates += 1
+            return
+        self.db.execute("UPDATE alerts SET status = 'resolved', resolved_at = ? WHERE fingerprint = ? "
+                        "AND starts_at = ?", (now, *alert.key))
+        result.resolved += 1
+        for action in self.db.execute("SELECT id, kind, state, attempts FROM actions WHERE fingerprint = ? "
+                                      "AND starts_at = ?", alert.key).fetchall():
+            if action["state"] in (PENDING, AWAITING_APPROVAL) and action["attempts"] == 0:
+                self._set_state(action["id"], CANCELLED, "cancelled", "resolved",
+                                "the alert resolved before the action started", now)
+                result.cancelled.append(action["kind"])
+            elif action["kind"] in DRAINING_KINDS and action["state"] not in (CANCELLED, SKIPPED):
+                action_id = self._insert_action(alert, UNDRAIN, PENDING, "", now)
+                if action_id is not None:
+                    result.new_actions.append(action_id)
+
+    def _set_state(self, action_id: int, state: str, outcome: str, reason: str, detail: str, now: float,
+                   **extra: Any) -> None:
+        columns = {"state": state, "outcome": outcome, "reason": reason, "detail": detail, "updated_at": now,
+                   **extra}
+        if state in (DONE, SKIPPED, FAILED, CANCELLED):
+            columns["finished_at"] = now
+        assignments = ", ".join(f"{k} = ?" for k in columns)
+        self.db.execute(f"UPDATE actions SET {assignments} WHERE id = ?", (*columns.values(), action_id))
+        self._transition(action_id, state, reason, detail, now)
+
+    def update(self, action_id: int, state: str, *, outcome: str = "", reason: str = "", detail: str = "",
+               drop_drained: str | None = None, **extra: Any) -> None:
+        """Move an action to ``state`` and journal the transition (``extra``: other columns)."""
+        if "progress" in extra:
+            extra["progress"] = json.dumps(extra["progress"])
+
+        def run() -> None:
+            self._set_state(action_id, state, outcome, reason, detail, time.time(), **extra)
+            if drop_drained is not None:
+                self.remove_drained(drop_drained)
+
+        self._tx(run)
+
+    def start(self, action_id: int, reserve: tuple[str, str, bool] | None) -> bool:
+        """Pending -> running, reserving the node as drained by us (node, reason, keep) in the same commit.
+
+        False when the action is no longer pending (cancelled meanwhile). The reservation counts
+        against the circuit breaker from this moment, before the drain itself is sent.
+        """
+        def run() -> bool:
+            row = self.db.execute("SELECT state FROM actions WHERE id = ?", (action_id,)).fetchone()
+            if row is None or row["state"] != PENDING:
+                return False
+            now = time.time()
+            if reserve is not None:
+                self.add_drained(*reserve, action_id=action_id)
+            self._set_state(action_id, RUNNING, "", "", "started", now, started_at=now, next_at=now)
+            return True
+
+        return self._tx(run)
+
+    def job_requeued(self, action_id: int, progress: dict[str, Any], job: JobRecord) -> None:
+        """A job's new attempt and the action's progress, together: a restart never counts it twice."""
+        def run() -> None:
+            self.save_job(job)
+            self.save_progress(action_id, progress)
+
+        self._tx(run)
+
+    def save_progress(self, action_id: int, progress: dict[str, Any]) -> None:
+        """Record a finished step, so that a restart resumes after it rather than repeating it."""
+        self.db.execute("UPDATE actions SET progress = ?, updated_at = ? WHERE id = ?",
+                        (json.dumps(progress), time.time(), action_id))
+
+    def try_move(self, action_id: int, from_states: Iterable[str], state: str, reason: str, detail: str,
+                 outcome: str = "") -> Action | None:
+        """Move an action only if it is in one of ``from_states``; the action after, or None."""
+        allowed = tuple(from_states)
+
+        def run() -> Action | None:
+            row = self.db.execute("SELECT state FROM actions WHERE id = ?", (action_id,)).fetchone()
+            if row is None or row["state"] not in allowed:
+                return None
+            self._set_state(action_id, state, outcome, reason, detail, time.time(), next_at=time.time())
+            return self.get(action_id)
+
+        return self._tx(run)
+
+    def get(self, action_id: int) -> Action | None:
+        row = self.db.execute("SELECT * FROM actions WHERE id = ?", (action_id,)).fetchone()
+        return None if row is None else _action(row)
+
+    def transitions(self, action_id: int) -> list[dict[str, Any]]:
+        rows = self.db.execute("SELECT at, state, reason, detail FROM transitions WHERE action_id = ? "
+                               "ORDER BY id", (action_id,))
+        return [dict(r) for r in rows]
+
+    def list_actions(self, node: str | None = None, state: str | None = None, since: float | None = None,
+                     limit: int = 500) -> list[Action]:
+        where, args = [], []
+        for clause, value in (("node = ?", node), ("state = ?", state), ("updated_at >= ?", since)):
+            if value is not None:
+                where.append(clause)
+                args.append(value)
+        sql = "SELECT * FROM actions" + (" WHERE " + " AND ".join(where) if where else "")
+        rows = self.db.execute(sql + " ORDER BY id DESC LIMIT ?", (*args, limit))
+        return [_action(r) for r in rows]
+
+    def due(self, now: float, busy_nodes: Iterable[str], limit: int) -> list[Action]:
+        """Runnable actions: per node only the oldest active one (node order is FIFO), and only when due."""
+        busy = set(busy_nodes)
+        rows = self.db.execute(
+            "SELECT a.* FROM actions a JOIN (SELECT node, MIN(id) AS id FROM actions "
+            "WHERE state IN (?, ?) GROUP BY node) h ON a.id = h.id WHERE a.next_at <= ? ORDER BY a.id",
+            (PENDING, RUNNING, now))
+        return [a for a in map(_action, rows) if a.node not in busy][:limit]
+
+    def next_due_at(self) -> float | None:
+        row = self.db.execute("SELECT MIN(next_at) FROM actions WHERE state IN (?, ?)",
+                              (PENDING, RUNNING)).fetchone()
+        return row[0]
+
+    def counts(self) -> dict[str, int]:
+        rows = self.db.execute("SELECT state, COUNT(*) FROM actions GROUP BY state").fetchall()
+        return {state: 0 for state in STATES} | {r[0]: r[1] for r in rows}
+
+    def last_acted_at(self, node: str, exclude_id: int) -> float | None:
+        """When an action last acted on ``node`` (for the cooldown); dry runs and skips do not count."""
+        row = self.db.execute("SELECT MAX(started_at) FROM actions WHERE node = ? AND id != ? AND kind "
+                              "NOT IN ('none', ?) AND outcome IN ('', 'done', 'failed') AND started_at "
+                              "IS NOT NULL", (node, exclude_id, UNDRAIN)).fetchone()
+        return row[0]
+
+    def started_since(self, since: float) -> list[float]:
+        """Start times of acting actions since ``since`` (for the global rate limit), oldest first."""
+        rows = self.db.execute("SELECT started_at FROM actions WHERE started_at >= ? AND kind != 'none' "
+                               "AND outcome IN ('', 'done', 'failed') ORDER BY started_at", (since,))
+        return [r[0] for r in rows]
+
+    def firing_drains(self, node: str, exclude: tuple[str, str]) -> int:
+        """Alerts still firing on ``node`` whose action drains it: the node must stay drained."""
+        row = self.db.execute(
+            "SELECT COUNT(*) FROM alerts al JOIN actions ac ON ac.fingerprint = al.fingerprint AND "
+            "ac.starts_at = al.starts_at WHERE al.node = ? AND al.status = 'firing' AND ac.kind IN "
+            f"({', '.join('?' * len(DRAINING_KINDS))}, 'replace') AND ac.state NOT IN (?, ?) "
+            "AND NOT (al.fingerprint = ? AND al.starts_at = ?)",
+            (node, *DRAINING_KINDS, CANCELLED, SKIPPED, *exclude)).fetchone()
+        return row[0]
+
+    def drained(self) -> dict[str, dict[str, Any]]:
+        rows = self.db.execute("SELECT * FROM drained ORDER BY node")
+        return {r["node"]: dict(r) for r in rows}
+
+    def add_drained(self, node: str, reason: str, keep: bool, action_id: int) -> None:
+        self.db.execute("INSERT OR REPLACE INTO drained (node, action_id, since, reason, keep) "
+                        "VALUES (?,?,?,?,?)", (node, action_id, time.time(), reason, int(keep)))
+
+    def keep_drained(self, node: str) -> None:
+        """Leave ``node`` drained for a human: no automatic undrain will touch it."""
+        self.db.execute("UPDATE drained SET keep = 1 WHERE node = ?", (node,))
+
+    def remove_drained(self, node: str) -> None:
+        self.db.execute("DELETE FROM drained WHERE node = ?", (node,))
+
+    def job(self, job_id: str) -> JobRecord | None:
+        row = self.db.execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        if row is None:
+            return None
+        return JobRecord(row["job_id"], row["attempts"], row["last_at"], json.loads(row["excluded"]),
+                         bool(row["exhausted"]), row["last_node"])
+
+    def save_job(self, job: JobRecord) -> None:
+        self.db.execute("INSERT OR REPLACE INTO jobs (job_id, attempts, last_at, excluded, exhausted, "
+                        "last_node) VALUES (?,?,?,?,?,?)", (job.job_id, job.attempts, job.last_at,
+                                                          json.dumps(job.excluded), int(job.exhausted),
+                                                          job.last_node))
+
+    def exhausted_jobs(self) -> list[JobRecord]:
+        rows = self.db.execute("SELECT job_id FROM jobs WHERE exhausted = 1 ORDER BY last_at DESC LIMIT 100")
+        return [job for r in rows if (job := self.job(r[0])) is not None]
+
+    def get_meta(self, key: str) -> Any:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def set_meta(self, key: str, value: Any) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, json.dumps(value)))
+
+
+class AsyncJournal:
+    """Runs ``Journal`` calls on its own thread, one at a time, so the event loop never blocks."""
+
+    def __init__(self, path: Path) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal")
+        self.sync = self._executor.submit(Journal, path).result()
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    async def close(self) -> None:
+        await self.call(self.sync.close)
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,113 @@
+"""``gpuhealth-webhook``: the command line entry point."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import ssl
+import sys
+from pathlib import Path
+from typing import Any
+
+import prometheus_client
+from aiohttp import web
+from gpuhealth.webhook.app import create_app
+from gpuhealth.webhook.auth import Authenticator, AuthSetupError
+from gpuhealth.webhook.backends import Backend, create_backend
+from gpuhealth.webhook.config import Config, ConfigError, TLSConfig, load_config, parse_listen
+
+log = logging.getLogger("gpuhealth.webhook")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpuhealth-webhook",
+        description="Receive Alertmanager notifications and drain, requeue, reset or reboot GPU nodes, "
+                    "behind guardrails (dry-run, circuit breaker, cooldown, rate limit, approval). "
+                    "Flags override the config file.",
+    )
+    parser.add_argument("--config", required=True, type=Path, metavar="FILE",
+                        help="YAML configuration (see webhook/config.example.yaml)")
+    parser.add_argument("--listen", metavar="HOST:PORT", help="address to serve on (default 0.0.0.0:9836)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="journal and log what would be done, change nothing on the cluster")
+    parser.add_argument("--token-file", type=Path, metavar="FILE",
+                        help="bearer token that callers must present (default <state-dir>/token, created "
+                             "on first start)")
+    parser.add_argument("--state-dir", type=Path, metavar="DIR", help="where the SQLite journal lives")
+    parser.add_argument("--check-config", action="store_true", help="validate the configuration and exit")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
+    return parser
+
+
+def _overrides(config: Config, args: argparse.Namespace) -> Config:
+    changes: dict[str, Any] = {}
+    if args.listen:
+        changes["listen_host"], changes["listen_port"] = parse_listen(args.listen)
+    if args.dry_run:
+        changes["dry_run"] = True
+    if args.state_dir:
+        changes["state_dir"] = args.state_dir.resolve()
+    if args.token_file:
+        changes["auth"] = dataclasses.replace(config.auth, token_file=args.token_file.resolve(),
+                                              disabled=False)
+    return dataclasses.replace(config, **changes)
+
+
+def _ssl_context(tls: TLSConfig) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.cert_file, tls.key_file)
+    if tls.client_ca_file is not None:
+        context.load_verify_locations(tls.client_ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def load(args: argparse.Namespace) -> tuple[Config, Backend]:
+    """Config and backend, with every problem of both in one ``ConfigError``."""
+    built: list[Backend] = []
+
+    def check_backend(section: dict[str, Any]) -> list[str]:
+        try:
+            built.append(create_backend(section))
+        except ValueError as exc:
+            return [str(exc)]
+        return []
+
+    config = load_config(args.config, check_backend)
+    try:
+        config = _overrides(config, args)
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from None
+    return config, built[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    prometheus_client.disable_created_metrics()  # *_created series only double the exposition
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
+    try:
+        config, backend = load(args)
+        Authenticator.from_config(config)
+        context = _ssl_context(config.tls) if config.tls else None
+    except ConfigError as exc:
+        print(f"gpuhealth-webhook: {exc}", file=sys.stderr)
+        return 2
+    except (AuthSetupError, OSError, ssl.SSLError) as exc:
+        print(f"gpuhealth-webhook: {exc}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        print(f"configuration OK (backend {backend.name}, dry_run {config.dry_run})")
+        return 0
+    app = create_app(config, backend=backend)
+    log.info("event=listening host=%s port=%d tls=%s", config.listen_host, config.listen_port,
+             context is not None)
+    web.run_app(app, host=config.listen_host, port=config.listen_port, ssl_context=context, print=None,
+                access_log=None, handle_signals=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The webhook's own metrics, on a private registry so that two apps in one process never clash."""
+
+from __future__ import annotations
+
+from gpuhealth.webhook.outcomes import VALID, Outcome, Reason
+from gpuhealth.webhook.policy import STEPS
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+NOTIFICATION_OUTCOMES = ("accepted", "duplicate", "malformed", "unauthorized", "too_large", "journal_error")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.notifications = Counter(
+            "gpuhealth_webhook_notifications", "Alertmanager notifications received, by outcome.",
+            ["outcome"], registry=self.registry)
+        self.actions = Counter(
+            "gpuhealth_webhook_actions", "Action decisions and results, by action, outcome and reason.",
+            ["action", "outcome", "reason"], registry=self.registry)
+        self.queue_depth = Gauge(
+            "gpuhealth_webhook_queue_depth",
+            "Actions not finished yet (pending, awaiting approval, running).", registry=self.registry)
+        self.latency = Histogram(
+            "gpuhealth_webhook_notification_to_action_seconds",
+            "Time from receiving an alert to its action having been carried out.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600), registry=self.registry)
+        self.breaker_open = Gauge(
+            "gpuhealth_webhook_breaker_open", "1 while the circuit breaker stops all actions.",
+            registry=self.registry)
+        self.nodes_drained = Gauge(
+            "gpuhealth_webhook_nodes_drained", "Nodes currently drained by this webhook.",
+            registry=self.registry)
+        for outcome in NOTIFICATION_OUTCOMES:
+            self.notifications.labels(outcome)
+        for action in STEPS:
+            for outcome, reasons in VALID.items():
+                for reason in reasons:
+                    self.actions.labels(action, outcome.value, reason.value)
+
+    def action(self, action: str, outcome: Outcome, reason: Reason) -> None:
+        self.actions.labels(action, outcome.value, reason.value).inc()

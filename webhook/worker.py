@@ -1,0 +1,82 @@
+"""The action worker: feeds the engine from the journal, never from the HTTP handler.
+
+Actions of one node run strictly one after another in arrival order; different nodes run in
+parallel up to a small limit. The worker wakes when a notification is journaled, when an action
+ends, or when the earliest deferred action comes due.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from gpuhealth.webhook.engine import Engine
+from gpuhealth.webhook.journal import Action, AsyncJournal
+
+log = logging.getLogger(__name__)
+
+CONCURRENCY = 8
+IDLE_POLL_SECONDS = 5.0  # re-read the journal at least this often (clock jumps, manual edits)
+
+
+class Worker:
+    def __init__(self, engine: Engine, journal: AsyncJournal, concurrency: int = CONCURRENCY) -> None:
+        self.engine = engine
+        self.journal = journal
+        self.concurrency = concurrency
+        self._wake = asyncio.Event()
+        self._busy: dict[str, asyncio.Task[None]] = {}
+        self._loop_task: asyncio.Task[None] | None = None
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._loop(), name="action-worker")
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop taking work; give running actions ``grace`` seconds, then cancel (they resume on restart)."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        running = list(self._busy.values())
+        if running:
+            _, late = await asyncio.wait(running, timeout=grace)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        db = self.journal.sync
+        while True:
+            self._wake.clear()
+            free = self.concurrency - len(self._busy)
+            if free > 0:
+                for action in await self.journal.call(db.due, time.time(), self._busy, free):
+                    self._launch(action)
+            next_at = await self.journal.call(db.next_due_at)
+            timeout = IDLE_POLL_SECONDS
+            if next_at is not None and next_at > time.time():
+                timeout = min(timeout, next_at - time.time())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _launch(self, action: Action) -> None:
+        task = asyncio.create_task(self.engine.run(action), name=f"action-{action.id}")
+        self._busy[action.node] = task
+
+        def done(finished: asyncio.Task[None]) -> None:
+            self._busy.pop(action.node, None)
+            self._wake.set()
+            if not finished.cancelled() and finished.exception() is not None:
+                log.error("event=action_crashed id=%s error=%r (it stays journaled and is retried)",
+                          action.id, finished.exception())
+
+        task.add_done_callback(done)
