@@ -120,6 +120,16 @@ async def test_resume_leaves_a_cordon_that_was_there_before_us(kube, tmp_path):
     assert not (await backend.node_state("gpu01")).reason.startswith("gpuhealth:")
 
 
+async def test_a_node_a_human_put_back_in_service_is_not_drained(kube, tmp_path):
+    kube.add_node("gpu01")
+    backend = _backend(kube, tmp_path)
+    await backend.drain("gpu01", REASON)
+    kube.modify_node("gpu01", lambda node: node["spec"].update(unschedulable=False))
+    assert (await backend.node_state("gpu01")).reason == REASON, "our taint still keeps GPU pods away"
+    kube.modify_node("gpu01", lambda node: node["spec"].update(taints=[]))
+    assert not (await backend.node_state("gpu01")).drained
+
+
 async def test_merge_patch_is_available_too(kube, tmp_path):
     kube.add_node("gpu01")
     backend = _backend(kube, tmp_path, patch_type="merge")

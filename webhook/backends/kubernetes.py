@@ -97,15 +97,13 @@ class KubernetesBackend:
         if obj is None:
             return NodeState(node, exists=False, drained=False)
         spec, annotations = obj.get("spec") or {}, _annotations(obj)
-        ours = REASON_ANNOTATION in annotations or _has_our_taint(spec)
-        cordoned = spec.get("unschedulable") is True
-        if ours:
+        if not (spec.get("unschedulable") is True or _has_our_taint(spec)):
+            return NodeState(node, exists=True, drained=False)
+        if REASON_ANNOTATION in annotations or _has_our_taint(spec):
             return NodeState(node, exists=True, drained=True, reason=_our_reason(annotations))
-        if cordoned:
-            taints = ",".join(str(t.get("key")) for t in spec.get("taints") or []) or "none"
-            return NodeState(node, exists=True, drained=True,
-                             reason=f"cordoned outside gpuhealth (taints: {taints})")
-        return NodeState(node, exists=True, drained=False)
+        taints = ",".join(str(t.get("key")) for t in spec.get("taints") or []) or "none"
+        return NodeState(node, exists=True, drained=True,
+                         reason=f"cordoned outside gpuhealth (taints: {taints})")
 
     async def fleet_size(self) -> int:
         params = {"labelSelector": self.settings.node_selector} if self.settings.node_selector else {}
@@ -131,8 +129,8 @@ class KubernetesBackend:
                 body["metadata"] = {"annotations": new_annotations}
             return body or None
 
-        await self._update_node(node, patch, what="cordon", missing="cannot cordon it")
-        log.info("kubernetes cordoned node=%s taint=%s reason=%r", node, TAINT_KEY, reason)
+        if await self._update_node(node, patch, what="drain"):
+            log.info("event=kube_drained node=%s taint=%s reason=%r", node, TAINT_KEY, reason)
 
     async def resume(self, node: str) -> None:
         def patch(obj: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -148,8 +146,8 @@ class KubernetesBackend:
                 body.setdefault("spec", {})["unschedulable"] = False
             return body or None
 
-        await self._update_node(node, patch, what="uncordon", missing=None)
-        log.info("kubernetes resumed node=%s", node)
+        if await self._update_node(node, patch, what="resume", missing_ok=True):
+            log.info("event=kube_resumed node=%s", node)
 
     async def jobs_on_node(self, node: str) -> list[str]:
         async with self._client.session() as api:
@@ -174,8 +172,8 @@ class KubernetesBackend:
         for node in exclude_nodes:
             state = await self.node_state(node)
             if not state.drained:
-                log.warning("kubernetes requeue job=%s excluded node=%s is schedulable; the scheduler "
-                            "may place the work there again", job_id, node)
+                log.warning("event=kube_exclusion_not_enforced job=%s node=%s detail=%r", job_id, node,
+                            "the node is schedulable; the scheduler may place the work there again")
         async with self._client.session() as api:
             if job is None:
                 await self._evict(api, namespace, str(pod))
@@ -203,28 +201,31 @@ class KubernetesBackend:
                 ACTION_ANNOTATION: action, ACTION_GPU_ANNOTATION: gpu, ACTION_REASON_ANNOTATION: reason,
                 ACTION_AT_ANNOTATION: stamp}}}
 
-        await self._update_node(node, patch, what=action, missing=f"cannot request {action}")
-        log.info("kubernetes requested node action node=%s action=%s gpu=%s", node, action, gpu or "")
+        if await self._update_node(node, patch, what=action):
+            log.info("event=kube_node_action_requested node=%s action=%s gpu=%s", node, action, gpu or "")
 
-    async def _update_node(self, node: str, patch: NodePatch, *, what: str, missing: str | None) -> None:
-        """Read, compute and PATCH with the read ``resourceVersion``; recompute on a 409 conflict."""
+    async def _update_node(self, node: str, patch: NodePatch, *, what: str, missing_ok: bool = False) -> bool:
+        """Read, compute and PATCH with the read ``resourceVersion``; recompute on a 409 conflict.
+
+        Returns whether the node was changed (False: already as wanted, or gone and ``missing_ok``).
+        """
         async with self._client.session() as api:
             for _ in range(CONFLICT_ATTEMPTS):
-                obj = await _get_node(api, node, missing_ok=missing is None)
+                obj = await _get_node(api, node, missing_ok=missing_ok)
                 if obj is None:
-                    log.warning("kubernetes %s skipped node=%s: no such node", what, node)
-                    return
+                    log.warning("event=kube_node_missing node=%s operation=%s", node, what)
+                    return False
                 body = patch(obj)
                 if body is None:
-                    return
+                    return False
                 body.setdefault("metadata", {})["resourceVersion"] = obj["metadata"].get("resourceVersion")
                 try:
                     await api.patch(_node_path(node), body, self.settings.patch_type)
-                    return
+                    return True
                 except KubeAPIError as exc:
                     if exc.code != 409:
                         raise
-                    log.info("kubernetes %s conflict node=%s, re-reading", what, node)
+                    log.info("event=kube_conflict node=%s operation=%s", node, what)
         raise BackendError(f"{what} {node}: the node kept changing under us ({CONFLICT_ATTEMPTS} conflicts)")
 
     async def _evict(self, api: KubeSession, namespace: str, pod: str) -> None:
@@ -240,7 +241,7 @@ class KubernetesBackend:
                 await api.post(path, body)
             except KubeAPIError as exc:
                 if exc.code == 404:
-                    log.info("kubernetes evict pod=%s/%s already gone", namespace, pod)
+                    log.info("event=kube_evict_gone pod=%s/%s", namespace, pod)
                     return
                 if exc.code != 429:
                     raise
@@ -249,12 +250,12 @@ class KubernetesBackend:
                     raise BackendError(f"evicting {namespace}/{pod}: still refused after "
                                        f"{self.settings.eviction_deadline_seconds:g}s: {exc}") from None
                 wait = min(max(delay, exc.retry_after or 0.0), remaining)
-                log.info("kubernetes evict pod=%s/%s blocked, retry_in=%.1fs message=%r",
+                log.info("event=kube_evict_blocked pod=%s/%s retry_in=%.1fs detail=%r",
                          namespace, pod, wait, str(exc))
                 await asyncio.sleep(wait)
                 delay = min(delay * 2, MAX_EVICTION_BACKOFF_S)
                 continue
-            log.info("kubernetes evicted pod=%s/%s", namespace, pod)
+            log.info("event=kube_evicted pod=%s/%s", namespace, pod)
             return
 
     async def _restart_job(self, api: KubeSession, namespace: str, job: str,
@@ -266,7 +267,7 @@ class KubernetesBackend:
         if self.settings.job_pods == "on_excluded_nodes":
             pods = [p for p in pods if (p.get("spec") or {}).get("nodeName") in exclude_nodes]
         if not pods:
-            log.info("kubernetes restart job=%s/%s: no running pods", namespace, job)
+            log.info("event=kube_job_no_pods job=%s/%s", namespace, job)
         for pod in pods:
             name = pod["metadata"]["name"]
             try:
@@ -274,7 +275,7 @@ class KubernetesBackend:
             except KubeAPIError as exc:
                 if exc.code != 404:
                     raise
-            log.info("kubernetes deleted pod=%s/%s job=%s", namespace, name, job)
+            log.info("event=kube_pod_deleted pod=%s/%s job=%s", namespace, name, job)
 
     def _uses_gpus(self, pod: Mapping[str, Any]) -> bool:
         spec = pod.get("spec") or {}
