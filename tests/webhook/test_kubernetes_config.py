@@ -46,7 +46,7 @@ def test_tls_verification_is_off_only_when_set_explicitly():
     assert insecure.ssl is False
     assert insecure.headers()["Authorization"].startswith("Basic ")
     default = KubernetesBackend.from_config({"kubeconfig": str(KUBECONFIG), "context": "lab"}).connection
-    assert default.ssl is None  # plain http: nothing to verify
+    assert default.ssl is True  # plain http: nothing to verify, and nothing switched off
     with pytest.raises(ValueError, match="certificate authority and insecure-skip-tls-verify are both set"):
         KubernetesBackend.from_config({"kubeconfig": str(KUBECONFIG), "insecure_skip_tls_verify": True})
 

@@ -28,7 +28,7 @@ class Connection:
     """An API server address with its TLS settings and credentials."""
 
     server: str  # scheme://host:port[/prefix], no trailing slash
-    ssl: ssl.SSLContext | bool | None  # False only when verification was switched off explicitly
+    ssl: ssl.SSLContext | bool  # True: system CAs; False only when verification was switched off explicitly
     token: str | None = None
     token_file: Path | None = None  # re-read on every request: service-account tokens rotate
     basic_auth: tuple[str, str] | None = None
@@ -63,7 +63,8 @@ def in_cluster(sa_dir: Path, insecure: bool, errors: list[str]) -> Connection | 
     if ":" in host:
         host = f"[{host}]"
     context = False if insecure else _ssl_context(ca_file=ca_file, where="in-cluster", errors=errors)
-    return Connection(server=f"https://{host}:{port}", ssl=context, token_file=token_file)
+    return Connection(server=f"https://{host}:{port}", ssl=True if context is None else context,
+                      token_file=token_file)
 
 
 def from_kubeconfig(path: Path, context_name: str | None, insecure: bool,
@@ -118,13 +119,13 @@ def from_kubeconfig(path: Path, context_name: str | None, insecure: bool,
         errors.append(f"{where}: tokenFile {token_file} does not exist")
     if len(errors) > before:
         return None
-    tls: ssl.SSLContext | bool | None = None
+    tls: ssl.SSLContext | bool | None = True
     if server.startswith("https://"):
         tls = False if insecure else _ssl_context(
             ca_file=ca_file, ca_data=ca_data, cert=(cert_file, cert_data), key=(key_file, key_data),
             where=where, errors=errors)
     basic = (str(user["username"]), str(user.get("password", ""))) if user.get("username") else None
-    return Connection(server=server, ssl=tls, token=user.get("token") or None,
+    return Connection(server=server, ssl=True if tls is None else tls, token=user.get("token") or None,
                       token_file=None if user.get("token") else token_file, basic_auth=basic)
 
 
