@@ -1,0 +1,134 @@
+"""Fixtures for the webhook core: the real app on aiohttp's test client with a simulated cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gpuhealth.webhook.app import create_app
+from gpuhealth.webhook.backends.simulated import SimulatedBackend
+from gpuhealth.webhook.config import parse_config
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TOKEN = "test-token-0123456789"
+NODES = [f"gpu{i:02d}" for i in range(1, 17)]
+_fingerprints = itertools.count(1)
+
+
+def recorded(name: str) -> dict[str, Any]:
+    """A notification recorded from a real Alertmanager (tests/webhook/fixtures)."""
+    return json.loads((FIXTURES / f"{name}.json").read_text())
+
+
+def alert(node: str | None = "gpu01", *, action: str = "drain", gpu: str | None = "0",
+          alertname: str = "GPUHealthXidFatal", status: str = "firing", severity: str = "critical",
+          fingerprint: str | None = None, starts_at: str = "2026-11-30T05:00:00.5Z",
+          summary: str = "XID 79: GPU has fallen off the bus") -> dict[str, Any]:
+    labels = {"alertname": alertname, "severity": severity, "action": action}
+    if node is not None:
+        labels["node"] = node
+    if gpu is not None:
+        labels["gpu"] = gpu
+    return {
+        "status": status, "labels": labels,
+        "annotations": {"summary": summary, "description": f"{summary} on {node}", "runbook_url": "x"},
+        "startsAt": starts_at,
+        "endsAt": "2026-11-30T06:00:00Z" if status == "resolved" else "0001-01-01T00:00:00Z",
+        "generatorURL": "http://prometheus:9090/graph",
+        "fingerprint": fingerprint or f"{next(_fingerprints):016x}",
+    }
+
+
+def resolved(firing: dict[str, Any]) -> dict[str, Any]:
+    return {**firing, "status": "resolved", "endsAt": "2026-11-30T06:00:00Z"}
+
+
+def notification(*alerts: dict[str, Any]) -> dict[str, Any]:
+    status = "firing" if any(a["status"] == "firing" for a in alerts) else "resolved"
+    return {
+        "version": "4", "groupKey": "{}:{node=\"x\"}", "truncatedAlerts": 0, "status": status,
+        "receiver": "gpuhealth", "groupLabels": {}, "commonLabels": {}, "commonAnnotations": {},
+        "externalURL": "http://alertmanager:9093", "alerts": list(alerts),
+    }
+
+
+class Harness:
+    """The app under test, its simulated cluster, and the calls the tests make."""
+
+    def __init__(self, client: Any, backend: SimulatedBackend) -> None:
+        self.client = client
+        self.backend = backend
+        self.auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    async def post(self, *alerts: dict[str, Any], expect: int = 200) -> dict[str, Any]:
+        resp = await self.client.post("/alerts", json=notification(*alerts), headers=self.auth)
+        body = await resp.json()
+        assert resp.status == expect, body
+        return body
+
+    async def call(self, method: str, path: str, expect: int = 200) -> Any:
+        resp = await self.client.request(method, path, headers=self.auth)
+        body = await resp.json()
+        assert resp.status == expect, body
+        return body
+
+    async def actions(self, **query: str) -> list[dict[str, Any]]:
+        resp = await self.client.get("/actions", params=query)
+        assert resp.status == 200
+        return sorted((await resp.json())["actions"], key=lambda a: a["id"])
+
+    async def settle(self, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """Wait until no action can make progress now; return them all, oldest first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            actions = await self.actions()
+            now = time.time()
+            busy = [a for a in actions if a["state"] in ("pending", "running") and a["next_at"] <= now]
+            if not busy:
+                return actions
+            assert time.monotonic() < deadline, f"actions still under way: {busy}"
+            await asyncio.sleep(0.02)
+
+    async def metric(self, name: str, **labels: str) -> float:
+        text = await (await self.client.get("/metrics")).text()
+        wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        series = f"{name}{{{wanted}}}" if labels else name
+        for line in text.splitlines():
+            if line.startswith(series + " "):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{series} not exposed")
+
+    @property
+    def drained(self) -> dict[str, str]:
+        return {n: e["reason"] for n, e in self.backend.state["nodes"].items() if e["drained"]}
+
+
+Factory = Callable[..., Awaitable[Harness]]
+
+
+@pytest.fixture
+def webhook(aiohttp_client: Any, tmp_path: Path) -> Factory:
+    """``await webhook(guardrails={...}, jobs={...})``: a fresh app with a 16-node simulated cluster."""
+
+    async def make(*, jobs: dict[str, list[str]] | None = None, backend: Any = None, **settings: Any) -> Harness:
+        token_file = tmp_path / "token"
+        token_file.write_text(TOKEN + "\n")
+        data = {"state_dir": str(tmp_path / "state"), "auth": {"token_file": str(token_file)},
+                "backend": {"type": "simulated", "nodes": ["gpu[01-16]"]},
+                "guardrails": {"node_cooldown_seconds": 0, "breaker_max_nodes": 16, "breaker_max_fraction": 1.0,
+                               "rate_limit_actions": 1000},
+                "retry": {"backoff_initial_seconds": 0.05, "job_retry_interval_seconds": 0}}
+        for key, value in settings.items():
+            data[key] = {**data[key], **value} if isinstance(value, dict) and key in data else value
+        config = parse_config(data)
+        sim = backend or SimulatedBackend(NODES, jobs)
+        client = await aiohttp_client(create_app(config, backend=sim))
+        return Harness(client, sim)
+
+    return make
