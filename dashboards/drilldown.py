@@ -99,18 +99,17 @@ def _memory(settings: Settings) -> list:
                    "[$__rate_interval]))", "{{type}} {{counter}}")],
             w=8, h=8, unit="cps", min_val=0),
         timeseries_panel(
-            "Remapped rows and retired pages",
-            "HBM spare rows used, by type, and retired pages (older GPUs); uncorrectable remaps mean the "
-            "GPU should be reset, then replaced if they recur.",
-            [query(f"sum by (type) (gpuhealth_gpu_remapped_rows{THIS_GPU})", "remapped {{type}}"),
-             query(f"sum by (cause) (gpuhealth_gpu_retired_pages{THIS_GPU})", "retired {{cause}}")],
+            "Remapped rows",
+            "HBM spare rows used, by type (Ampere and later remap rows instead of retiring pages); "
+            "uncorrectable remaps mean the GPU should be reset, then replaced if they recur.",
+            [query(f"sum by (type) (gpuhealth_gpu_remapped_rows{THIS_GPU})", "{{type}}")],
             w=8, h=8, unit="short", min_val=0),
         state_timeline_panel(
             "Remap pending and failure",
-            "A pending remap needs a GPU reset to take effect; a remap failure means the spare rows ran out.",
+            "A pending remap needs a GPU reset to take effect; a remap failure means the spare rows ran "
+            "out.",
             [query(f"max(gpuhealth_gpu_remap_pending{THIS_GPU})", "remap pending"),
-             query(f"max(gpuhealth_gpu_remap_failure{THIS_GPU})", "remap failure"),
-             query(f"max(gpuhealth_gpu_retired_pages_pending{THIS_GPU})", "retirement pending")],
+             query(f"max(gpuhealth_gpu_remap_failure{THIS_GPU})", "remap failure")],
             w=8, h=8, mappings=value_text({"0": ("no", "green"), "1": ("yes", "red")}),
             steps=thresholds((None, "green"), (1, "red"))),
     ]

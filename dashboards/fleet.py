@@ -87,14 +87,12 @@ def _risk(settings: Settings) -> list:
 
 def _events(settings: Settings) -> list:
     scope = SCOPE[1:-1]
-    classes = [
-        query(f'sum(increase(gpuhealth_xid_events_total{{{scope}, xid=~"{"|".join(map(str, c.xids))}"}}'
-              f"[$__rate_interval]))", c.name)
-        for c in settings.xid_classes
-    ]
     classified = "|".join(str(x) for c in settings.xid_classes for x in c.xids)
-    classes.append(query(f'sum(increase(gpuhealth_xid_events_total{{{scope}, xid!~"{classified}"}}'
-                         "[$__rate_interval]))", "informational"))
+    groups = [(c.name, f'xid=~"{"|".join(map(str, c.xids))}"') for c in settings.xid_classes]
+    groups.append(("informational", f'xid!~"{classified}"'))
+    by_class = " or ".join(
+        f'label_replace(increase(gpuhealth_xid_events_total{selector(scope, matcher)}[$__rate_interval]), '
+        f'"class", "{name}", "", "")' for name, matcher in groups)
     nfs = selector(CLUSTER, NODE, f'op="{settings.nfs_op}"')
     lemons = (f"topk({settings.lemon_nodes}, sum by (node) "
               f"(increase(gpuhealth_xid_events_total{SCOPE}[$__range])))")
@@ -103,7 +101,8 @@ def _events(settings: Settings) -> list:
             "XID events by action class",
             "XIDs grouped by the action their alert asks of the webhook (the rules' XID classes); "
             "informational XIDs raise no alert.",
-            classes, w=12, h=8, bars=True, stacked=True, unit="short", min_val=0),
+            [query(f"sum by (class) ({by_class})", "{{class}}")],
+            w=12, h=8, bars=True, stacked=True, unit="short", min_val=0),
         bargauge_panel(
             "Lemon nodes",
             "Nodes with the most XID events over the time range: a few nodes cause most exclusions, "

@@ -97,6 +97,7 @@ class Previewer:
         self.api = api
         self.window = window
         self.variables = variables
+        self.empty: list[str] = []  # titles of panels drawn as "No data"
 
     def series(self, query: PanelQuery) -> list[Series]:
         out = []
@@ -157,6 +158,7 @@ class Previewer:
         draw = {"timeseries": self._timeseries, "stat": self._stat, "bargauge": self._bargauge,
                 "table": self._table, "state-timeline": self._timeline}[panel["type"]]
         if not any(series for _, series in results):
+            self.empty.append(panel["title"])
             fig.text(left + width / 2, bottom + height / 2, "No data", color=MUTED, ha="center", va="center")
             return
         draw(fig, panel, results, inner)
