@@ -59,6 +59,10 @@ ACTIVE_STATES = (PENDING, AWAITING_APPROVAL, RUNNING)
 STATES = (*ACTIVE_STATES, DONE, SKIPPED, FAILED, CANCELLED)
 UNDRAIN = "undrain"  # the action kind created when a drain's alert resolves
 DRAINING_KINDS = ("drain", "drain_reset_gpu", "drain_reboot")  # followed by an undrain on resolve
+# An action "holds" its node drained unless it never acted; one skipped because an earlier alert had
+# already drained the node holds it too, so the node stays out until every such alert resolved.
+def _holds(table: str = "") -> str:
+    return f"({table}state NOT IN ('cancelled', 'skipped') OR {table}reason = 'already_drained')"
 
 
 class JournalError(RuntimeError):
@@ -220,13 +224,13 @@ class Journal:
         self.db.execute("UPDATE alerts SET status = 'resolved', resolved_at = ? WHERE fingerprint = ? "
                         "AND starts_at = ?", (now, *alert.key))
         result.resolved += 1
-        for action in self.db.execute("SELECT id, kind, state, attempts FROM actions WHERE fingerprint = ? "
-                                      "AND starts_at = ?", alert.key).fetchall():
+        for action in self.db.execute(f"SELECT id, kind, state, attempts, {_holds()} AS holds FROM actions "
+                                      "WHERE fingerprint = ? AND starts_at = ?", alert.key).fetchall():
             if action["state"] in (PENDING, AWAITING_APPROVAL) and action["attempts"] == 0:
                 self._set_state(action["id"], CANCELLED, "cancelled", "resolved",
                                 "the alert resolved before the action started", now)
                 result.cancelled.append(action["kind"])
-            elif action["kind"] in DRAINING_KINDS and action["state"] not in (CANCELLED, SKIPPED):
+            elif action["kind"] in DRAINING_KINDS and action["holds"]:
                 action_id = self._insert_action(alert, UNDRAIN, PENDING, "", now)
                 if action_id is not None:
                     result.new_actions.append(action_id)
@@ -355,9 +359,9 @@ class Journal:
         row = self.db.execute(
             "SELECT COUNT(*) FROM alerts al JOIN actions ac ON ac.fingerprint = al.fingerprint AND "
             "ac.starts_at = al.starts_at WHERE al.node = ? AND al.status = 'firing' AND ac.kind IN "
-            f"({', '.join('?' * len(DRAINING_KINDS))}, 'replace') AND ac.state NOT IN (?, ?) "
+            f"({', '.join('?' * len(DRAINING_KINDS))}, 'replace') AND {_holds('ac.')} "
             "AND NOT (al.fingerprint = ? AND al.starts_at = ?)",
-            (node, *DRAINING_KINDS, CANCELLED, SKIPPED, *exclude)).fetchone()
+            (node, *DRAINING_KINDS, *exclude)).fetchone()
         return row[0]
 
     def drained(self) -> dict[str, dict[str, Any]]:

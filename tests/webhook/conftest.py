@@ -116,13 +116,14 @@ Factory = Callable[..., Awaitable[Harness]]
 def webhook(aiohttp_client: Any, tmp_path: Path) -> Factory:
     """``await webhook(guardrails={...}, jobs={...})``: a fresh app with a 16-node simulated cluster."""
 
-    async def make(*, jobs: dict[str, list[str]] | None = None, backend: Any = None, **settings: Any) -> Harness:
+    async def make(*, jobs: dict[str, list[str]] | None = None, backend: Any = None,
+                   **settings: Any) -> Harness:
         token_file = tmp_path / "token"
         token_file.write_text(TOKEN + "\n")
         data = {"state_dir": str(tmp_path / "state"), "auth": {"token_file": str(token_file)},
                 "backend": {"type": "simulated", "nodes": ["gpu[01-16]"]},
-                "guardrails": {"node_cooldown_seconds": 0, "breaker_max_nodes": 16, "breaker_max_fraction": 1.0,
-                               "rate_limit_actions": 1000},
+                "guardrails": {"node_cooldown_seconds": 0, "breaker_max_nodes": 16,
+                               "breaker_max_fraction": 1.0, "rate_limit_actions": 1000},
                 "retry": {"backoff_initial_seconds": 0.05, "job_retry_interval_seconds": 0}}
         for key, value in settings.items():
             data[key] = {**data[key], **value} if isinstance(value, dict) and key in data else value
