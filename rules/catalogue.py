@@ -1,0 +1,276 @@
+"""Load the rule catalogue, merge a site's partial catalogue over it, and check it.
+
+Every problem is collected before reporting, so one run of the generator lists them all instead of
+making the operator fix a file one error at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+BUILTIN = Path(__file__).with_name("catalogue.yaml")
+ACTIONS = ("none", "restart_job", "drain", "drain_reset_gpu", "drain_reboot", "replace")
+SEVERITIES = ("critical", "warning", "info")
+GROUPS = ("xid", "evidence", "fusion", "lemon", "storage", "meta")
+RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
+MIN_SAMPLES_PER_WINDOW = 4
+
+_DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
+_UNITS = (86400, 3600, 60, 1)
+
+
+class CatalogueError(Exception):
+    """The catalogue cannot be rendered; ``errors`` lists every problem found."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+def seconds(duration: str) -> int:
+    """A Prometheus duration (``1h30m``, ``7d``, ``0s``) in seconds."""
+    match = _DURATION.match(str(duration))
+    if not match or not str(duration):
+        raise ValueError(f"not a duration: {duration!r} (use e.g. 30s, 5m, 1h, 7d)")
+    return sum(int(n) * unit for n, unit in zip(match.groups(), _UNITS, strict=True) if n)
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    defaults: dict[str, Any]
+    alerts: dict[str, dict[str, Any]]
+
+
+def merge(base: Any, overlay: Any, path: str, errors: list[str]) -> Any:
+    """``overlay`` over ``base``: mappings merge by key, anything else replaces; unknown keys are errors."""
+    if not isinstance(base, dict):
+        return copy.deepcopy(overlay)
+    if not isinstance(overlay, dict):
+        errors.append(f"{path}: expected a mapping, got {type(overlay).__name__}")
+        return copy.deepcopy(base)
+    merged = copy.deepcopy(base)
+    for key, value in overlay.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in base:
+            errors.append(f"{where}: unknown key (not in the built-in catalogue)")
+            continue
+        merged[key] = merge(base[key], value, where, errors)
+    return merged
+
+
+def _read_yaml(path: Path, errors: list[str]) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        errors.append(f"{path}: cannot read: {exc.strerror}")
+        return {}
+    except yaml.YAMLError as exc:
+        errors.append(f"{path}: not valid YAML: {exc}")
+        return {}
+    if not isinstance(data, dict):
+        errors.append(f"{path}: expected a mapping at the top level")
+        return {}
+    return data
+
+
+def load(overlay: Path | None = None) -> Catalogue:
+    """The built-in catalogue, with ``overlay`` merged over it, checked; raises CatalogueError."""
+    errors: list[str] = []
+    data = _read_yaml(BUILTIN, errors)
+    if overlay is not None:
+        data = merge(data, _read_yaml(Path(overlay), errors), "", errors)
+    if not errors:
+        errors.extend(check(data))
+    if errors:
+        raise CatalogueError(errors)
+    return Catalogue(defaults=data["defaults"], alerts=data["alerts"])
+
+
+def _leaves(node: Any, path: str):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, f"{path}.{key}")
+    else:
+        yield path, node
+
+
+def _get(data: dict[str, Any], path: str, errors: list[str]) -> Any:
+    node: Any = data
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            errors.append(f"{path}: missing")
+            return None
+        node = node[part]
+    return node
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check(data: dict[str, Any]) -> list[str]:
+    """Every problem with a merged catalogue, as ``path: message`` lines."""
+    errors: list[str] = []
+    d = _get(data, "defaults", errors)
+    alerts = _get(data, "alerts", errors)
+    if not isinstance(d, dict) or not isinstance(alerts, dict):
+        return errors
+    scrape = _check_durations(d, errors)
+    _check_ramps(d, errors)
+    _check_windows(d, scrape, errors)
+    _check_fusion(d, errors)
+    _check_xid(d, errors)
+    _check_alerts(d, alerts, errors)
+    busy = d.get("busy_utilization")
+    if not _number(busy) or not 0 <= busy <= 1:
+        errors.append(f"defaults.busy_utilization: must be a number in 0..1, got {busy!r}")
+    if not isinstance(d.get("gpus_per_node"), int) or d["gpus_per_node"] < 1:
+        errors.append(f"defaults.gpus_per_node: must be a positive integer, got {d.get('gpus_per_node')!r}")
+    for path, value in _leaves(d.get("selectors", {}), "defaults.selectors"):
+        if not isinstance(value, str) or value.strip().startswith("{"):
+            errors.append(f"{path}: must be label matchers without braces, e.g. 'job=\"x\"', got {value!r}")
+    return errors
+
+
+def _is_duration_key(key: str) -> bool:
+    return key in ("scrape_interval", "evaluation_interval", "step", "group_wait", "group_interval",
+                   "repeat_interval") or key.endswith("window")
+
+
+def _check_durations(d: dict[str, Any], errors: list[str]) -> int:
+    """Parse every duration knob; return the scrape interval in seconds (15 when it is unusable)."""
+    for path, value in _leaves(d, "defaults"):
+        key = path.rsplit(".", 1)[1]
+        if _is_duration_key(key) or path.startswith("defaults.for."):
+            try:
+                seconds(value)
+            except ValueError as exc:
+                errors.append(f"{path}: {exc}")
+    try:
+        scrape = seconds(d.get("scrape_interval", ""))
+    except ValueError:
+        return 15
+    return scrape if scrape > 0 else 15
+
+
+def _check_windows(d: dict[str, Any], scrape: int, errors: list[str]) -> None:
+    """Range windows need several samples; subquery windows must hold whole steps."""
+    minimum = MIN_SAMPLES_PER_WINDOW * scrape
+    for section in ("xid", "evidence", "lemon", "storage"):
+        for path, value in _leaves(d.get(section, {}), f"defaults.{section}"):
+            key = path.rsplit(".", 1)[1]
+            if not (key.endswith("window") or key == "step"):
+                continue
+            try:
+                length = seconds(value)
+            except ValueError:
+                continue
+            if length < minimum:
+                errors.append(f"{path}: {value} holds fewer than {MIN_SAMPLES_PER_WINDOW} samples at "
+                              f"scrape_interval {d.get('scrape_interval')}; use at least {minimum}s")
+    for path in ("evidence.ecc_corrected_growth", "evidence.pcie_replay", "lemon"):
+        block = d
+        for part in path.split("."):
+            block = block.get(part, {}) if isinstance(block, dict) else {}
+        try:
+            window, step = seconds(block["window"]), seconds(block["step"])
+        except (KeyError, ValueError):
+            continue
+        if step == 0 or window % step or window <= step:
+            errors.append(f"defaults.{path}: window {block['window']} must be a multiple (> 1) of "
+                          f"step {block['step']}")
+
+
+def _check_ramps(d: dict[str, Any], errors: list[str]) -> None:
+    for name, knobs in (d.get("evidence") or {}).items():
+        if not isinstance(knobs, dict) or "low" not in knobs:
+            continue
+        low, high = knobs.get("low"), knobs.get("high")
+        if not (_number(low) and _number(high)) or low >= high:
+            errors.append(f"defaults.evidence.{name}: low ({low!r}) must be a number below high ({high!r})")
+
+
+def _check_fusion(d: dict[str, Any], errors: list[str]) -> None:
+    fusion = d.get("fusion") or {}
+    threshold = fusion.get("threshold")
+    if not _number(threshold) or not 0 < threshold <= 1:
+        errors.append(f"defaults.fusion.threshold: must be a number in (0, 1], got {threshold!r}")
+        threshold = None
+    signals = set(d.get("evidence") or {})
+    weights = fusion.get("weights") or {}
+    for name, weight in weights.items():
+        where = f"defaults.fusion.weights.{name}"
+        if name not in signals:
+            errors.append(f"{where}: no evidence signal of that name")
+        if not _number(weight) or not 0 <= weight <= 1:
+            errors.append(f"{where}: must be a number in 0..1, got {weight!r}")
+        elif threshold is not None and weight >= threshold:
+            errors.append(f"{where}: {weight} >= fusion.threshold {threshold}: that signal alone would "
+                          "raise GPUHealthGpuFailureRisk; give it its own alert instead")
+    for name in sorted(signals - set(weights)):
+        errors.append(f"defaults.fusion.weights: no weight for signal {name}")
+
+
+def _check_xid(d: dict[str, Any], errors: list[str]) -> None:
+    xid = d.get("xid") or {}
+    seen: dict[int, str] = {}
+    for klass, xids in (xid.get("classes") or {}).items():
+        where = f"defaults.xid.classes.{klass}"
+        if klass not in ACTIONS or klass == "none":
+            errors.append(f"{where}: not an action ({', '.join(ACTIONS[1:])})")
+        for value in _xid_list(xids, where, errors):
+            if value in seen:
+                errors.append(f"{where}: XID {value} is also in class {seen[value]}")
+            seen[value] = klass
+    for klass, actions in (xid.get("recovery_actions") or {}).items():
+        where = f"defaults.xid.recovery_actions.{klass}"
+        if klass not in ACTIONS or klass == "none":
+            errors.append(f"{where}: not an action ({', '.join(ACTIONS[1:])})")
+        if not isinstance(actions, list) or any(a not in RECOVERY_ACTIONS for a in actions):
+            errors.append(f"{where}: must list recovery actions from {', '.join(RECOVERY_ACTIONS)}")
+    for name in ("repeated_app_fault", "repeated_remap_failure", "repeated_fall_off_bus"):
+        block = xid.get(name) or {}
+        _xid_list(block.get("xids"), f"defaults.xid.{name}.xids", errors)
+        count = block.get("count")
+        if not isinstance(count, int) or count < 1:
+            errors.append(f"defaults.xid.{name}.count: must be a positive integer, got {count!r}")
+    lemon = d.get("lemon") or {}
+    if not isinstance(lemon.get("actions"), list) or any(a not in ACTIONS for a in lemon["actions"]):
+        errors.append(f"defaults.lemon.actions: must list actions from {', '.join(ACTIONS)}")
+    if not isinstance(lemon.get("count"), int) or lemon["count"] < 1:
+        errors.append(f"defaults.lemon.count: must be a positive integer, got {lemon.get('count')!r}")
+
+
+def _xid_list(xids: Any, where: str, errors: list[str]) -> list[int]:
+    if not isinstance(xids, list) or not xids or not all(isinstance(x, int) and 0 < x < 1000 for x in xids):
+        errors.append(f"{where}: must be a non-empty list of XID numbers, got {xids!r}")
+        return []
+    return xids
+
+
+def _check_alerts(d: dict[str, Any], alerts: dict[str, Any], errors: list[str]) -> None:
+    durations = d.get("for") or {}
+    for name, alert in alerts.items():
+        where = f"alerts.{name}"
+        if not re.fullmatch(r"GPUHealth[A-Z][A-Za-z0-9]*", str(name)):
+            errors.append(f"{where}: alert names are CamelCase and start with GPUHealth")
+        if not isinstance(alert, dict):
+            errors.append(f"{where}: expected a mapping")
+            continue
+        for key, allowed in (("severity", SEVERITIES), ("action", ACTIONS), ("group", GROUPS)):
+            if alert.get(key) not in allowed:
+                errors.append(f"{where}.{key}: must be one of {', '.join(allowed)}, got {alert.get(key)!r}")
+        for key in ("summary", "description"):
+            if not isinstance(alert.get(key), str) or not alert[key].strip():
+                errors.append(f"{where}.{key}: required text")
+        if name not in durations:
+            errors.append(f"defaults.for: no entry for alert {name}")
+    for name in durations:
+        if name not in alerts:
+            errors.append(f"defaults.for.{name}: no such alert")
