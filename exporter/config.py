@@ -74,7 +74,8 @@ def read_yaml(path: Path, problems: list[str]) -> dict[str, Any]:
                 if web_key in _WEB_KEYS:
                     values[web_key] = web_value
                 else:
-                    problems.append(f"{path}: unknown key web.{web_key} (known: {', '.join(sorted(_WEB_KEYS))})")
+                    problems.append(f"{path}: unknown key web.{web_key} "
+                                    f"(known: {', '.join(sorted(_WEB_KEYS))})")
         elif key in known:
             values[key] = value
         else:
@@ -121,7 +122,7 @@ def _check(s: Settings, collector_names: list[str], problems: list[str]) -> None
     for name in s.collectors:
         if name not in collector_names:
             problems.append(f"collectors: unknown collector {name!r} (known: {', '.join(collector_names)})")
-    host, _, port = s.listen.rpartition(":")
+    port = s.listen.rpartition(":")[2]
     if not port.isdigit() or not 0 <= int(port) <= 65535:
         problems.append(f"listen: expected HOST:PORT or :PORT, got {s.listen!r}")
     for key in ("sim_scenario", "tls_cert_file", "tls_key_file"):

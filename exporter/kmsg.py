@@ -19,9 +19,10 @@ RECOVERY_ACTION_CODES = {0: "none", 1: "gpu_reset", 2: "node_reboot", 3: "drain_
 
 _KMSG_PREFIX = re.compile(r"^(\d+),(\d+),(\d+),[^;]*;")
 _PCI = r"(?:PCI:)?([0-9a-fA-F]{1,8}):([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})(?:\.([0-7]))?"
-_XID = re.compile(r"NVRM: Xid \(" + _PCI + r"\): (\d+)\b")
+_XID = re.compile(r"NVRM: Xid \(" + _PCI + r"\): (\d+),")  # the comma: a cut line is not XID 7
 _XID_LOOSE = re.compile(r"NVRM: Xid\b")
-_RECOVERY = re.compile(r"recovery action changed from (?:0x)?[0-9a-fA-F]+(?: \([^)]*\))? to (?:0x)?([0-9a-fA-F]+)")
+_RECOVERY = re.compile(r"recovery action changed from (?:0x)?[0-9a-fA-F]+(?: \([^)]*\))? "
+                       r"to (?:0x)?([0-9a-fA-F]+)")
 _FALLEN = re.compile(r"NVRM: The NVIDIA GPU " + _PCI + r" .*has fallen off the bus")
 _SXID = re.compile(r"(nvidia-nvswitch\d+): SXid \(" + _PCI + r"\): (\d+), (Non-fatal|Fatal)", re.IGNORECASE)
 _AER = re.compile(r"^\S+ " + _PCI + r": AER: PCIe Bus Error: severity=(Corrected|Uncorrected \(Non-Fatal\)|"
@@ -103,6 +104,11 @@ class KmsgFollower:
         self._saved_seq = self._last_seq
         # Only what existed at start-up is old news: a log created later is read from its start.
         self._seek_end = self._last_seq is None and self.path.exists()
+        if self.path.exists():  # "start-up" is now, not the first sampling run
+            try:
+                self._open()
+            except OSError as exc:  # e.g. no permission; read_lines retries and reports it
+                log.warning("kmsg unreadable path=%s error=%s", self.path, exc)
 
     def _load_seq(self) -> int | None:
         if self.state_file is None:

@@ -100,8 +100,8 @@ def _open_nvml(settings: Settings, kmsg_path: Path | None) -> Any:
 
 def _build_info(backend: str):
     def families():
-        family = GaugeMetricFamily("gpuhealth_exporter_build_info", SPECS["gpuhealth_exporter_build_info"].help,
-                                   labels=["version", "backend"])
+        name = "gpuhealth_exporter_build_info"
+        family = GaugeMetricFamily(name, SPECS[name].help, labels=["version", "backend"])
         family.add_metric([__version__, backend], 1)
         return [family]
     return families
@@ -138,7 +138,8 @@ def run(settings: Settings) -> int:
         server = make_server(host, port, sampler, settings.tls_cert_file, settings.tls_key_file,
                              settings.basic_auth_users)
     except OSError as exc:
-        print(f"gpuhealth-exporter: cannot serve on {settings.listen}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"gpuhealth-exporter: cannot serve on {settings.listen}: {exc.strerror or exc}",
+              file=sys.stderr)
         return 2
     stop = threading.Event()
 
@@ -171,7 +172,7 @@ def run(settings: Settings) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        settings, args = _settings(argv)
+        settings, _ = _settings(argv)
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"gpuhealth-exporter: {problem}", file=sys.stderr)

@@ -24,7 +24,8 @@ CLOCK_EVENT_REASONS = {  # label -> pynvml constant suffix
     "hw_power_brake_slowdown": "HwPowerBrakeSlowdown",
     "display_clock_setting": "DisplayClockSetting",
 }
-_NVLINK_COUNTERS = {"crc_flit": "CRC_FLIT", "crc_data": "CRC_DATA", "replay": "REPLAY", "recovery": "RECOVERY"}
+_NVLINK_COUNTERS = {"crc_flit": "CRC_FLIT", "crc_data": "CRC_DATA", "replay": "REPLAY",
+                    "recovery": "RECOVERY"}
 assert tuple(_NVLINK_COUNTERS) == NVLINK_ERROR_TYPES
 
 
@@ -142,8 +143,9 @@ class NvmlReader:
                                            ("aggregate", nvml.NVML_AGGREGATE_ECC)):
                 r.add("gpuhealth_gpu_ecc_errors_total", opt(nvml.nvmlDeviceGetTotalEccErrors, handle,
                                                             error_type, counter), type_label, counter_label)
-        for cause_label, cause in (("single_bit", nvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
-                                   ("double_bit", nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)):
+        causes = (("single_bit", nvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
+                  ("double_bit", nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR))
+        for cause_label, cause in causes:
             pages = opt(nvml.nvmlDeviceGetRetiredPages, handle, cause)
             r.add("gpuhealth_gpu_retired_pages", None if pages is None else len(pages), cause_label)
         r.add("gpuhealth_gpu_retired_pages_pending", opt(nvml.nvmlDeviceGetRetiredPagesPendingStatus, handle))

@@ -25,7 +25,8 @@ IGNORED_INTERFACES = ("lo",)
 
 def _fields(path: Path) -> dict[str, list[str]]:
     """First word of each line -> the other words."""
-    return {parts[0].rstrip(":"): parts[1:] for line in path.read_text().splitlines() if (parts := line.split())}
+    lines = path.read_text().splitlines()
+    return {parts[0].rstrip(":"): parts[1:] for line in lines if (parts := line.split())}
 
 
 @register("host", "CPU, memory, load, interrupts, paging, disk and network I/O from procfs")

@@ -22,7 +22,8 @@ class MountStats:
     mount: str
     sends: int = 0
     backlog: int = 0
-    ops: dict[str, list[int]] = field(default_factory=dict)  # op -> ops, trans, timeouts, sent, recv, queue, rtt, exec
+    # op -> operations, transmissions, timeouts, bytes sent, bytes received, queue, RTT, execute (ms)
+    ops: dict[str, list[int]] = field(default_factory=dict)
 
 
 def parse_mountstats(text: str) -> list[MountStats]:

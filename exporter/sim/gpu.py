@@ -200,8 +200,9 @@ class FaultRun:
     def _fail_fell_off_bus(self, gpu: GpuState) -> None:
         gpu.lost = True
         self._xid(gpu, 79, "pid=4242, name=python, GPU has fallen off the bus.")
-        self.emit(gpu.index, f"NVRM: The NVIDIA GPU {gpu.pci_bus_id.lower()[4:]} (PCI ID: 10de:2330) installed "
-                             "in this system has fallen off the bus and is not responding to commands.", None)
+        self.emit(gpu.index, f"NVRM: The NVIDIA GPU {gpu.pci_bus_id.lower()[4:]} (PCI ID: 10de:2330) "
+                             "installed in this system has fallen off the bus and is not responding to "
+                             "commands.", None)
 
     # noise: active=False once the noise window is over
     def _sbe_burst(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:

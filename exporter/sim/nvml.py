@@ -49,7 +49,8 @@ class SimulatedNvml:
     """Stands in for the ``pynvml`` module. Constants and exception classes come from pynvml itself."""
 
     def __init__(self, scenario: Scenario, kmsg_path: Path | None = None,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self._clock = clock
         self._sleep = sleep
         self._lock = threading.RLock()
@@ -200,7 +201,11 @@ class SimulatedNvml:
         gpu = self._gpu(handle)
         memory = pynvml.c_nvmlMemory_t()
         memory.total = MEMORY_TOTAL
-        memory.used = sum(p.memory_bytes for p in self._node.scenario.processes if gpu.index in p.gpus)
+        processes = [p for p in self._node.scenario.processes if gpu.index in p.gpus]
+        if processes:
+            memory.used = sum(p.memory_bytes for p in processes)
+        else:  # an anonymous training job holds most of the memory while the GPU is busy
+            memory.used = int(memory.total * 0.7) if gpu.utilization > 0 else 0
         memory.free = memory.total - memory.used
         return memory
 
@@ -230,7 +235,8 @@ class SimulatedNvml:
 
     def nvmlDeviceGetRemappedRows(self, handle: SimHandle) -> tuple[int, int, int, int]:
         gpu = self._gpu(handle)
-        return (int(gpu.remapped_correctable), gpu.remapped_uncorrectable, gpu.remap_pending, gpu.remap_failure)
+        return (int(gpu.remapped_correctable), gpu.remapped_uncorrectable, gpu.remap_pending,
+                gpu.remap_failure)
 
     def nvmlDeviceGetRowRemapperHistogram(self, handle: SimHandle) -> pynvml.c_nvmlRowRemapperHistogramValues:
         gpu = self._gpu(handle)
@@ -270,8 +276,10 @@ class SimulatedNvml:
 
     def nvmlDeviceGetNvLinkErrorCounter(self, handle: SimHandle, link: int, counter: int) -> int:
         gpu = self._link(handle, link)
-        kind = {pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit", pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data",
-                pynvml.NVML_NVLINK_ERROR_DL_REPLAY: "replay", pynvml.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery"}
+        kind = {pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit",
+                pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data",
+                pynvml.NVML_NVLINK_ERROR_DL_REPLAY: "replay",
+                pynvml.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery"}
         if counter not in kind:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return int(gpu.nvlink_errors.get((link, kind[counter]), 0))

@@ -106,7 +106,8 @@ def parse_scenario(data: Any, source: str = "scenario") -> Scenario:
         data = {}
     if not isinstance(data, dict):
         raise ScenarioError(source, ["the document must be a mapping"])
-    problems += [f"unknown key {k!r} (known: {', '.join(sorted(_TOP_KEYS))})" for k in data if k not in _TOP_KEYS]
+    known = ", ".join(sorted(_TOP_KEYS))
+    problems += [f"unknown key {k!r} (known: {known})" for k in data if k not in _TOP_KEYS]
     base = Scenario()
     gpus = _number(data.get("gpus", base.gpus), "gpus", problems, 1, integer=True) or base.gpus
     nvlinks = _number(data.get("nvlinks", base.nvlinks), "nvlinks", problems, 0, integer=True)

@@ -1,0 +1,94 @@
+"""Kernel log parser: every format in the domain notes, plus garbage, truncated and binary input."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpuhealth.exporter.kmsg import Event, parse_line, pci_bus_id, split_record
+
+CASES = [
+    ("NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus.",
+     Event("xid", "00000000:3B:00.0", code=79)),
+    ("NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off the bus.", Event("xid", "00000000:01:00.0", code=79)),
+    ("NVRM: Xid (0000:03:00): 14, Channel 00000001", Event("xid", "00000000:03:00.0", code=14)),
+    ("NVRM: Xid (PCI:0000:18:00): 31, pid='<unknown>', name=<unknown>, Ch 00000008, intr 10000000. "
+     "MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f8a_00000000",
+     Event("xid", "00000000:18:00.0", code=31)),
+    ("NVRM: Xid (PCI:0000:01:00): 154, GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)",
+     Event("xid", "00000000:01:00.0", code=154, action="gpu_reset")),
+    ("NVRM: Xid (PCI:0000:01:00): 154, GPU recovery action changed from 0x1 (GPU Reset Required) to 0x2 "
+     "(Node Reboot Required)", Event("xid", "00000000:01:00.0", code=154, action="node_reboot")),
+    ("NVRM: The NVIDIA GPU 0000:b3:00.0 (PCI ID: 10de:2330) installed in this system has fallen off the bus "
+     "and is not responding to commands.", Event("fallen_off_bus", "00000000:B3:00.0")),
+    ("nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error",
+     Event("sxid", "00000000:05:00.0", code=12028, severity="non_fatal", device="nvswitch0")),
+    ("nvidia-nvswitch3: SXid (PCI:0000:08:00.0): 24007, Fatal, Link 44 sourcetrack TCEN0 crumbstore ECC DBE",
+     Event("sxid", "00000000:08:00.0", code=24007, severity="fatal", device="nvswitch3")),
+    ("nvidia 0000:3b:00.0: AER: PCIe Bus Error: severity=Corrected, type=Physical Layer, (Receiver ID)",
+     Event("aer", "00000000:3B:00.0", severity="corrected")),
+    ("pcieport 0000:00:03.1: AER: PCIe Bus Error: severity=Uncorrected (Non-Fatal), type=Transaction Layer, "
+     "(Requester ID)", Event("aer", "00000000:00:03.1", severity="uncorrected_non_fatal")),
+    ("nvidia 0000:3b:00.0: AER: PCIe Bus Error: severity=Uncorrected (Fatal), type=Transaction Layer, "
+     "(Receiver ID)", Event("aer", "00000000:3B:00.0", severity="uncorrected_fatal")),
+    ("pcieport 0000:00:01.0: AER: Corrected error received: 0000:3b:00.0", Event("ignored")),
+    ("EXT4-fs (nvme0n1p1): mounted filesystem with ordered data mode", Event("ignored")),
+    (" SUBSYSTEM=pci", Event("ignored")),
+    ("", Event("ignored")),
+    ("NVRM: Xid (PCI:0000:3b:00): ", Event("malformed")),
+    ("NVRM: Xid (PCI:0000:3b", Event("malformed")),
+    ("NVRM: Xid (PCI:0000:01:00): 154, GPU recovery action changed to something", Event("malformed")),
+]
+
+
+@pytest.mark.parametrize(("line", "expected"), CASES, ids=[c[0][:40] for c in CASES])
+def test_formats(line: str, expected: Event) -> None:
+    assert parse_line(line) == expected
+
+
+def test_kmsg_record_prefix_carries_sequence() -> None:
+    event = parse_line("4,1234,5678901234,-;NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off the bus.")
+    assert (event.kind, event.code, event.seq) == ("xid", 79, 1234)
+    assert split_record("6,7,1500000,c;text") == (7, 1.5, "text")
+    assert split_record("no prefix") == (None, None, "no prefix")
+
+
+pci_parts = st.tuples(st.integers(0, 0xFFFF), st.integers(0, 0xFF), st.integers(0, 0x1F))
+
+
+@given(pci_parts, st.integers(0, 999), st.sampled_from(["", ", pid=77", ", pid='<unknown>', name=<unknown>"]),
+       st.booleans(), st.booleans())
+def test_any_xid_line_round_trips(pci, xid, pid, pci_prefix, kmsg_prefix) -> None:
+    domain, bus, device = pci
+    address = f"{'PCI:' if pci_prefix else ''}{domain:04x}:{bus:02x}:{device:02x}"
+    text = f"NVRM: Xid ({address}): {xid}{pid}, details"
+    if xid == 154:
+        text = f"NVRM: Xid ({address}): 154, GPU recovery action changed from 0x0 (None) to 0x4 (Drain and Reset)"
+    line = f"3,99,123,-;{text}" if kmsg_prefix else text
+    event = parse_line(line)
+    assert event.kind == "xid" and event.code == xid
+    assert event.pci_bus_id == pci_bus_id(f"{domain:x}", f"{bus:x}", f"{device:x}")
+    assert event.seq == (99 if kmsg_prefix else None)
+    assert event.action == ("drain_and_reset" if xid == 154 else "")
+
+
+@given(st.text())
+def test_arbitrary_text_never_raises(text: str) -> None:
+    assert parse_line(text).kind in ("xid", "sxid", "aer", "fallen_off_bus", "ignored", "malformed")
+
+
+@given(st.binary())
+def test_binary_input_never_raises(data: bytes) -> None:
+    assert parse_line(data.decode("utf-8", errors="replace")).kind in (
+        "xid", "sxid", "aer", "fallen_off_bus", "ignored", "malformed")
+
+
+@given(st.integers(1, 60))
+def test_truncated_xid_lines_are_not_misread(cut: int) -> None:
+    full = "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus."
+    event = parse_line(full[:cut])
+    if cut > full.index("79,") + 2:
+        assert (event.kind, event.pci_bus_id, event.code) == ("xid", "00000000:3B:00.0", 79)
+    else:  # a line cut inside the address or the number must not become another XID
+        assert event.kind in ("malformed", "ignored")
