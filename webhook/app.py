@@ -269,7 +269,7 @@ def create_app(config: Config, *, backend: Backend | None = None) -> web.Applica
 async def _runtime(app: web.Application):
     """Open the journal and start the worker; on shutdown stop the worker before closing the journal."""
     config = app[CONFIG]
-    journal = AsyncJournal(config.journal_path)
+    journal = AsyncJournal(config.journal_path, config.journal_busy_timeout_seconds)
     engine = Engine(config, app[BACKEND], journal, app[METRICS])
     worker = Worker(engine, journal)
     app[JOURNAL], app[ENGINE], app[WORKER] = journal, engine, worker

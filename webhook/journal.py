@@ -132,13 +132,13 @@ def _action(row: sqlite3.Row) -> Action:
 class Journal:
     """Synchronous journal operations; use ``AsyncJournal`` from the event loop."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, busy_timeout: float = 5.0) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")  # a commit survives power loss, not only a crash
-        self.db.execute("PRAGMA busy_timeout=5000")
+        self.db.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
         self.db.executescript(SCHEMA)
 
     def close(self) -> None:
@@ -407,9 +407,9 @@ class Journal:
 class AsyncJournal:
     """Runs ``Journal`` calls on its own thread, one at a time, so the event loop never blocks."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, busy_timeout: float = 5.0) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal")
-        self.sync = self._executor.submit(Journal, path).result()
+        self.sync = self._executor.submit(Journal, path, busy_timeout).result()
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()

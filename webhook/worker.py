@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import time
 
 from gpuhealth.webhook.engine import Engine
@@ -54,19 +55,27 @@ class Worker:
             await asyncio.gather(*late, return_exceptions=True)
 
     async def _loop(self) -> None:
-        db = self.journal.sync
         while True:
             self._wake.clear()
-            free = self.concurrency - len(self._busy)
-            if free > 0:
-                for action in await self.journal.call(db.due, time.time(), self._busy, free):
-                    self._launch(action)
-            next_at = await self.journal.call(db.next_due_at)
-            timeout = IDLE_POLL_SECONDS
-            if next_at is not None and next_at > time.time():
-                timeout = min(timeout, next_at - time.time())
+            try:
+                timeout = await self._dispatch()
+            except sqlite3.Error as exc:  # a locked or failing journal: keep trying, never die
+                log.error("event=journal_read_failed error=%r", exc)
+                timeout = IDLE_POLL_SECONDS
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
+
+    async def _dispatch(self) -> float:
+        """Start what is due; return how long to sleep unless woken."""
+        db = self.journal.sync
+        free = self.concurrency - len(self._busy)
+        if free > 0:
+            for action in await self.journal.call(db.due, time.time(), self._busy, free):
+                self._launch(action)
+        next_at = await self.journal.call(db.next_due_at)
+        if next_at is not None and next_at > time.time():
+            return min(IDLE_POLL_SECONDS, next_at - time.time())
+        return IDLE_POLL_SECONDS
 
     def _launch(self, action: Action) -> None:
         task = asyncio.create_task(self.engine.run(action), name=f"action-{action.id}")

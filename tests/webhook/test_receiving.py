@@ -1,0 +1,153 @@
+"""POST /alerts: authentication, validation, durability answers, and a fuzzed parser."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sqlite3
+
+import pytest
+from conftest import FIXTURES, alert, notification, recorded
+from gpuhealth.webhook.models import PayloadError, parse_notification
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+
+async def test_recorded_alertmanager_delivery_is_accepted_with_its_own_headers(webhook, tmp_path):
+    headers = json.loads((FIXTURES / "delivery_headers.json").read_text())
+    token = headers["Authorization"].removeprefix("Bearer ")
+    (tmp_path / "am-token").write_text(token)
+    hook = await webhook(auth={"token_file": str(tmp_path / "am-token")})
+    resp = await hook.client.post("/alerts", data=json.dumps(recorded("firing_single_gpu")), headers=headers)
+    assert resp.status == 200
+    assert (await resp.json())["new_actions"] == [1]
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong-token", "Basic bm9ib2R5Og==", "Token x"])
+async def test_missing_or_wrong_credentials_are_401(webhook, authorization):
+    hook = await webhook()
+    headers = {"Authorization": authorization} if authorization else {}
+    resp = await hook.client.post("/alerts", json=notification(alert()), headers=headers)
+    assert resp.status == 401
+    assert resp.headers["WWW-Authenticate"].startswith("Bearer")
+    assert await hook.actions() == []
+    assert await hook.metric("gpuhealth_webhook_notifications_total", outcome="unauthorized") == 1
+
+
+async def test_basic_auth(webhook, tmp_path):
+    (tmp_path / "password").write_text("s3cret\n")
+    hook = await webhook(auth={"basic_auth": {"username": "alertmanager",
+                                              "password_file": str(tmp_path / "password")}})
+    good = base64.b64encode(b"alertmanager:s3cret").decode()
+    bad = base64.b64encode(b"alertmanager:guess").decode()
+    body = notification(alert())
+    for credentials, status in ((good, 200), (bad, 401), ("%%%", 401)):
+        resp = await hook.client.post("/alerts", json=body, headers={"Authorization": f"Basic {credentials}"})
+        assert resp.status == status
+
+
+async def test_reads_are_open_and_writes_need_credentials(webhook):
+    hook = await webhook()
+    for path in ("/", "/status", "/actions", "/metrics", "/healthz"):
+        assert (await hook.client.get(path)).status == 200, path
+    for path in ("/breaker/reset", "/actions/1/approve", "/actions/1/cancel"):
+        assert (await hook.client.post(path)).status == 401, path
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    (b"{not json", "not valid JSON"),
+    (b"[]", "expected a JSON object"),
+    (json.dumps({**notification(alert()), "version": "3"}).encode(), 'version: expected "4"'),
+    (json.dumps({**notification(alert()), "alerts": {}}).encode(), "alerts: expected a list"),
+    (json.dumps(notification({**alert(), "startsAt": "yesterday"})).encode(), "alerts[0].startsAt"),
+    (json.dumps(notification({**alert(), "labels": {"node": 1}})).encode(), "alerts[0].labels"),
+    (json.dumps(notification({**alert(), "fingerprint": ""})).encode(), "alerts[0].fingerprint"),
+    (b"[" * 100000 + b"]" * 100000, "not valid JSON"),
+])
+async def test_malformed_notifications_are_400_with_a_clear_message(webhook, body, message):
+    hook = await webhook()
+    resp = await hook.client.post("/alerts", data=body, headers=hook.auth)
+    assert resp.status == 400
+    assert message in (await resp.json())["error"]
+    assert await hook.metric("gpuhealth_webhook_notifications_total", outcome="malformed") == 1
+
+
+async def test_body_size_limit(webhook):
+    hook = await webhook(max_body_bytes=2048)
+    big = notification(*[alert(f"gpu{i:02d}") for i in range(1, 17)])
+    resp = await hook.client.post("/alerts", json=big, headers=hook.auth)
+    assert resp.status == 413
+    assert await hook.metric("gpuhealth_webhook_notifications_total", outcome="too_large") == 1
+
+
+async def test_unwritable_journal_answers_503_so_alertmanager_retries(webhook, tmp_path):
+    hook = await webhook(journal_busy_timeout_seconds=0.2)
+    blocker = sqlite3.connect(tmp_path / "state" / "journal.sqlite3", isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # another writer holds the journal
+    try:
+        resp = await hook.client.post("/alerts", json=notification(alert()), headers=hook.auth)
+        assert resp.status == 503
+        assert "journal" in (await resp.json())["error"]
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    await hook.post(alert())
+    assert len(await hook.settle()) == 1
+    assert await hook.metric("gpuhealth_webhook_notifications_total", outcome="journal_error") == 1
+
+
+def test_parser_accepts_alertmanager_times_and_ignores_go_zero_end():
+    parsed = parse_notification(notification(alert(starts_at="2026-11-30T05:24:48.671234567Z")))
+    [a] = parsed.alerts
+    assert a.starts_at.isoformat() == "2026-11-30T05:24:48.671234+00:00" and a.ends_at is None
+    with pytest.raises(PayloadError, match="and 2 more"):
+        parse_notification(notification(*[{**alert(), "status": "x"}] * 12))
+
+
+_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
+_json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
+                     | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=20)
+_field = st.sampled_from(["version", "status", "alerts", "receiver", "groupKey", "truncatedAlerts", "labels",
+                          "annotations", "startsAt", "endsAt", "fingerprint", "generatorURL"])
+
+
+def _mutated(body: dict, data: st.DataObject) -> dict:
+    """A valid notification with some fields, top-level or in an alert, replaced by arbitrary JSON."""
+    body = json.loads(json.dumps(body))
+    for _ in range(data.draw(st.integers(1, 4))):
+        raw = body["alerts"] if isinstance(body["alerts"], list) else []
+        alerts = [a for a in raw if isinstance(a, dict)]
+        target = data.draw(st.sampled_from(alerts)) if alerts and data.draw(st.booleans()) else body
+        target[data.draw(_field)] = data.draw(_json)
+    return body
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_payloads_never_crash_the_parser(data):
+    if data.draw(st.booleans()):
+        candidate = data.draw(_json)
+    else:
+        name = data.draw(st.sampled_from(["firing_single_gpu", "partly_resolved_node_group"]))
+        candidate = _mutated(recorded(name), data)
+    try:
+        parse_notification(candidate)
+    except PayloadError as exc:
+        assert str(exc)
+
+
+async def test_fuzzed_payloads_through_the_app_are_never_5xx(webhook):
+    hook = await webhook()
+    bodies: list[bytes] = []
+
+    @settings(max_examples=60, deadline=None)
+    @given(data=st.data())
+    def draw(data):  # hypothesis drives a sync function; the requests are sent afterwards
+        bodies.append(json.dumps(_mutated(recorded("partly_resolved_node_group"), data)).encode())
+
+    draw()
+    for body in bodies:
+        resp = await hook.client.post("/alerts", data=body, headers=hook.auth)
+        assert resp.status in (200, 400), await resp.text()
+    assert (await hook.client.get("/healthz")).status == 200
+    await hook.settle()
