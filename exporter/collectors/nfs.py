@@ -37,7 +37,7 @@ def parse_mountstats(text: str) -> list[MountStats]:
             continue
         if words[0] == "device":
             current, in_ops = None, False
-            if len(words) >= 8 and words[3] == "on" and words[6] in ("nfs", "nfs4"):
+            if len(words) >= 8 and words[3] == "on" and words[7] in ("nfs", "nfs4"):
                 current = MountStats(words[4])
                 mounts.append(current)
         elif current is None:

@@ -7,7 +7,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from gpuhealth.exporter.collector import Context, load_collectors
 from gpuhealth.exporter.sim.nvml import SimulatedNvml
 from gpuhealth.exporter.sim.scenario import parse_scenario

@@ -6,9 +6,8 @@ import threading
 
 import pytest
 from conftest import FakeClock, assert_golden, make_collector, promtool_check, sim_context
-from prometheus_client.parser import text_string_to_metric_families
-
 from gpuhealth.exporter.metrics import render
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def scrape(collector) -> str:
@@ -90,7 +89,7 @@ def test_thermal_runaway_window_max_margin_and_throttle_time(clock: FakeClock) -
 
 
 def test_window_max_forgets_old_samples(clock: FakeClock) -> None:
-    scenario = {"faults": [{"kind": "hot_aisle", "gpus": [0], "start": 0, "duration": 2, "delta_celsius": 20}]}
+    scenario = {"faults": [{"kind": "hot_aisle", "gpus": [0], "duration": 2, "delta_celsius": 20}]}
     collector = make_collector("gpu", sim_context(scenario, clock, window_seconds=5))
     hot = scrape(collector)
     clock.advance(3)

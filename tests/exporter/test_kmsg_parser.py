@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import pytest
+from gpuhealth.exporter.kmsg import Event, parse_line, pci_bus_id, split_record
 from hypothesis import given
 from hypothesis import strategies as st
-
-from gpuhealth.exporter.kmsg import Event, parse_line, pci_bus_id, split_record
 
 CASES = [
     ("NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus.",
      Event("xid", "00000000:3B:00.0", code=79)),
-    ("NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off the bus.", Event("xid", "00000000:01:00.0", code=79)),
+    ("NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off the bus.",
+     Event("xid", "00000000:01:00.0", code=79)),
     ("NVRM: Xid (0000:03:00): 14, Channel 00000001", Event("xid", "00000000:03:00.0", code=14)),
     ("NVRM: Xid (PCI:0000:18:00): 31, pid='<unknown>', name=<unknown>, Ch 00000008, intr 10000000. "
      "MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f8a_00000000",
      Event("xid", "00000000:18:00.0", code=31)),
-    ("NVRM: Xid (PCI:0000:01:00): 154, GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)",
+    ("NVRM: Xid (PCI:0000:01:00): 154, GPU recovery action changed from 0x0 (None) to 0x1 "
+     "(GPU Reset Required)",
      Event("xid", "00000000:01:00.0", code=154, action="gpu_reset")),
     ("NVRM: Xid (PCI:0000:01:00): 154, GPU recovery action changed from 0x1 (GPU Reset Required) to 0x2 "
      "(Node Reboot Required)", Event("xid", "00000000:01:00.0", code=154, action="node_reboot")),
@@ -64,7 +65,8 @@ def test_any_xid_line_round_trips(pci, xid, pid, pci_prefix, kmsg_prefix) -> Non
     address = f"{'PCI:' if pci_prefix else ''}{domain:04x}:{bus:02x}:{device:02x}"
     text = f"NVRM: Xid ({address}): {xid}{pid}, details"
     if xid == 154:
-        text = f"NVRM: Xid ({address}): 154, GPU recovery action changed from 0x0 (None) to 0x4 (Drain and Reset)"
+        text = (f"NVRM: Xid ({address}): 154, GPU recovery action changed from 0x0 (None) "
+                "to 0x4 (Drain and Reset)")
     line = f"3,99,123,-;{text}" if kmsg_prefix else text
     event = parse_line(line)
     assert event.kind == "xid" and event.code == xid

@@ -1,0 +1,74 @@
+"""Host, NFS and job collectors against the fixture procfs tree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import FakeClock, assert_golden, make_collector, promtool_check, sim_context
+from gpuhealth.exporter.collector import Context
+from gpuhealth.exporter.collectors.jobs import slurm_job_of
+from gpuhealth.exporter.collectors.nfs import parse_mountstats
+from test_gpu_collector import scrape, value
+
+
+def test_host_golden(procfs: Path) -> None:
+    text = scrape(make_collector("host", Context(procfs=procfs)))
+    assert_golden("host", text)
+    promtool_check(text)
+    assert value(text, "gpuhealth_host_interrupts_total") == 987654321
+    assert value(text, "gpuhealth_host_procs_running") == 37
+    assert value(text, "gpuhealth_host_cpu_seconds_total", mode="iowait") == 45.0
+    assert value(text, "gpuhealth_host_disk_written_bytes_total", device="nvme0n1") == 96000000 * 512
+    assert value(text, "gpuhealth_host_disk_read_bytes_total", device="nvme0n1p1") is None  # a partition
+    assert value(text, "gpuhealth_host_network_receive_bytes_total", device="lo") is None
+    assert value(text, "gpuhealth_host_network_transmit_bytes_total", device="ib0") == 4444444444444
+    assert value(text, "gpuhealth_host_page_outs_total") == 4567890
+
+
+def test_host_on_this_machine_reads_real_procfs() -> None:
+    text = scrape(make_collector("host", Context(procfs=Path("/proc"))))
+    assert value(text, "gpuhealth_host_memory_total_bytes") > 0
+    assert value(text, "gpuhealth_host_context_switches_total") > 0
+
+
+def test_nfs_golden(procfs: Path) -> None:
+    text = scrape(make_collector("nfs", Context(procfs=procfs)))
+    assert_golden("nfs", text)
+    promtool_check(text)
+    write = {"mount": "/mnt/ckpt", "op": "WRITE"}
+    assert value(text, "gpuhealth_nfs_rpc_queue_seconds_total", **write) == 41850.0
+    assert value(text, "gpuhealth_nfs_rpc_transmissions_total", **write) - \
+        value(text, "gpuhealth_nfs_rpc_operations_total", **write) == 12  # retransmissions
+    assert value(text, "gpuhealth_nfs_transport_backlog_queue_total", mount="/mnt/ckpt") == 7200000
+    assert value(text, "gpuhealth_nfs_transport_sends_total", mount="/home") == 2000  # udp transport
+    assert value(text, "gpuhealth_nfs_rpc_operations_total", mount="/home", op="GETATTR") == 2000
+
+
+@pytest.mark.parametrize("text", [
+    "", "device\n",
+    "device a mounted on /x with fstype nfs4\n\txprt: tcp 1 2\n\tper-op statistics\n\tREAD: 1 x\n",
+    "garbage\nper-op statistics\nREAD: 1 2 3 4 5 6 7 8\n",
+])
+def test_mountstats_parser_tolerates_odd_input(text: str) -> None:
+    for stats in parse_mountstats(text):
+        assert stats.ops == {} and stats.sends == 0
+
+
+def test_slurm_job_from_cgroup_then_environment(procfs: Path) -> None:
+    assert slurm_job_of(procfs, 4242) == "771234"
+    assert slurm_job_of(procfs, 4343) == "771299"
+    assert slurm_job_of(procfs, 999999) is None
+
+
+def test_jobs_golden(clock: FakeClock) -> None:
+    processes = [{"pid": 4242, "gpus": [0, 1]}, {"pid": 4343, "gpus": [1]}, {"pid": 999999, "gpus": [3]}]
+    scenario = {"gpus": 4, "nvlinks": 0, "processes": processes}
+    ctx = sim_context(scenario, clock)
+    scrape(make_collector("gpu", ctx))
+    text = scrape(make_collector("jobs", ctx))
+    assert_golden("jobs", text)
+    promtool_check(text)
+    assert value(text, "gpuhealth_gpu_job_info", gpu="1", job_id="771299") == 1
+    assert value(text, "gpuhealth_gpu_job_info", gpu="1", job_id="771234") == 1
+    assert value(text, "gpuhealth_gpu_job_info", gpu="2", job_id="771234") is None

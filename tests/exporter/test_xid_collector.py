@@ -1,0 +1,108 @@
+"""XID counting from NVML events and the kernel log: one count per event, nothing lost, nothing doubled."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import FakeClock, assert_golden, make_collector, promtool_check, sim_context
+from gpuhealth.exporter.dedup import XidDeduplicator
+from test_gpu_collector import samples, scrape, value
+
+
+def kmsg_context(tmp_path: Path, clock: FakeClock, scenario: dict | None = None):
+    ctx = sim_context(scenario or {"gpus": 2, "nvlinks": 0}, clock, kmsg_path=tmp_path / "kmsg")
+    make_collector("gpu", ctx).collect().__next__()  # learn the GPUs' PCI ids
+    return ctx
+
+
+def write(ctx, *lines: str) -> None:
+    with ctx.kmsg_path.open("a") as fh:
+        fh.writelines(f"{line}\n" for line in lines)
+
+
+LINES = [
+    "3,100,5000,-;NVRM: Xid (PCI:0000:18:00): 31, pid='<unknown>', name=<unknown>, Ch 00000008",
+    "3,101,5001,-;NVRM: Xid (PCI:0000:18:00): 31, pid=77, name=python, Ch 00000008",
+    "3,102,5002,-;NVRM: Xid (0000:2a:00): 13, Graphics Exception",
+    "3,103,5003,-;NVRM: Xid (PCI:0000:c1:00): 79, GPU has fallen off the bus.",
+    "3,104,5004,-;NVRM: Xid (PCI:0000:2a:00): 154, GPU recovery action changed from 0x0 (None) to 0x2 "
+    "(Node Reboot Required)",
+    "3,105,5005,-;NVRM: The NVIDIA GPU 0000:2a:00.0 (PCI ID: 10de:2330) installed in this system has fallen "
+    "off the bus and is not responding to commands.",
+    "3,106,5006,-;nvidia-nvswitch2: SXid (PCI:0000:07:00.0): 20034, Fatal, Link 30 LTSSM Fault Up",
+    "4,107,5007,-;nvidia 0000:18:00.0: AER: PCIe Bus Error: severity=Corrected, type=Physical Layer, "
+    "(Receiver ID)",
+    "4,108,5008,-;pcieport 0000:00:01.0: AER: PCIe Bus Error: severity=Uncorrected (Non-Fatal), "
+    "type=Transaction Layer, (Requester ID)",
+    "3,109,5009,-;NVRM: Xid (PCI:0000:18:00): ",
+    "6,110,5010,-;systemd[1]: Started session 4.",
+    "\x00\xff binary junk",
+]
+
+
+def test_kernel_log_golden(tmp_path: Path, clock: FakeClock) -> None:
+    ctx = kmsg_context(tmp_path, clock)
+    collector = make_collector("xid", ctx)
+    scrape(collector)
+    write(ctx, *LINES)
+    text = scrape(collector)
+    assert_golden("xid_kmsg", text)
+    promtool_check(text)
+    assert value(text, "gpuhealth_xid_events_total", gpu="0", xid="31") == 2  # repeats are not lost
+    assert value(text, "gpuhealth_xid_events_total", gpu="1", xid="13") == 1  # legacy format
+    assert value(text, "gpuhealth_xid_events_total", gpu="unknown", xid="79") == 1
+    assert value(text, "gpuhealth_gpu_recovery_action", gpu="1", action="node_reboot") == 1
+    assert value(text, "gpuhealth_gpu_recovery_action", gpu="1", action="none") == 0
+    assert value(text, "gpuhealth_gpu_fallen_off_bus_total", gpu="1") == 1
+    assert value(text, "gpuhealth_sxid_events_total", device="nvswitch2", sxid="20034", severity="fatal") == 1
+    assert value(text, "gpuhealth_pcie_aer_errors_total", pci_bus_id="00000000:18:00.0", severity="corrected",
+                 gpu="0") == 1
+    assert value(text, "gpuhealth_pcie_aer_errors_total", pci_bus_id="00000000:00:01.0",
+                 severity="uncorrected_non_fatal", gpu="") == 1
+    assert value(text, "gpuhealth_kmsg_lines_total", result="malformed") == 1
+    assert value(text, "gpuhealth_kmsg_lines_total", result="ignored") == 2
+    assert value(text, "gpuhealth_xid_events_total", gpu="0", xid="79") == 0  # catalogue pre-initialised
+
+
+def test_event_seen_by_nvml_and_kernel_log_counts_once(tmp_path: Path, clock: FakeClock) -> None:
+    scenario = {"gpus": 2, "nvlinks": 2, "faults": [{"kind": "nvlink_errors", "gpu": 1, "link": 1,
+                                                      "precursor": 10}]}
+    ctx = kmsg_context(tmp_path, clock, scenario)
+    collector = make_collector("xid", ctx)
+    scrape(collector)
+    clock.advance(11)
+    text = scrape(collector)  # NVML event and kernel line of the same XID 74 arrive together
+    assert value(text, "gpuhealth_xid_events_total", gpu="1", xid="74") == 1
+    assert "Xid (PCI:0000:2a:00): 74" in ctx.kmsg_path.read_text()
+
+
+def test_nvml_events_alone_count(clock: FakeClock) -> None:
+    ctx = sim_context({"gpus": 2, "faults": [{"kind": "gsp_timeout", "gpu": 0, "start": 1}]}, clock)
+    collector = make_collector("xid", ctx)
+    scrape(collector)
+    clock.advance(2)
+    text = scrape(collector)
+    assert value(text, "gpuhealth_xid_events_total", gpu="0", xid="119") == 1
+    assert samples(text, "gpuhealth_kmsg_lines_total") == {}  # no kernel log configured
+
+
+def test_fell_off_bus_maps_to_the_lost_gpu(tmp_path: Path, clock: FakeClock) -> None:
+    ctx = kmsg_context(tmp_path, clock, {"gpus": 2, "nvlinks": 0,
+                                         "faults": [{"kind": "fell_off_bus", "gpu": 1, "start": 3}]})
+    collector = make_collector("xid", ctx)
+    clock.advance(5)
+    text = scrape(collector)
+    assert value(text, "gpuhealth_xid_events_total", gpu="1", xid="79") == 1
+    assert value(text, "gpuhealth_gpu_fallen_off_bus_total", gpu="1") == 1
+    assert value(text, "gpuhealth_kmsg_lines_total", result="fallen_off_bus") == 1
+
+
+def test_deduplicator_pairs_across_sources_only() -> None:
+    dedup = XidDeduplicator(window=10)
+    assert dedup.is_new("nvml", "0", 79, 0.0)
+    assert not dedup.is_new("kmsg", "0", 79, 1.0)   # the same event, other source
+    assert dedup.is_new("kmsg", "0", 79, 2.0)       # a second event
+    assert dedup.is_new("kmsg", "0", 79, 3.0)       # repeats from one source always count
+    assert not dedup.is_new("nvml", "0", 79, 4.0)
+    assert dedup.is_new("nvml", "1", 79, 4.0)       # another GPU
+    assert dedup.is_new("kmsg", "1", 79, 20.0)      # too late to pair: a new event
