@@ -1,0 +1,122 @@
+"""Configuration: the example starts as it is, every problem is listed at once, flags override."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import alert, notification
+from gpuhealth.webhook.config import ConfigError, load_config, parse_config
+from gpuhealth.webhook.main import main
+
+from gpuhealth.local.process import ManagedProcess, free_port, http_ok
+
+EXAMPLE = Path(__file__).parents[2] / "webhook" / "config.example.yaml"
+
+
+def test_example_config_is_valid_and_safe():
+    config = load_config(EXAMPLE)
+    assert config.backend["type"] == "slurm"
+    assert not config.auth.disabled and config.token_path == config.state_dir / "token"
+    g = config.guardrails
+    assert (g.breaker_max_nodes, g.breaker_max_fraction, g.require_approval) == (2, 0.05, ("replace",))
+    assert config.undrain.mode == "auto" and config.listen_port == 9836
+
+
+def test_every_problem_is_listed_at_once(tmp_path):
+    bad = {
+        "listen": "nowhere", "dry_run": "yes", "surprise": 1,
+        "auth": {"basic_auth": {"username": "am"}},
+        "backend": {"type": "simulated", "nodes": []},
+        "policy": {"rules": [{"match": {"alertname": "("}, "action": "explode"}]},
+        "guardrails": {"breaker_max_fraction": 2, "require_approval": ["reboot"], "rate_limit_actions": 0},
+        "undrain": {"mode": "sometimes"},
+    }
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    text = str(caught.value)
+    for needle in ("listen: 'nowhere'", "dry_run: expected bool", "surprise: unknown key",
+                   "auth.basic_auth: needs both", "policy.rules[0].action", "policy.rules[0].match.alertname",
+                   "breaker_max_fraction", "'reboot' is not one of", "rate_limit_actions",
+                   "undrain.mode"):
+        assert needle in text, needle
+    assert len(caught.value.errors) == 10
+
+
+def test_backend_problems_are_listed_with_the_rest(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"backend": {"type": "simulated", "nodes": [], "color": "red"},
+                                    "undrain": {"mode": "never"}}))
+    assert main(["--config", str(path), "--check-config"]) == 2
+    err = capsys.readouterr().err
+    assert "backend.nodes" in err and "color" in err and "undrain.mode" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "cannot read"), ("backend: [", "not valid YAML"), ("backend: {type: pbs}", "unknown backend type"),
+    ("- just a list", "must be a mapping"),
+])
+def test_unusable_files_give_one_clear_line(tmp_path, capsys, content, message):
+    path = tmp_path / "config.yaml"
+    if content is not None:
+        path.write_text(content)
+    assert main(["--config", str(path), "--check-config"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_token_file_is_a_clear_error(tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"backend": {"type": "simulated", "nodes": ["n1"]},
+                                    "auth": {"token_file": "absent.token"}}))
+    assert main(["--config", str(path), "--state-dir", str(tmp_path)]) == 2
+    assert "absent.token: cannot read" in capsys.readouterr().err
+
+
+def test_help_names_every_flag():
+    out = subprocess.run([sys.executable, "-m", "gpuhealth.webhook.main", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    for flag in ("--config", "--listen", "--dry-run", "--token-file", "--state-dir"):
+        assert flag in out
+
+
+def test_relative_paths_are_relative_to_the_config_file(tmp_path):
+    config = parse_config({"backend": {"type": "simulated", "nodes": ["n1"]}, "state_dir": "state",
+                           "auth": {"token_file": "t"}}, tmp_path)
+    assert config.state_dir == tmp_path / "state" and config.auth.token_file == tmp_path / "t"
+
+
+@pytest.mark.slow
+def test_example_config_starts_as_it_is_with_dry_run(tmp_path):
+    port = free_port()
+    argv = [sys.executable, "-m", "gpuhealth.webhook.main", "--config", str(EXAMPLE), "--dry-run",
+            "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state")]
+    with ManagedProcess("webhook", argv, tmp_path / "webhook.log") as proc:
+        proc.start()
+        proc.wait_ready(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=30)
+        token = (tmp_path / "state" / "token").read_text().strip()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/alerts", data=json.dumps(notification(alert("gpu01"))).encode(),
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            assert json.load(resp)["new_actions"] == [1]
+
+        def dry_run_done() -> bool:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/actions", timeout=5) as resp:
+                actions = json.load(resp)["actions"]
+            return bool(actions) and actions[0]["outcome"] == "dry_run"
+
+        proc.wait_ready(dry_run_done, timeout=30)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            metrics = resp.read().decode()
+        series = 'gpuhealth_webhook_actions_total{action="drain",outcome="dry_run",reason="dry_run"}'
+        assert f"{series} 1.0" in metrics
+        assert "_created" not in metrics
+    assert (tmp_path / "state" / "token").stat().st_mode & 0o777 == 0o600
