@@ -188,6 +188,15 @@ class SlurmCluster:
         self.stop()
 
     @property
+    def daemons(self) -> list[ManagedProcess]:
+        """munged, slurmctld and every slurmd, as started."""
+        return [d for d in (self._munged, self._slurmctld, *self._slurmd.values()) if d is not None]
+
+    @property
+    def controller_port(self) -> int:
+        return self._ports["slurmctld"]
+
+    @property
     def munge_socket(self) -> Path:
         if self._munge_dir is None:
             raise RuntimeError("munged is not started")

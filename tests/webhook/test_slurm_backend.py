@@ -1,0 +1,249 @@
+"""The Slurm backend against a real slurmctld and four slurmd on loopback, checked with scontrol/squeue."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from gpuhealth.webhook.backends import create_backend
+from gpuhealth.webhook.backends.base import BackendError, NodeState
+from gpuhealth.webhook.backends.slurm import MAX_REASON_CHARS, SlurmBackend
+
+from gpuhealth.local.process import free_port
+from gpuhealth.local.slurm import SlurmCluster
+
+pytestmark = pytest.mark.slow
+
+REASON = "gpuhealth: GPUHealthXidFatal: XID 79: GPU has fallen off the bus"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with SlurmCluster(nodes=4, prefix="gpu") as running:
+        yield running
+
+
+@pytest.fixture
+def slurm(cluster):
+    """A clean cluster for every test: no jobs, every node IDLE with no reason."""
+    cluster.reset()
+    return cluster
+
+
+@pytest.fixture
+def backend(slurm):
+    return SlurmBackend.from_config({"slurm_conf": str(slurm.conf_path), "timeout_seconds": 20})
+
+
+def show_node(cluster: SlurmCluster, node: str) -> str:
+    return cluster.scontrol("show", "node", node, "-o")
+
+
+def reason_updates(cluster: SlurmCluster, node: str) -> int:
+    log = (cluster.workdir / "slurmctld.log").read_text()
+    return log.count(f"update_node: node {node} reason set to")
+
+
+def start_now(cluster: SlurmCluster, job_id: str) -> None:
+    """Skip Slurm's delay before a requeued job may start again, to see where it lands.
+
+    The delay is set once the job's old allocation has finished completing, so wait for that first.
+    """
+    cluster.wait_job(job_id, lambda j: j.state == "PENDING", what=f"job {job_id} to be requeued")
+    cluster.scontrol("update", f"JobId={job_id}", "StartTime=now")
+
+
+async def test_node_state_of_idle_and_unknown_nodes(backend):
+    assert await backend.node_state("gpu01") == NodeState("gpu01", exists=True, drained=False)
+    assert await backend.node_state("gpu99") == NodeState("gpu99", exists=False, drained=False)
+    assert await backend.fleet_size() == 4
+
+
+async def test_fleet_size_of_a_partition(slurm):
+    assert await SlurmBackend.from_config({"slurm_conf": str(slurm.conf_path),
+                                           "partition": "gpu"}).fleet_size() == 4
+    with pytest.raises(BackendError) as err:
+        await SlurmBackend.from_config({"slurm_conf": str(slurm.conf_path), "partition": "nope"}).fleet_size()
+    assert not err.value.retryable
+
+
+async def test_drain_sets_drain_with_our_reason_once(slurm, backend):
+    job = slurm.submit_training_job(nodes=2)
+    await backend.drain("gpu01", REASON)
+    line = show_node(slurm, "gpu01")
+    assert "+DRAIN" in line and f"Reason={REASON} [" in line
+    assert slurm.jobs_on("gpu01") == [job], "draining lets the running job finish"
+    assert await backend.node_state("gpu01") == NodeState("gpu01", exists=True, drained=True, reason=REASON)
+    updates = reason_updates(slurm, "gpu01")
+    await backend.drain("gpu01", REASON)
+    assert reason_updates(slurm, "gpu01") == updates, "a second drain with the same reason is a no-op"
+    slurm.run("sinfo")  # the client still answers after our updates
+    assert "drng" in slurm.run("sinfo", "-h", "-n", "gpu01", "-o", "%t")
+
+
+async def test_a_foreign_drain_is_visible_as_not_ours(slurm, backend):
+    slurm.scontrol("update", "NodeName=gpu02", "State=DRAIN", "Reason=hardware maintenance, ticket 123")
+    state = await backend.node_state("gpu02")
+    assert state.drained and state.reason == "hardware maintenance, ticket 123"
+    assert not state.reason.startswith("gpuhealth:")
+
+
+async def test_long_reasons_become_one_bounded_line(slurm, backend):
+    reason = "gpuhealth: GPUHealthGpuFailureRisk: " + "very\nlong  summary " * 40
+    await backend.drain("gpu03", reason)
+    stored = (await backend.node_state("gpu03")).reason
+    assert len(stored) == MAX_REASON_CHARS and stored.endswith("...") and "\n" not in stored
+    assert stored.startswith("gpuhealth: GPUHealthGpuFailureRisk: very long summary very")
+
+
+async def test_resume_only_acts_on_a_drained_node(slurm, backend):
+    await backend.drain("gpu04", REASON)
+    await backend.resume("gpu04")
+    assert "Reason=" not in show_node(slurm, "gpu04")
+    slurm.wait_node("gpu04", lambda n: n.state == "IDLE", what="gpu04 to answer its first ping")
+    await backend.resume("gpu04")  # already in service: nothing to do, no error
+    with pytest.raises(BackendError) as err:
+        await backend.resume("gpu99")
+    assert not err.value.retryable
+
+
+async def test_jobs_on_node_lists_running_jobs(slurm, backend):
+    job = slurm.submit_training_job(nodes=2)
+    nodes = slurm.job(job).nodes
+    idle = next(n for n in slurm.node_names if n not in nodes)
+    assert await backend.jobs_on_node(nodes[0]) == [job]
+    assert await backend.jobs_on_node(nodes[1]) == [job]
+    assert await backend.jobs_on_node(idle) == []
+    assert slurm.squeue("-h", "-w", nodes[0], "-o", "%i").split() == [job]
+
+
+async def test_requeue_moves_a_two_node_job_off_the_excluded_node(slurm, backend):
+    job = slurm.sbatch("--requeue", "--nodes=2", "--exclude=gpu04", "--wrap", "sleep 600")
+    info = slurm.wait_job(job, lambda j: j.state == "RUNNING")
+    bad = info.nodes[0]
+    await backend.drain(bad, REASON)
+    await backend.requeue(job, [bad])
+    info = slurm.job(job)
+    assert info.restarts == 1
+    assert set(info.excluded) == {bad, "gpu04"}, "our exclusion is merged with the job's own"
+    assert info.state in ("PENDING", "RUNNING", "CONFIGURING") and bad not in info.nodes
+    await backend.requeue(job, [bad])  # a retried requeue restarts nothing
+    assert slurm.job(job).restarts == 1
+    start_now(slurm, job)
+    info = slurm.wait_job(job, lambda j: j.state == "RUNNING", what="the requeued job to run again")
+    assert len(info.nodes) == 2 and bad not in info.nodes and "gpu04" not in info.nodes
+    assert slurm.squeue("-h", "-w", bad, "-o", "%i").split() == []
+
+
+async def test_requeue_completes_after_a_crash_between_its_steps(slurm, backend):
+    job = slurm.submit_training_job(nodes=2)
+    bad = slurm.job(job).nodes[1]
+    slurm.scontrol("requeuehold", job)  # the first step ran, then the webhook died
+    await backend.requeue(job, [bad])
+    info = slurm.job(job)
+    assert info.restarts == 1 and bad in info.excluded
+    assert info.reason != "job_requeued_in_held_state", "the job was released"
+    start_now(slurm, job)
+    info = slurm.wait_job(job, lambda j: j.state == "RUNNING", what="the requeued job to run again")
+    assert bad not in info.nodes
+
+
+async def test_requeue_of_an_unknown_job_is_permanent(backend):
+    with pytest.raises(BackendError) as err:
+        await backend.requeue("999999", ["gpu01"])
+    assert not err.value.retryable and "Invalid job id" in str(err.value)
+
+
+async def test_reboot_is_requested_and_the_node_returns(slurm, backend):
+    reason = "gpuhealth: GPUHealthGpusMissing: 7 of 8 GPUs visible"
+    await backend.reboot("gpu03", reason)
+    info = slurm.wait_node("gpu03", lambda n: "REBOOT_ISSUED" in n.flags, what="the reboot to be issued")
+    line = show_node(slurm, "gpu03")
+    assert "NextState=RESUME" in line and f"Reason={reason}" in line and "DRAIN" in info.flags
+    assert len(slurm.reboot_requests()) == 1
+    await backend.reboot("gpu03", reason)  # already rebooting: not asked twice
+    assert len(slurm.reboot_requests()) == 1
+    slurm.complete_reboot("gpu03")
+    info = slurm.wait_node("gpu03", lambda n: n.state == "IDLE", what="gpu03 back in service")
+    assert await backend.node_state("gpu03") == NodeState("gpu03", exists=True, drained=False)
+
+
+async def test_reset_gpu_without_a_command(slurm, backend):
+    with pytest.raises(BackendError, match="no reset_gpu_command") as err:
+        await backend.reset_gpu("gpu02", "1", REASON)
+    assert not err.value.retryable
+    rebooting = SlurmBackend.from_config({"slurm_conf": str(slurm.conf_path), "reset_gpu_fallback": "reboot"})
+    await rebooting.reset_gpu("gpu02", "1", REASON)
+    assert {"REBOOT_REQUESTED", "REBOOT_ISSUED"} & slurm.node("gpu02").flags
+
+
+async def test_reset_gpu_runs_the_site_command(slurm, tmp_path):
+    out = tmp_path / "reset.txt"
+    script = tmp_path / "reset.py"
+    script.write_text("import os, sys\nopen(sys.argv[1], 'w').write(' '.join(sys.argv[2:]) + ' '"
+                      " + os.environ['GPUHEALTH_ALERTNAME'] + ' ' + os.environ['SLURM_CONF'])\n")
+    backend = SlurmBackend.from_config({
+        "slurm_conf": str(slurm.conf_path),
+        "reset_gpu_command": [sys.executable, str(script), str(out), "{node}", "{gpu}"]})
+    await backend.reset_gpu("gpu01", "5", REASON)
+    assert out.read_text() == f"gpu01 5 GPUHealthXidFatal {slurm.conf_path}"
+
+
+async def test_errors_carry_slurms_message(backend):
+    with pytest.raises(BackendError) as err:
+        await backend.drain("gpu99", REASON)
+    assert not err.value.retryable and "Invalid node name" in str(err.value)
+
+
+async def test_an_unreachable_controller_is_retryable(slurm, tmp_path):
+    conf = tmp_path / "slurm.conf"
+    text = slurm.conf_path.read_text()
+    conf.write_text(text.replace(f"SlurmctldPort={slurm.controller_port}", f"SlurmctldPort={free_port()}"))
+    backend = SlurmBackend.from_config({"slurm_conf": str(conf), "timeout_seconds": 3})
+    started = time.monotonic()
+    with pytest.raises(BackendError) as err:
+        await backend.drain("gpu01", REASON)
+    assert err.value.retryable
+    assert time.monotonic() - started < 15
+
+
+def test_config_lists_every_problem_at_once():
+    with pytest.raises(ValueError) as err:
+        SlurmBackend.from_config({"timeout_seconds": -1, "reset_gpu_command": ["x", "{job_id}"],
+                                  "reset_gpu_fallback": "pray", "reboot_next_state": "UP", "scontrol": "",
+                                  "colour": 1})
+    message = str(err.value)
+    for expected in ("timeout_seconds", "{job_id}", "reset_gpu_fallback", "reboot_next_state",
+                     "backend.scontrol", "backend.colour"):
+        assert expected in message, expected
+
+
+def test_registry_builds_the_slurm_backend():
+    assert isinstance(create_backend({"type": "slurm"}), SlurmBackend)
+
+
+def test_local_cluster_parameters_and_teardown():
+    cluster = SlurmCluster(nodes=2, prefix="node", partition="batch")
+    with cluster:
+        assert cluster.node_names == ["node01", "node02"]
+        assert cluster.run("sinfo", "-h", "-o", "%P %D %t").split() == ["batch*", "2", "idle"]
+        job = cluster.submit_training_job(nodes=2, name="train")
+        assert sorted(cluster.job(job).nodes) == ["node01", "node02"]
+        pids = [daemon.proc.pid for daemon in cluster.daemons]
+        assert len(pids) == 4
+        workdir = cluster.workdir
+    assert not workdir.exists()
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cwd(p).startswith(str(workdir))]
+    assert leftovers == []
+
+
+def _cwd(proc: Path) -> str:
+    try:
+        return os.readlink(proc / "cwd")
+    except OSError:
+        return ""

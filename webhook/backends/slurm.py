@@ -1,0 +1,226 @@
+"""Slurm backend: drain, resume, requeue and reboot through ``scontrol`` and ``squeue``.
+
+Slurm's own clients are the interface, so the webhook needs no REST daemon or database, and every
+change shows in ``scontrol show node`` with our reason (``gpuhealth: <alertname>: <summary>``) for
+operators to see. Each call is an asyncio subprocess with a timeout; a failure becomes a
+``BackendError`` with the client's stderr, retryable unless Slurm said the node or job does not exist.
+
+Requeueing a job away from a node is three steps that Slurm 22.05 accepts in this order: hold the job
+as it is requeued (``requeuehold``, so it cannot start again before the exclusion is in place), merge
+the node into its ``ExcNodeList`` and release it. Each step is checked against ``scontrol show job``
+first, so a requeue interrupted by a crash and retried completes without a second restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuhealth.webhook.backends.base import BackendError, NodeState
+from gpuhealth.webhook.backends.command import alert_fields, environment, fill, run_argv, template_errors
+
+log = logging.getLogger(__name__)
+
+MAX_REASON_CHARS = 200
+DRAIN_FLAGS = {"DRAIN", "DRAINING", "DRAINED", "FAIL", "FAILING"}
+REBOOT_FLAGS = {"REBOOT_REQUESTED", "REBOOT_ISSUED"}
+ACTIVE_STATES = "RUNNING,CONFIGURING"
+OUR_HOLD = "job_requeued_in_held_state"  # the Reason scontrol requeuehold leaves on the job
+# Slurm's answers for a name or id that does not exist: retrying cannot help.
+PERMANENT = re.compile(r"Invalid (node name|job id)|not found|Invalid node state|Requested operation is "
+                       r"presently disabled|Access/permission denied|Only batch jobs", re.IGNORECASE)
+_STATE = re.compile(r"(?:^|\s)State=(\S+)")
+_REASON = re.compile(r"\sReason=(.*)$")
+_REASON_STAMP = re.compile(r"\s*\[[^\[\]]*@[^\[\]]*\]\s*$")  # Slurm appends " [user@time]"
+_JOB_FIELD = re.compile(r"(?:^|\s)(JobState|ExcNodeList|Reason)=(\S*)")
+_KEYS = {"scontrol", "squeue", "slurm_conf", "timeout_seconds", "partition", "reset_gpu_command",
+         "reset_gpu_fallback", "reboot_next_state"}
+
+
+@dataclass(frozen=True)
+class SlurmSettings:
+    scontrol: str = "scontrol"
+    squeue: str = "squeue"
+    slurm_conf: str | None = None
+    timeout_seconds: float = 30.0
+    partition: str | None = None
+    reset_gpu_command: list[str] | None = None
+    reset_gpu_fallback: str = "error"  # or "reboot": no way to reset one GPU, so reboot the node
+    reboot_next_state: str = "RESUME"
+
+
+def _settings(section: Mapping[str, Any]) -> SlurmSettings:
+    errors = [f"backend.{key}: unknown key" for key in sorted(set(section) - _KEYS)]
+    for key in ("scontrol", "squeue", "slurm_conf", "partition"):
+        value = section.get(key)
+        if value is not None and (not isinstance(value, str) or not value):
+            errors.append(f"backend.{key}: a non-empty string")
+    timeout = section.get("timeout_seconds", 30.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+        errors.append("backend.timeout_seconds: a number > 0")
+    command = section.get("reset_gpu_command")
+    if command is not None:
+        errors.extend(template_errors("backend.reset_gpu_command", command,
+                                      frozenset({"node", "gpu", "reason", "alertname"})))
+    fallback = section.get("reset_gpu_fallback", "error")
+    if fallback not in ("error", "reboot"):
+        errors.append("backend.reset_gpu_fallback: 'error' (fail the action) or 'reboot' (reboot the node)")
+    next_state = section.get("reboot_next_state", "RESUME")
+    if next_state not in ("RESUME", "DOWN"):
+        errors.append("backend.reboot_next_state: RESUME (back in service after the reboot) or DOWN")
+    if errors:
+        raise ValueError("slurm backend:\n  " + "\n  ".join(errors))
+    defaults = SlurmSettings()
+    return SlurmSettings(
+        scontrol=section.get("scontrol") or defaults.scontrol,
+        squeue=section.get("squeue") or defaults.squeue,
+        slurm_conf=section.get("slurm_conf"), timeout_seconds=float(timeout),
+        partition=section.get("partition"), reset_gpu_command=list(command) if command else None,
+        reset_gpu_fallback=fallback, reboot_next_state=next_state)
+
+
+def slurm_reason(reason: str) -> str:
+    """One line, at most ``MAX_REASON_CHARS``: Slurm stores the reason and prints it in every listing."""
+    line = " ".join(reason.split())
+    return line if len(line) <= MAX_REASON_CHARS else line[:MAX_REASON_CHARS - 3].rstrip() + "..."
+
+
+def parse_node(node: str, line: str) -> NodeState:
+    """``scontrol show node -o``: ``State=IDLE+DRAIN`` flags; the Reason runs to the end of the line."""
+    flags = _flags(line)
+    reason = _REASON.search(line)
+    text = _REASON_STAMP.sub("", reason[1]) if reason else ""
+    return NodeState(node, exists=True, drained=bool(flags & DRAIN_FLAGS), reason=text)
+
+
+def _flags(line: str) -> set[str]:
+    state = _STATE.search(line)
+    return set(state[1].split("+")) if state else set()
+
+
+class SlurmBackend:
+    """Acts with the rights of the user it runs as: ``scontrol update`` and ``requeue`` need an operator."""
+
+    name = "slurm"
+
+    def __init__(self, settings: SlurmSettings | None = None) -> None:
+        self.settings = settings or SlurmSettings()
+        self._env = {**os.environ}
+        if self.settings.slurm_conf:
+            self._env["SLURM_CONF"] = self.settings.slurm_conf
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any]) -> SlurmBackend:
+        """Build from the ``backend:`` section; raises ``ValueError`` listing every problem."""
+        return cls(_settings(section))
+
+    async def _run(self, tool: str, *args: str) -> str:
+        argv = [tool, *args]
+        try:
+            return await run_argv(argv, env=self._env, timeout=self.settings.timeout_seconds)
+        except BackendError as exc:
+            if exc.retryable and PERMANENT.search(str(exc)):
+                raise BackendError(str(exc), retryable=False) from None
+            raise
+
+    async def _scontrol(self, *args: str) -> str:
+        return await self._run(self.settings.scontrol, *args)
+
+    async def _show_node(self, node: str) -> str | None:
+        try:
+            return (await self._scontrol("show", "node", node, "-o")).strip()
+        except BackendError as exc:
+            if not exc.retryable:  # "Node x not found"
+                return None
+            raise
+
+    async def node_state(self, node: str) -> NodeState:
+        line = await self._show_node(node)
+        if line is None:
+            return NodeState(node, exists=False, drained=False)
+        return parse_node(node, line)
+
+    async def fleet_size(self) -> int:
+        if self.settings.partition:
+            out = await self._scontrol("show", "partition", self.settings.partition, "-o")
+            match = re.search(r"(?:^|\s)TotalNodes=(\d+)", out)
+            if not match:
+                raise BackendError(f"no TotalNodes in scontrol show partition: {out[:200]!r}")
+            return int(match[1])
+        out = await self._scontrol("show", "node", "-o")
+        return sum(1 for line in out.splitlines() if line.startswith("NodeName="))
+
+    async def drain(self, node: str, reason: str) -> None:
+        text = slurm_reason(reason)
+        state = await self.node_state(node)
+        if state.drained and state.reason == text:
+            return
+        await self._scontrol("update", f"NodeName={node}", "State=DRAIN", f"Reason={text}")
+        log.info("slurm drained node=%s reason=%r", node, text)
+
+    async def resume(self, node: str) -> None:
+        state = await self.node_state(node)
+        if not state.exists:
+            raise BackendError(f"node {node} not found", retryable=False)
+        if not state.drained:
+            return
+        await self._scontrol("update", f"NodeName={node}", "State=RESUME")
+        log.info("slurm resumed node=%s", node)
+
+    async def jobs_on_node(self, node: str) -> list[str]:
+        out = await self._run(self.settings.squeue, "-h", "-w", node, "-t", ACTIVE_STATES, "-o", "%i")
+        return out.split()
+
+    async def _job(self, job_id: str) -> dict[str, str]:
+        return dict(_JOB_FIELD.findall(await self._scontrol("show", "job", job_id, "-o")))
+
+    async def _hostnames(self, hostlist: str) -> list[str]:
+        if hostlist in ("", "(null)"):
+            return []
+        return (await self._scontrol("show", "hostnames", hostlist)).split()
+
+    async def requeue(self, job_id: str, exclude_nodes: list[str]) -> None:
+        job = await self._job(job_id)
+        if job.get("JobState") != "PENDING" and job.get("Reason") != OUR_HOLD:
+            await self._scontrol("requeuehold", job_id)
+            job = await self._job(job_id)
+        excluded = await self._hostnames(job.get("ExcNodeList", ""))
+        missing = [n for n in exclude_nodes if n not in excluded]
+        if missing:
+            merged = ",".join([*excluded, *missing])
+            await self._scontrol("update", f"JobId={job_id}", f"ExcNodeList={merged}")
+            job = await self._job(job_id)
+            now = await self._hostnames(job.get("ExcNodeList", ""))
+            if not set(exclude_nodes) <= set(now):
+                raise BackendError(f"job {job_id}: ExcNodeList is {now} after asking for {merged}")
+        if job.get("Reason") == OUR_HOLD:
+            await self._scontrol("release", job_id)
+        log.info("slurm requeued job=%s excluded=%s", job_id, ",".join(sorted({*excluded, *missing})))
+
+    async def reset_gpu(self, node: str, gpu: str | None, reason: str) -> None:
+        command = self.settings.reset_gpu_command
+        if command is None:
+            if self.settings.reset_gpu_fallback == "reboot":
+                await self.reboot(node, reason)
+                return
+            raise BackendError("slurm backend: no reset_gpu_command configured (a site command that "
+                               "resets one GPU, e.g. through ssh and nvidia-smi -r), and "
+                               "reset_gpu_fallback is 'error'", retryable=False)
+        fields = alert_fields(node, reason, gpu or "")
+        await run_argv(fill(command, fields), env=environment("reset_gpu", fields, self._env),
+                       timeout=self.settings.timeout_seconds)
+        log.info("slurm reset_gpu node=%s gpu=%s", node, gpu)
+
+    async def reboot(self, node: str, reason: str) -> None:
+        line = await self._show_node(node)
+        if line is None:
+            raise BackendError(f"node {node} not found", retryable=False)
+        if _flags(line) & REBOOT_FLAGS:
+            return
+        await self._scontrol("reboot", "ASAP", f"nextstate={self.settings.reboot_next_state}",
+                             f"reason={slurm_reason(reason)}", node)
+        log.info("slurm reboot requested node=%s next_state=%s", node, self.settings.reboot_next_state)
