@@ -2,8 +2,9 @@
 
 It keeps node drains, running jobs and a history of every call the webhook made, optionally in a
 JSON file that survives restarts (replaced atomically, so a killed webhook never leaves it torn).
-Like a real scheduler it is idempotent: draining a drained node or requeueing a job that is already
-pending changes nothing and adds no history.
+Like a real scheduler it is idempotent: draining a drained node, requeueing a job that is already
+pending, or asking again for a reboot or GPU reset still pending (until the node is resumed) changes
+nothing and adds no history.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class SimulatedBackend:
         entry = self._node(node)
         if not entry["drained"]:
             return
-        entry.update(drained=False, reason="")
+        entry.update(drained=False, reason="", pending=[])
         self._record("resume", node)
 
     async def jobs_on_node(self, node: str) -> list[str]:
@@ -143,13 +144,17 @@ class SimulatedBackend:
 
     async def reset_gpu(self, node: str, gpu: str | None, reason: str) -> None:
         await self._latency()
-        self._node(node)
-        self._record("reset_gpu", node, gpu, reason)
+        self._request(node, f"reset_gpu:{gpu}", "reset_gpu", node, gpu, reason)
 
     async def reboot(self, node: str, reason: str) -> None:
         await self._latency()
-        self._node(node)
-        self._record("reboot", node, reason)
+        self._request(node, "reboot", "reboot", node, reason)
+
+    def _request(self, node: str, what: str, *record: Any) -> None:
+        pending = self._node(node).setdefault("pending", [])
+        if what not in pending:
+            pending.append(what)
+            self._record(*record)
 
     def start_job(self, job_id: str, node: str) -> None:
         """Run ``job_id`` on ``node`` (again): how a requeued job lands on a new node."""
