@@ -115,6 +115,10 @@ def make_handler(sampler: Sampler, auth: BasicAuth | None) -> type[BaseHTTPReque
 class ExporterServer(ThreadingHTTPServer):
     daemon_threads = True
 
+    def handle_error(self, request: object, client_address: tuple) -> None:
+        """A client that drops the connection or fails the TLS handshake is its problem, not ours."""
+        log.debug("http client error client=%s", client_address, exc_info=True)
+
 
 def make_server(host: str, port: int, sampler: Sampler, tls_cert: Path | None = None,
                 tls_key: Path | None = None, users: dict[str, str] | None = None) -> ExporterServer:
@@ -123,5 +127,6 @@ def make_server(host: str, port: int, sampler: Sampler, tls_cert: Path | None = 
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.load_cert_chain(tls_cert, tls_key)
-        server.socket = context.wrap_socket(server.socket, server_side=True)
+        # the handshake happens in the request's thread, so a slow client cannot stall accept()
+        server.socket = context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
     return server

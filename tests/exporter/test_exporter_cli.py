@@ -1,0 +1,129 @@
+"""Command line and configuration: flags, YAML, every problem listed at once, no tracebacks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from gpuhealth.exporter.config import ConfigError, build_settings, read_yaml
+from gpuhealth.exporter.main import main
+from gpuhealth.exporter.sim.scenario import ScenarioError, load_scenario, parse_scenario
+from gpuhealth.exporter.web import check_password, hash_password
+
+from gpuhealth.local.process import ManagedProcess, free_port, http_ok
+
+EXPORTER = [sys.executable, "-m", "gpuhealth.exporter.main"]
+
+
+def test_help_lists_collector_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    for flag in ("--collector.gpu", "--no-collector.nfs", "--collector.xid", "--backend", "--sim-scenario",
+                 "--kmsg-path", "--listen", "--config", "--state-dir", "--path.procfs"):
+        assert flag in out
+
+
+def test_bad_config_lists_every_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "exporter.yml"
+    config.write_text(yaml.safe_dump({
+        "backend": "cuda", "sampling_interval": -1, "listen": "nowhere", "colour": "blue",
+        "collectors": {"gpu": True, "smart": True}, "web": {"tls_cert_file": "/nonexistent.pem",
+                                                               "basic_auth_users": {"ops": "plaintext"}},
+    }))
+    assert main(["--config", str(config), "--path.procfs", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    for needle in ("backend", "sampling_interval", "listen", "colour", "smart", "tls_cert_file",
+                   "tls_key_file", "web.basic_auth_users.ops", "procfs"):
+        assert needle in err, needle
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) >= 9
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "exporter.yml"
+    config.write_text("backend: sim\nlisten: ':9000'\ncollectors: {nfs: false}\nsampling_window: 30\n")
+    problems: list[str] = []
+    settings = build_settings(read_yaml(config, problems), {"listen": "127.0.0.1:9999",
+                                                            "collectors": {"host": False}},
+                              ["gpu", "host", "nfs"], problems)
+    assert settings.backend == "sim" and settings.listen == "127.0.0.1:9999"
+    assert settings.collectors == {"nfs": False, "host": False}
+    assert settings.sampling_window == 30.0 and settings.host_port == ("127.0.0.1", 9999)
+
+
+def test_unreadable_yaml_is_one_clear_problem(tmp_path: Path) -> None:
+    config = tmp_path / "exporter.yml"
+    config.write_text("backend: [unclosed\n")
+    with pytest.raises(ConfigError) as exc:
+        build_settings(read_yaml(config, problems := []), {}, [], problems)
+    assert "not valid YAML" in str(exc.value)
+
+
+def test_bad_scenario_lists_every_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    scenario = tmp_path / "scenario.yml"
+    scenario.write_text(yaml.safe_dump({"gpus": 4, "faults": [
+        {"kind": "hbm_degradation"}, {"kind": "meteor_strike", "gpu": 1},
+        {"kind": "nvlink_errors", "gpu": 9, "link": 40}, {"kind": "hbm_degradation", "gpu": 0, "xid": 31},
+        {"kind": "sbe_burst", "gpu": 1, "start": -5, "precursor": 3}]}))
+    assert main(["--backend", "sim", "--sim-scenario", str(scenario), "--listen", "127.0.0.1:0"]) == 2
+    err = capsys.readouterr().err
+    for needle in ("needs 'gpu'", "meteor_strike", "GPU 9 does not exist", "link 40", "xid", "start",
+                   "unknown key 'precursor'"):
+        assert needle in err, needle
+    assert "Traceback" not in err
+
+
+def test_scenario_defaults_and_file_loading(tmp_path: Path) -> None:
+    default = load_scenario(None)
+    assert (default.gpus, default.nvlinks, default.faults) == (8, 18, ())
+    assert "H100" in default.model
+    path = tmp_path / "s.yml"
+    path.write_text("faults:\n  - {kind: fell_off_bus, gpu: 7, start: 30}\n"
+                    "  - {kind: hot_aisle, duration: 5}\n")
+    faults = load_scenario(path).faults
+    assert faults[0].gpus == (7,) and faults[0].start == 30 and not faults[0].is_noise
+    assert faults[1].gpus == tuple(range(8)) and faults[1].is_noise
+    with pytest.raises(ScenarioError, match="cannot read"):
+        load_scenario(tmp_path / "missing.yml")
+    with pytest.raises(ScenarioError, match="mapping"):
+        parse_scenario([1, 2])
+
+
+def test_nvml_backend_without_a_driver_is_one_line_naming_the_simulator(tmp_path: Path) -> None:
+    """Without libnvidia-ml (CI) the nvml backend exits 2 with one line; with a GPU it must serve."""
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+        have_nvml = True
+    except pynvml.NVMLError:
+        have_nvml = False
+    port = free_port()
+    argv = [*EXPORTER, "--backend", "nvml", "--listen", f"127.0.0.1:{port}", "--no-kmsg"]
+    if have_nvml:
+        with ManagedProcess("exporter", argv, tmp_path / "exporter.log") as proc:
+            proc.start().wait_ready(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=30)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+        assert 'backend="nvml"' in text and 'gpuhealth_gpu_up{gpu="0"} 1.0' in text
+        return
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--backend sim" in lines[0]
+
+
+def test_hash_password_round_trip() -> None:
+    result = subprocess.run([*EXPORTER, "--hash-password"], input="s3cret\n", capture_output=True, text=True,
+                            timeout=60)
+    hashed = result.stdout.strip()
+    assert result.returncode == 0 and hashed.startswith("pbkdf2_sha256$")
+    assert check_password("s3cret", hashed) and not check_password("guess", hashed)
+    assert hash_password("x") != hash_password("x")  # salted
