@@ -1,0 +1,119 @@
+"""XID classification: one alert per action class, escalation on repetition, XID 154's recovery action."""
+
+from __future__ import annotations
+
+import pytest
+from rules_promtool import SOURCES, Fleet, alert, run_promtool
+
+MINUTES = 90
+
+
+def _xid_alert(name: str, node: str, gpu: int, xid: int, value: str, severity: str, action: str,
+               summary_tail: str, description: str, **extra: str) -> dict:
+    labels = {"alertname": name, "node": node, "gpu": str(gpu), "xid": str(xid), **extra}
+    return alert(name, labels, f"XID {xid} on {node} GPU {gpu}: {summary_tail}",
+                 description.format(node=node, gpu=gpu, xid=xid, value=value), severity, action)
+
+
+RESTART = ("The driver reported XID {xid} on GPU {gpu} of {node} ({value} in the last window), an "
+           "application-level fault: restart the job, the GPU stays in service.")
+RESET = ("GPU {gpu} of {node} reported XID {xid} ({value} in the last window); the GPU needs a reset before "
+         "it is trusted again. Drain the node, requeue its jobs, reset.")
+REBOOT = ("GPU {gpu} of {node} reported XID {xid} ({value} in the last window): the GPU is off the bus or "
+          "the driver asks for a reboot. Drain, requeue, reboot the node.")
+
+
+def _case(fleet: Fleet, checks: list[dict]) -> dict:
+    return {"interval": "1m", "input_series": fleet.input_series(), "alert_rule_test": checks}
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_action_classes(tmp_path, source):
+    fleet = Fleet(source)
+    fleet.xid("n1", 0, [(5, 13)], MINUTES)      # restart the job
+    fleet.xid("n1", 1, [(5, 43)], MINUTES)      # ignorable: raises nothing
+    fleet.xid("n1", 2, [(5, 48)], MINUTES)      # reset the GPU
+    fleet.xid("n2", 4, [(5, 79)], MINUTES)      # fell off the bus: reboot
+    restart = _xid_alert("GPUHealthXidRestartJob", "n1", 0, 13, "1", "warning", "restart_job",
+                         "restart the job", RESTART)
+    reset = _xid_alert("GPUHealthXidResetGpu", "n1", 2, 48, "1", "critical", "drain_reset_gpu",
+                       "reset the GPU", RESET)
+    reboot = _xid_alert("GPUHealthXidRebootNode", "n2", 4, 79, "1", "critical", "drain_reboot",
+                        "reboot the node", REBOOT)
+    checks = []
+    for name, expected in (("GPUHealthXidRestartJob", restart), ("GPUHealthXidResetGpu", reset),
+                           ("GPUHealthXidRebootNode", reboot)):
+        checks += [
+            {"eval_time": "4m", "alertname": name, "exp_alerts": []},           # the minute before the XID
+            {"eval_time": "6m", "alertname": name, "exp_alerts": [expected]},   # fires at once (no `for`)
+            {"eval_time": "64m", "alertname": name, "exp_alerts": [expected]},  # still within the window
+            {"eval_time": "66m", "alertname": name, "exp_alerts": []},          # window passed: resolved
+        ]
+    checks.append({"eval_time": "6m", "alertname": "GPUHealthXidDrain", "exp_alerts": []})
+    run_promtool(tmp_path, source, ["xid"], [_case(fleet, checks)])
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_repetition_escalates(tmp_path, source):
+    fleet = Fleet(source)
+    fleet.xid("n1", 1, [(5, 31), (15, 13), (25, 31)], MINUTES)   # app faults repeating on one GPU
+    fleet.xid("n1", 5, [(5, 31)], MINUTES)                       # once only: just restart
+    fleet.xid("n2", 2, [(5, 64), (15, 48), (30, 64)], MINUTES)   # remap failure back after a reset
+    fleet.xid("n3", 0, [(5, 79)], MINUTES)                       # two GPUs of n3 fall off the bus
+    fleet.xid("n3", 6, [(40, 79)], MINUTES)
+    drain = alert("GPUHealthXidDrain", {"alertname": "GPUHealthXidDrain", "node": "n1", "gpu": "1",
+                                        "reason": "XID 13/31 repeated on this GPU"},
+                  "GPU 1 on n1 needs diagnostics (XID 13/31 repeated on this GPU)",
+                  "GPU 1 of n1: XID 13/31 repeated on this GPU (3). Drain the node and run diagnostics "
+                  "before it takes more jobs.", "warning", "drain")
+    replace_value = "2" if source == "gpuhealth" else "3"   # dcgm counts changes of the last-XID gauge
+    replace = alert("GPUHealthXidReplaceGpu",
+                    {"alertname": "GPUHealthXidReplaceGpu", "node": "n2", "gpu": "2"},
+                    "GPU 2 on n2 keeps failing row remapping: replace it",
+                    f"GPU 2 of n2 reported a row-remap failure {replace_value} times in the repeat window; "
+                    "resets no longer help. Take the node out of rotation and replace the GPU.",
+                    "critical", "replace")
+    bus = alert("GPUHealthNodeRepeatedFallOffBus",
+                {"alertname": "GPUHealthNodeRepeatedFallOffBus", "node": "n3"},
+                "GPUs of n3 fell off the bus 2 times: repair the node",
+                "n3 lost a GPU from the PCIe bus 2 times in the repeat window. Reboots are not fixing it: "
+                "take the node out of rotation and check risers, board and power.", "critical", "replace")
+    checks = [
+        {"eval_time": "24m", "alertname": "GPUHealthXidDrain", "exp_alerts": []},
+        {"eval_time": "26m", "alertname": "GPUHealthXidDrain", "exp_alerts": [drain]},
+        {"eval_time": "29m", "alertname": "GPUHealthXidReplaceGpu", "exp_alerts": []},
+        {"eval_time": "31m", "alertname": "GPUHealthXidReplaceGpu", "exp_alerts": [replace]},
+        {"eval_time": "39m", "alertname": "GPUHealthNodeRepeatedFallOffBus", "exp_alerts": []},
+        {"eval_time": "41m", "alertname": "GPUHealthNodeRepeatedFallOffBus", "exp_alerts": [bus]},
+        {"eval_time": "90m", "alertname": "GPUHealthNodeRepeatedFallOffBus", "exp_alerts": [bus]},
+    ]
+    run_promtool(tmp_path, source, ["xid"], [_case(fleet, checks)])
+
+
+def test_recovery_action_and_fallen_off_bus(tmp_path):
+    """XID 154 follows the action it announces; 'fallen off the bus' reboots (gpuhealth source only)."""
+    fleet = Fleet("gpuhealth")
+    fleet.xid("n1", 0, [(5, 154)], MINUTES)
+    fleet.add("recovery_action", "n1", 0, "0x4 1x86", action="gpu_reset")
+    fleet.add("recovery_action", "n1", 1, "0x4 1x86", action="drain_p2p")
+    fleet.add("recovery_action", "n1", 2, (1, 0, MINUTES), action="none")
+    fleet.add("fallen_off_bus", "n2", 3, "_x5 1x85")
+    reset = _xid_alert("GPUHealthXidResetGpu", "n1", 0, 154, "1", "critical", "drain_reset_gpu",
+                       "reset the GPU", RESET, recovery_action="gpu_reset")
+    drain = alert("GPUHealthXidDrain", {"alertname": "GPUHealthXidDrain", "node": "n1", "gpu": "1",
+                                        "recovery_action": "drain_p2p",
+                                        "reason": "XID 154 recovery action drain_p2p"},
+                  "GPU 1 on n1 needs diagnostics (XID 154 recovery action drain_p2p)",
+                  "GPU 1 of n1: XID 154 recovery action drain_p2p (1). Drain the node and run diagnostics "
+                  "before it takes more jobs.", "warning", "drain")
+    reboot = _xid_alert("GPUHealthXidRebootNode", "n2", 3, 79, "1", "critical", "drain_reboot",
+                        "reboot the node", REBOOT)
+    checks = [
+        {"eval_time": "3m", "alertname": "GPUHealthXidResetGpu", "exp_alerts": []},
+        {"eval_time": "6m", "alertname": "GPUHealthXidResetGpu", "exp_alerts": [reset]},
+        {"eval_time": "3m", "alertname": "GPUHealthXidDrain", "exp_alerts": []},
+        {"eval_time": "6m", "alertname": "GPUHealthXidDrain", "exp_alerts": [drain]},
+        {"eval_time": "4m", "alertname": "GPUHealthXidRebootNode", "exp_alerts": []},
+        {"eval_time": "6m", "alertname": "GPUHealthXidRebootNode", "exp_alerts": [reboot]},
+    ]
+    run_promtool(tmp_path, "gpuhealth", ["xid"], [_case(fleet, checks)])
