@@ -258,6 +258,19 @@ async def test_reboot_and_gpu_reset_are_requested_from_the_node_agent(kube, tmp_
     assert not exc.value.retryable
 
 
+async def test_reboot_and_gpu_reset_can_run_a_site_command_instead(kube, tmp_path):
+    kube.add_node("gpu01")
+    backend = _backend(kube, tmp_path, node_actions="command", node_commands={
+        "reset_gpu": ["touch", str(tmp_path / "reset-{node}-{gpu}-{alertname}")],
+        "reboot": ["false"]})
+    await backend.reset_gpu("gpu01", "3", REASON)
+    assert (tmp_path / "reset-gpu01-3-GPUHealthXidFatal").exists()
+    assert kube.requests == [], "a command replaces the node annotation"
+    with pytest.raises(BackendError, match="false: exit 1") as exc:
+        await backend.reboot("gpu01", REASON)
+    assert exc.value.retryable
+
+
 async def test_api_errors_say_whether_a_retry_can_help(kube, tmp_path):
     kube.add_node("gpu01")
     backend = _backend(kube, tmp_path, request_timeout_seconds=0.2)

@@ -80,6 +80,22 @@ def test_bad_settings_are_listed_together():
         assert problem in message
 
 
+def test_node_commands_are_checked_with_the_settings():
+    with pytest.raises(ValueError) as exc:
+        KubernetesBackend.from_config({
+            "kubeconfig": str(KUBECONFIG), "node_actions": "command",
+            "node_commands": {"reset_gpu": ["nvidia-smi", "-r", "-i", "{gpu}", "{job_id}"], "wipe": ["rm"],
+                              "reboot": "ssh {node} reboot"}})
+    message = str(exc.value)
+    for problem in ("node_commands.reset_gpu: unknown placeholder(s) {job_id}", "node_commands.wipe: unknown",
+                    "node_commands.reboot: a non-empty list of strings"):
+        assert problem in message
+    with pytest.raises(ValueError, match="node_commands: required with node_actions: command"):
+        KubernetesBackend.from_config({"kubeconfig": str(KUBECONFIG), "node_actions": "command"})
+    with pytest.raises(ValueError, match="only used with it"):
+        KubernetesBackend.from_config({"kubeconfig": str(KUBECONFIG), "node_commands": {"reboot": ["x"]}})
+
+
 def _service_account(directory: Path) -> Path:
     directory.mkdir()
     (directory / "token").write_text("sa-token\n")

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 from .base import BackendError, NodeState
+from .command import FIELDS, alert_fields, environment, fill, run_argv, template_errors
 from .kubernetes_api import PATCH_TYPES, KubeAPIError, KubeClient, KubeSession
 from .kubernetes_config import SERVICE_ACCOUNT_DIR, Connection, from_kubeconfig, in_cluster
 
@@ -49,10 +50,13 @@ class Settings:
     eviction_backoff_seconds: float = 1.0
     patch_type: str = "strategic"
     node_actions: str = "annotate"
+    node_commands: dict[str, list[str]] = field(default_factory=dict)
+    node_command_timeout_seconds: float = 300.0
     job_pods: str = "all"
 
 
-_CHOICES = {"patch_type": tuple(PATCH_TYPES), "node_actions": ("annotate", "none"),
+NODE_COMMANDS = ("reset_gpu", "reboot")
+_CHOICES = {"patch_type": tuple(PATCH_TYPES), "node_actions": ("annotate", "command", "none"),
             "job_pods": ("all", "on_excluded_nodes")}
 _CONNECTION_KEYS = {"type", "kubeconfig", "context", "service_account_dir", "insecure_skip_tls_verify"}
 
@@ -181,10 +185,27 @@ class KubernetesBackend:
                 await self._restart_job(api, namespace, job, exclude_nodes)
 
     async def reset_gpu(self, node: str, gpu: str | None, reason: str) -> None:
-        await self._request_node_action(node, "reset-gpu", gpu or "all", reason)
+        if self.settings.node_actions == "command":
+            await self._run_node_command("reset_gpu", alert_fields(node, reason, gpu or ""))
+        else:
+            await self._request_node_action(node, "reset-gpu", gpu or "all", reason)
 
     async def reboot(self, node: str, reason: str) -> None:
-        await self._request_node_action(node, "reboot", None, reason)
+        if self.settings.node_actions == "command":
+            await self._run_node_command("reboot", alert_fields(node, reason))
+        else:
+            await self._request_node_action(node, "reboot", None, reason)
+
+    async def _run_node_command(self, operation: str, fields: Mapping[str, str]) -> None:
+        """The site's own way to reach the machine (ssh, a BMC, a job), as the command backend runs it."""
+        template = self.settings.node_commands.get(operation)
+        if template is None:
+            raise BackendError(f"kubernetes backend: no node_commands.{operation} configured",
+                               retryable=False)
+        argv = fill(template, fields)
+        log.info("event=kube_node_command operation=%s node=%s argv=%r", operation, fields["node"], argv)
+        await run_argv(argv, env=environment(operation, fields, {}),
+                       timeout=self.settings.node_command_timeout_seconds)
 
     async def _request_node_action(self, node: str, action: str, gpu: str | None, reason: str) -> None:
         """Record the request on the node for the node-local agent, which clears it when done."""
@@ -300,6 +321,10 @@ def _settings(section: Mapping[str, Any], errors: list[str]) -> Settings:
                 errors.append(f"backend.{key}: must be a positive number of seconds, got {value!r}")
                 continue
             value = float(value)
+        elif isinstance(default, dict):
+            value = _node_commands(value, errors)
+            if value is None:
+                continue
         elif not isinstance(value, str):
             errors.append(f"backend.{key}: must be a string, got {value!r}")
             continue
@@ -307,7 +332,22 @@ def _settings(section: Mapping[str, Any], errors: list[str]) -> Settings:
             errors.append(f"backend.{key}: must be one of {', '.join(_CHOICES[key])}, got {value!r}")
             continue
         values[key] = value
+    if (section.get("node_actions") == "command") != bool(section.get("node_commands")):
+        errors.append("backend.node_commands: required with node_actions: command, and only used with it")
     return Settings(**values) if len(values) == len(defaults) else Settings()
+
+
+def _node_commands(value: Any, errors: list[str]) -> dict[str, list[str]] | None:
+    if not isinstance(value, dict):
+        errors.append("backend.node_commands: a mapping of reset_gpu/reboot to an argv list")
+        return None
+    before = len(errors)
+    for op, template in value.items():
+        if op not in NODE_COMMANDS:
+            errors.append(f"backend.node_commands.{op}: unknown; known: {', '.join(NODE_COMMANDS)}")
+        else:
+            errors.extend(template_errors(f"backend.node_commands.{op}", template, FIELDS[op]))
+    return {op: list(argv) for op, argv in value.items()} if len(errors) == before else None
 
 
 async def _get_node(api: KubeSession, node: str, *, missing_ok: bool) -> dict[str, Any] | None:
