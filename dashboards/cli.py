@@ -14,6 +14,8 @@ from pathlib import Path
 
 from gpuhealth.dashboards.generate import GENERATED_DIR, render, stale, write
 from gpuhealth.dashboards.queries import Window, riskiest_gpu, variable_values
+from gpuhealth.dashboards.remediation import UID as REMEDIATION_UID
+from gpuhealth.dashboards.webhook_sample import SCRAPE_SECONDS, webhook_session
 
 from gpuhealth.local.prometheus import PrometheusAPI
 
@@ -45,7 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source = preview.add_mutually_exclusive_group(required=True)
     source.add_argument("--scenario", type=Path,
                         help="fleet scenario YAML (e.g. bench/scenarios/small.yaml): simulate it, backfill a "
-                             "local Prometheus with it and the rules, and preview that")
+                             "local Prometheus with it and the rules, and preview that; the remediation "
+                             "dashboard is drawn from gpuhealth-webhook acting on a simulated cluster")
     source.add_argument("--url", help="a running Prometheus that already has gpuhealth data")
     preview.add_argument("--since", type=float, default=6.0,
                          help="with --url: hours before now to show (default: 6)")
@@ -98,14 +101,34 @@ def run_preview(args: argparse.Namespace) -> int:
         return 1
 
 
+def _draw(previewer: type, api: PrometheusAPI, window: Window, models: dict[str, dict], out: Path,
+          ) -> None:
+    node, gpu = riskiest_gpu(api, window) if any("gpu" in _pickers(m) for m in models.values()) else ("", "")
+    log.info("preview window_start=%d window_end=%d node=%s gpu=%s", window.start, window.end, node, gpu)
+    for name, model in models.items():
+        path = out / name.replace(".json", ".png")
+        previewer(api, window, variable_values(model, node, gpu)).render(model, path)
+        print(path)
+
+
+def _pickers(model: dict) -> set[str]:
+    return {v["name"] for v in model["templating"]["list"]}
+
+
+def _window(start: float, end: float, scrape_interval: float) -> Window:
+    step = max(scrape_interval, round((end - start) / PREVIEW_POINTS / scrape_interval) * scrape_interval)
+    return Window(start, end, step=step, scrape_interval=scrape_interval)
+
+
 def _preview(args: argparse.Namespace, previewer: type) -> int:
+    models = {name: json.loads(text) for name, text in render().items()}
+    remediation = {name: m for name, m in models.items() if m["uid"] == REMEDIATION_UID}
     with _prometheus(args) as (api, start, end):
-        window = Window(start, end, step=max(15.0, round((end - start) / PREVIEW_POINTS / 15) * 15))
-        node, gpu = riskiest_gpu(api, window)
-        log.info("preview window_start=%d window_end=%d node=%s gpu=%s", start, end, node, gpu)
-        for name, text in render().items():
-            model = json.loads(text)
-            path = args.out / name.replace(".json", ".png")
-            previewer(api, window, variable_values(model, node, gpu)).render(model, path)
-            print(path)
+        fleet = models if args.url else {n: m for n, m in models.items() if n not in remediation}
+        _draw(previewer, api, _window(start, end, 15.0), fleet, args.out)
+    if args.scenario:
+        with tempfile.TemporaryDirectory(prefix="gpuhealth-preview-webhook-") as workdir, \
+                webhook_session(Path(workdir)) as session:
+            _draw(previewer, session.server.api, _window(session.start, session.end, SCRAPE_SECONDS),
+                  remediation, args.out)
     return 0

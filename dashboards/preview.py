@@ -167,8 +167,8 @@ class Previewer:
         ax.set_xlim(datetime.fromtimestamp(self.window.start, UTC),
                     datetime.fromtimestamp(self.window.end, UTC))
         span = self.window.end - self.window.start
-        ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M" if span <= 86400 else "%m-%d %H:%M",
-                                                          tz=UTC))
+        fmt = "%H:%M:%S" if span <= 600 else "%H:%M" if span <= 86400 else "%m-%d %H:%M"
+        ax.xaxis.set_major_formatter(mdates.DateFormatter(fmt, tz=UTC))
         ax.xaxis.set_major_locator(mdates.AutoDateLocator(maxticks=6))
 
     @staticmethod

@@ -55,8 +55,9 @@ def _actions(settings: Settings) -> list:
             w=12, h=8, bars=True, stacked=True, unit="short", min_val=0),
         table_panel(
             "Actions by action, outcome and reason",
-            "Counts over the time range; the reason says why an action was skipped or refused.",
-            [query(f"round(sum by (action, outcome, reason) (increase({ACTIONS}[$__range])))",
+            "Counts over the time range (combinations that did not occur are left out); the reason says "
+            "why an action was skipped, deferred or cancelled.",
+            [query(f"round(sum by (action, outcome, reason) (increase({ACTIONS}[$__range]))) > 0",
                    instant=True, table_format=True)],
             w=24, h=8, rename={"Value": "count"}, sort_by="count"),
     ]
