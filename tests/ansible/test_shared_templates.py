@@ -1,0 +1,137 @@
+"""The configuration templates shared with the closed-loop demo render with plain jinja2 (no Ansible)
+and produce configurations the real tools accept: promtool, amtool and the webhook's own checker."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import BIN
+from rendering import render, render_to
+from wheelhouse import ROOT
+
+RULES = ROOT / "rules" / "generated" / "gpuhealth"
+EXAMPLE = yaml.safe_load((ROOT / "rules" / "alertmanager.yml").read_text())
+TARGETS = [{"node": "gpu-a001", "address": "10.0.0.1:9835"}, {"node": "gpu-a002", "address": "10.0.0.2:9835"}]
+WEBHOOK_URL = "http://127.0.0.1:19836/alerts"
+
+
+def prometheus_vars(prefix: Path, targets: list[dict]) -> dict:
+    return {
+        "gpuhealth_prometheus_root_prefix": str(prefix),
+        "gpuhealth_prometheus_exporter_targets": targets,
+        "gpuhealth_prometheus_alertmanager_example": EXAMPLE,
+        "gpuhealth_prometheus_webhook_url": WEBHOOK_URL,
+        "gpuhealth_prometheus_scrape_interval": "5s",
+        "gpuhealth_prometheus_evaluation_interval": "5s",
+        "gpuhealth_prometheus_extra_scrape_configs": [
+            {"job_name": "node", "static_configs": [{"targets": ["127.0.0.1:9100"]}]}],
+    }
+
+
+def run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("targets", [TARGETS, []], ids=["two-nodes", "no-nodes"])
+def test_prometheus_config_passes_promtool(tmp_path: Path, targets: list[dict]):
+    variables = prometheus_vars(tmp_path, targets)
+    rules_dir = tmp_path / "etc/prometheus/rules/gpuhealth"
+    shutil.copytree(RULES, rules_dir)
+    sd = render_to(tmp_path / "etc/prometheus/file_sd/gpuhealth-exporters.yml", "gpuhealth_prometheus",
+                   "gpuhealth-exporters.yml.j2", variables)
+    config = render_to(tmp_path / "etc/prometheus/prometheus.yml", "gpuhealth_prometheus",
+                       "prometheus.yml.j2", variables)
+
+    check = run("promtool", "check", "config", str(config))
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f"{len(list(RULES.glob('*.yml')))} rule files found" in check.stdout
+
+    parsed = yaml.safe_load(config.read_text())
+    assert parsed["global"] == {"scrape_interval": "5s", "evaluation_interval": "5s"}
+    jobs = [c["job_name"] for c in parsed["scrape_configs"]]
+    assert jobs == ["gpuhealth-exporter", "gpuhealth-webhook", "node"]
+    assert parsed["scrape_configs"][0]["file_sd_configs"] == [{"files": [str(sd)]}]
+    assert yaml.safe_load(sd.read_text()) == [{"targets": [t["address"]], "labels": {"node": t["node"]}}
+                                              for t in targets]
+
+
+def test_prometheus_config_without_webhook_job(tmp_path: Path):
+    variables = {**prometheus_vars(tmp_path, TARGETS), "gpuhealth_prometheus_webhook_target": ""}
+    parsed = yaml.safe_load(render("gpuhealth_prometheus", "prometheus.yml.j2", variables))
+    assert [c["job_name"] for c in parsed["scrape_configs"]] == ["gpuhealth-exporter", "node"]
+
+
+def test_alertmanager_config_is_the_example_with_site_values(tmp_path: Path):
+    config = render_to(tmp_path / "alertmanager.yml", "gpuhealth_prometheus",
+                       "alertmanager.yml.j2", prometheus_vars(tmp_path, TARGETS))
+    check = run("amtool", "check-config", str(config))
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    expected = copy.deepcopy(EXAMPLE)
+    webhooks = [w for r in expected["receivers"] for w in r.get("webhook_configs", [])]
+    assert webhooks, "rules/alertmanager.yml has no webhook receiver"
+    for webhook in webhooks:
+        webhook["url"] = WEBHOOK_URL
+        webhook["http_config"]["authorization"] = {
+            "type": "Bearer", "credentials_file": f"{tmp_path}/etc/prometheus/gpuhealth-webhook.token"}
+    assert yaml.safe_load(config.read_text()) == expected
+
+
+@pytest.mark.parametrize(("action", "receiver"), [
+    ("drain", "gpuhealth-webhook"), ("drain_reboot", "gpuhealth-webhook"), ("none", "gpuhealth-notify")])
+def test_alertmanager_routes_actions_to_the_webhook(tmp_path: Path, action: str, receiver: str):
+    config = render_to(tmp_path / "alertmanager.yml", "gpuhealth_prometheus", "alertmanager.yml.j2",
+                       prometheus_vars(tmp_path, TARGETS))
+    routed = run("amtool", "config", "routes", "test", f"--config.file={config}",
+                 "alertname=GPUHealthXidDrain", "node=gpu-a001", f"action={action}")
+    assert routed.stdout.strip() == receiver, routed.stdout + routed.stderr
+
+
+def test_webhook_config_passes_the_webhooks_checker(tmp_path: Path):
+    variables = {"gpuhealth_webhook_root_prefix": str(tmp_path), "gpuhealth_webhook_dry_run": True,
+                 "gpuhealth_webhook_guardrails": {"breaker_max_nodes": 1, "deny_nodes": ["login*"]}}
+    config = render_to(tmp_path / "etc/gpuhealth/webhook.yml", "gpuhealth_webhook", "webhook.yml.j2",
+                       variables)
+    (tmp_path / "etc/gpuhealth/webhook.token").write_text("0123456789abcdef0123\n")
+    (tmp_path / "var/lib/gpuhealth-webhook").mkdir(parents=True)
+
+    check = run(str(BIN / "gpuhealth-webhook"), "--config", str(config), "--check-config")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "dry_run True" in check.stdout
+    parsed = yaml.safe_load(config.read_text())
+    assert parsed["auth"]["token_file"] == f"{tmp_path}/etc/gpuhealth/webhook.token"
+    assert parsed["guardrails"] == {"breaker_max_nodes": 1, "deny_nodes": ["login*"]}
+
+
+def test_webhook_config_rejected_by_the_webhook_when_wrong(tmp_path: Path):
+    variables = {"gpuhealth_webhook_root_prefix": str(tmp_path),
+                 "gpuhealth_webhook_backend": {"type": "nosuch"},
+                 "gpuhealth_webhook_guardrails": {"breaker_max_nodes": -1}}
+    config = render_to(tmp_path / "etc/gpuhealth/webhook.yml", "gpuhealth_webhook", "webhook.yml.j2",
+                       variables)
+    check = run(str(BIN / "gpuhealth-webhook"), "--config", str(config), "--check-config")
+    assert check.returncode == 2
+    assert "nosuch" in check.stderr and "breaker_max_nodes" in check.stderr
+
+
+def test_exporter_config_has_only_what_is_set(tmp_path: Path):
+    minimal = yaml.safe_load(render("gpuhealth_exporter", "exporter.yml.j2", {}))
+    assert minimal == {"state_dir": "/var/lib/gpuhealth-exporter"}
+    full = yaml.safe_load(render("gpuhealth_exporter", "exporter.yml.j2", {
+        "gpuhealth_exporter_root_prefix": str(tmp_path), "gpuhealth_exporter_gpus_expected": 8,
+        "gpuhealth_exporter_kmsg_path": "/var/log/kern.log",
+        "gpuhealth_exporter_settings": {"sampling_window": 30, "collectors": {"nfs": False}}}))
+    assert full == {"state_dir": f"{tmp_path}/var/lib/gpuhealth-exporter", "gpus_expected": 8,
+                    "kmsg_path": "/var/log/kern.log", "sampling_window": 30, "collectors": {"nfs": False}}
+
+
+def test_managed_header_is_optional():
+    header = "# Ansible managed"
+    text = render("gpuhealth_exporter", "exporter.yml.j2", {"gpuhealth_managed_header": header})
+    assert text.startswith(header + "\n")
+    assert not render("gpuhealth_exporter", "exporter.yml.j2", {}).startswith(header)
