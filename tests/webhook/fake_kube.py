@@ -6,7 +6,8 @@ NotFound, 409 Conflict on a stale ``resourceVersion``, 415 for a PATCH content t
 accept, 401 without a valid bearer token or client certificate, 403 for verbs the test forbids,
 and 429 TooManyRequests from the Eviction API while a PodDisruptionBudget blocks. Two controllers
 whose effects the backend relies on are simulated: the Job controller replaces a deleted Job pod,
-and the scheduler places a new pod on a schedulable node whose NoSchedule taints it tolerates.
+and the scheduler places a new pod on a schedulable node with the GPUs free whose NoSchedule
+taints it tolerates.
 
 Simplifications: deletion is immediate (no grace period), and PATCH accepts merge and strategic
 merge patches only; for the Node fields involved (annotations, ``unschedulable``, ``taints``,
@@ -31,6 +32,7 @@ from aiohttp import web
 ACCEPTED_PATCH_TYPES = {"application/merge-patch+json", "application/strategic-merge-patch+json"}
 POD_FIELDS = {"spec.nodeName", "status.phase", "metadata.name", "metadata.namespace"}
 TAINT_EFFECTS = {"NoSchedule", "PreferNoSchedule", "NoExecute"}
+GPU = "nvidia.com/gpu"
 
 
 class StatusError(Exception):
@@ -72,8 +74,8 @@ class FakeKube:
     # ---- arranging state -------------------------------------------------------------------------
 
     def add_node(self, name: str, *, labels: dict[str, str] | None = None, unschedulable: bool = False,
-                 taints: list[dict[str, str]] | None = None,
-                 annotations: dict[str, str] | None = None) -> dict[str, Any]:
+                 taints: list[dict[str, str]] | None = None, annotations: dict[str, str] | None = None,
+                 gpus: int = 8) -> dict[str, Any]:
         spec: dict[str, Any] = {"podCIDR": "10.244.0.0/24"}
         if unschedulable:
             spec["unschedulable"] = True
@@ -83,7 +85,7 @@ class FakeKube:
                 "metadata": {"name": name, "uid": f"uid-node-{name}", "labels": labels or {},
                              "annotations": annotations or {}, "resourceVersion": self._version()},
                 "spec": spec,
-                "status": {"capacity": {"nvidia.com/gpu": "8"}, "allocatable": {"nvidia.com/gpu": "8"}}}
+                "status": {"capacity": {GPU: str(gpus)}, "allocatable": {GPU: str(gpus)}}}
         self.nodes[name] = node
         return node
 
@@ -105,7 +107,7 @@ class FakeKube:
         elif owner_kind:
             metadata["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": owner_kind, "controller": True,
                                             "name": f"{name}-owner", "uid": f"uid-{name}-owner"}]
-        resources = {"limits": {"nvidia.com/gpu": str(gpus)}} if gpus else {}
+        resources = {"limits": {GPU: str(gpus)}} if gpus else {}
         container = {"name": "main", "image": "trainer:1", "resources": resources}
         spec: dict[str, Any] = {"containers": [container], "tolerations": tolerations or []}
         if node:
@@ -278,7 +280,7 @@ class FakeKube:
         name = f"{job}-r{next(self._pod_suffix)}"
         pod["metadata"].update(name=name, uid=f"uid-pod-{name}", resourceVersion=self._version())
         pod["spec"].pop("nodeName", None)
-        node = _schedule(pod, self.nodes)
+        node = _schedule(pod, self.nodes, list(self.pods.values()))
         if node:
             pod["spec"]["nodeName"] = node
             pod["status"] = {"phase": "Running"}
@@ -373,17 +375,26 @@ def _field_selector(text: str) -> Callable[[dict[str, Any]], bool]:
     return lambda pod: all(t(pod) for t in tests)
 
 
-def _schedule(pod: dict[str, Any], nodes: dict[str, dict[str, Any]]) -> str | None:
-    """The first node, by name, that is schedulable and whose blocking taints the pod tolerates."""
+def _schedule(pod: dict[str, Any], nodes: dict[str, dict[str, Any]],
+              pods: list[dict[str, Any]]) -> str | None:
+    """The first node, by name, that is schedulable, has the GPUs free, and whose taints the pod tolerates."""
     tolerations = pod["spec"].get("tolerations") or []
     for name, node in sorted(nodes.items()):
         spec = node.get("spec") or {}
         if spec.get("unschedulable"):
             continue
+        used = sum(_gpus(p) for p in pods if p["spec"].get("nodeName") == name)
+        if used + _gpus(pod) > int(node["status"]["allocatable"].get(GPU, "0")):
+            continue
         blocking = [t for t in spec.get("taints") or [] if t.get("effect") in ("NoSchedule", "NoExecute")]
         if all(_tolerated(t, tolerations) for t in blocking):
             return name
     return None
+
+
+def _gpus(pod: dict[str, Any]) -> int:
+    containers = pod["spec"]["containers"]
+    return sum(int((c.get("resources") or {}).get("limits", {}).get(GPU, "0")) for c in containers)
 
 
 def _tolerated(taint: dict[str, str], tolerations: list[dict[str, str]]) -> bool:
