@@ -1,0 +1,808 @@
+"""The fleet's time series, under the exporter's metric names, with faults and benign noise applied.
+
+Shapes follow ../shared/DOMAIN.md: degradations ramp up between precursor onset and the hard failure
+with a per-event speed (the ramp exponent) and strength; sudden faults show nothing until the XID.
+After a hard failure the node's job hangs for a while (interrupts and runnable processes collapse),
+then the node is drained and stays idle. Values are ``float64`` arrays over the timeline, ``NaN``
+where the exporter would publish no sample (a GPU lost from the bus has no readings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from gpuhealth.evaluation.scenario import Failure, Noise, Scenario
+from gpuhealth.evaluation.workload import Timeline, Workload, schedule
+
+SLOWDOWN_C, SHUTDOWN_C = 87.0, 92.0
+POWER_LIMIT_W, IDLE_POWER_W = 700.0, 70.0
+SM_CLOCK_MAX_HZ, SM_CLOCK_IDLE_HZ = 1980e6, 345e6
+MEMORY_TOTAL_BYTES = 80 * 1024**3
+HOST_MEMORY_BYTES = 2 * 1024**4
+HOST_CPUS = 96
+CLOCK_REASONS = (
+    "gpu_idle",
+    "applications_clocks_setting",
+    "sw_power_cap",
+    "hw_slowdown",
+    "sync_boost",
+    "sw_thermal_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
+    "display_clock_setting",
+)
+NVLINK_ERROR_TYPES = ("crc_flit", "crc_data", "replay", "recovery")
+NFS_OPS = ("READ", "WRITE", "GETATTR")
+NFS_MOUNT = "/checkpoints"
+COLLECTORS = ("nvml", "kmsg", "host", "nfs")
+# Kinds after which NVML no longer answers for the GPU.
+LOST_KINDS = ("thermal_runaway", "pcie_degradation", "gsp_timeout", "fell_off_bus")
+
+
+@dataclass
+class Family:
+    """One metric family: its sample name, type and series (label text, values)."""
+
+    name: str
+    kind: str
+    series: list[tuple[str, np.ndarray]]
+
+
+def _counter(increments: np.ndarray, offset: np.ndarray | float = 0.0) -> np.ndarray:
+    return np.cumsum(increments, axis=-1) + (np.asarray(offset)[..., None] if np.ndim(offset) else offset)
+
+
+class FleetSignals:
+    """Builds each metric family on demand from shared per-GPU and per-node state."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.fleet = scenario.fleet
+        self.timeline = Timeline.of(scenario)
+        self.gpus = self.fleet.nodes * self.fleet.gpus_per_node
+        self.shape = (self.gpus, self.timeline.count)
+        self.node_labels = [
+            f'instance="{n}:9835",job="gpuhealth-exporter",node="{n}"' for n in self.fleet.node_names
+        ]
+        self.gpu_labels = [
+            f'gpu="{g}",{labels}' for labels in self.node_labels for g in range(self.fleet.gpus_per_node)
+        ]
+        self.builders: dict[str, Callable[[], Iterator[Family]]] = {
+            "up": self._up,
+            "gpuhealth_collector_success": self._collectors,
+            "gpuhealth_gpus_expected": self._gpu_counts,
+            "gpuhealth_gpus_visible": self._gpu_counts,
+            "gpuhealth_gpu_info": self._info,
+            "gpuhealth_gpu_up": self._gpu_up,
+            "gpuhealth_gpu_nvml_errors_total": self._nvml_errors,
+            "gpuhealth_gpu_nvml_latency_seconds": self._nvml_latency,
+            "gpuhealth_gpu_temperature_celsius": self._temperatures,
+            "gpuhealth_gpu_temperature_max_celsius": self._temperatures,
+            "gpuhealth_gpu_memory_temperature_celsius": self._temperatures,
+            "gpuhealth_gpu_temperature_slowdown_margin_celsius": self._temperatures,
+            "gpuhealth_gpu_temperature_slowdown_threshold_celsius": self._thresholds,
+            "gpuhealth_gpu_temperature_shutdown_threshold_celsius": self._thresholds,
+            "gpuhealth_gpu_power_watts": self._power,
+            "gpuhealth_gpu_power_limit_watts": self._power,
+            "gpuhealth_gpu_sm_clock_hertz": self._clocks,
+            "gpuhealth_gpu_sm_clock_max_hertz": self._clocks,
+            "gpuhealth_gpu_clock_event_active": self._clock_events,
+            "gpuhealth_gpu_clock_event_seconds_total": self._clock_events,
+            "gpuhealth_gpu_utilization_ratio": self._utilization,
+            "gpuhealth_gpu_memory_utilization_ratio": self._utilization,
+            "gpuhealth_gpu_memory_used_bytes": self._memory,
+            "gpuhealth_gpu_memory_total_bytes": self._memory,
+            "gpuhealth_gpu_ecc_errors_total": self._ecc,
+            "gpuhealth_gpu_remapped_rows": self._remaps,
+            "gpuhealth_gpu_remap_pending": self._remaps,
+            "gpuhealth_gpu_remap_failure": self._remaps,
+            "gpuhealth_gpu_pcie_replays_total": self._pcie,
+            "gpuhealth_gpu_pcie_link_generation": self._pcie,
+            "gpuhealth_gpu_pcie_link_generation_max": self._pcie,
+            "gpuhealth_gpu_pcie_link_width_lanes": self._pcie,
+            "gpuhealth_gpu_pcie_link_width_max_lanes": self._pcie,
+            "gpuhealth_gpu_pcie_link_downgraded": self._pcie,
+            "gpuhealth_pcie_aer_errors_total": self._aer,
+            "gpuhealth_gpu_nvlink_up": self._nvlink,
+            "gpuhealth_gpu_nvlink_errors_total": self._nvlink,
+            "gpuhealth_gpu_processes": self._processes,
+            "gpuhealth_gpu_job_info": self._jobs,
+            "gpuhealth_xid_events_total": self._xids,
+            "gpuhealth_gpu_fallen_off_bus_total": self._fallen,
+            "gpuhealth_host_cpu_seconds_total": self._cpu,
+            "gpuhealth_host_memory_total_bytes": self._host_memory,
+            "gpuhealth_host_memory_available_bytes": self._host_memory,
+            "gpuhealth_host_load1": self._load,
+            "gpuhealth_host_interrupts_total": self._interrupts,
+            "gpuhealth_host_context_switches_total": self._interrupts,
+            "gpuhealth_host_procs_running": self._load,
+            "gpuhealth_host_page_outs_total": self._paging,
+            "gpuhealth_host_swap_outs_total": self._paging,
+            "gpuhealth_host_disk_read_bytes_total": self._io,
+            "gpuhealth_host_disk_written_bytes_total": self._io,
+            "gpuhealth_host_network_receive_bytes_total": self._io,
+            "gpuhealth_host_network_transmit_bytes_total": self._io,
+            **{
+                name: self._nfs
+                for name in (
+                    "gpuhealth_nfs_rpc_operations_total",
+                    "gpuhealth_nfs_rpc_transmissions_total",
+                    "gpuhealth_nfs_rpc_queue_seconds_total",
+                    "gpuhealth_nfs_rpc_rtt_seconds_total",
+                    "gpuhealth_nfs_rpc_execute_seconds_total",
+                    "gpuhealth_nfs_transport_sends_total",
+                    "gpuhealth_nfs_transport_backlog_queue_total",
+                )
+            },
+        }
+
+    # ---- output -------------------------------------------------------------------------------------
+    def families(self, wanted: Callable[[str], bool] = lambda name: True) -> Iterator[Family]:
+        """Every family whose sample name ``wanted`` accepts; shared builders run once."""
+        done: set[Callable[[], Iterator[Family]]] = set()
+        for name, builder in self.builders.items():
+            if not wanted(name) or builder in done:
+                continue
+            done.add(builder)
+            for family in builder():
+                if wanted(family.name):
+                    yield family
+
+    def _rows(self, values: np.ndarray, labels: list[str], extra: str = "") -> list[tuple[str, np.ndarray]]:
+        return [(f"{extra}{label}" if extra else label, values[i]) for i, label in enumerate(labels)]
+
+    def _gauge(self, name: str, values: np.ndarray, extra: str = "", node: bool = False) -> Family:
+        return Family(name, "gauge", self._rows(values, self.node_labels if node else self.gpu_labels, extra))
+
+    def _count(self, name: str, values: np.ndarray, extra: str = "", node: bool = False) -> Family:
+        return Family(
+            name, "counter", self._rows(values, self.node_labels if node else self.gpu_labels, extra)
+        )
+
+    # ---- shared state -------------------------------------------------------------------------------
+    def rng(self, purpose: str) -> np.random.Generator:
+        """An independent stream per purpose, so adding a signal does not reshuffle the others."""
+        return np.random.default_rng([self.scenario.seed, *purpose.encode()])
+
+    def at(self, rel: float) -> int:
+        return self.timeline.index(self.scenario.start + rel)
+
+    def gpu_index(self, node: str, gpu: int) -> int:
+        return self.fleet.node_names.index(node) * self.fleet.gpus_per_node + gpu
+
+    def node_index(self, node: str) -> int:
+        return self.fleet.node_names.index(node)
+
+    def noise_of(self, *kinds: str) -> list[Noise]:
+        return [n for n in self.scenario.noise if n.kind in kinds]
+
+    def faults_of(self, *kinds: str) -> list[Failure]:
+        return [f for f in self.scenario.failures if f.kind in kinds]
+
+    @cached_property
+    def failure_params(self) -> dict[Failure, dict[str, float]]:
+        """Per-event shape parameters: ramp exponent (slow or fast growth) and hang length."""
+        rng = self.rng("failure-params")
+        return {
+            f: {
+                "shape": rng.uniform(1.0, 3.0),
+                "hang": rng.uniform(600, 1800),
+                "extra": rng.uniform(0, 1),
+                "link": rng.integers(0, max(self.fleet.nvlinks, 1)),
+            }
+            for f in self.scenario.failures
+        }
+
+    def ramp(self, failure: Failure) -> np.ndarray:
+        """0 before onset, rising to 1 at the hard failure with the event's shape, 0 afterwards."""
+        out = np.zeros(self.timeline.count)
+        a, b = self.at(failure.onset), self.at(failure.failure)
+        if b > a:
+            out[a:b] = np.linspace(0, 1, b - a, endpoint=False) ** self.failure_params[failure]["shape"]
+        return out
+
+    @cached_property
+    def workload(self) -> Workload:
+        work = schedule(self.scenario, self.timeline, self.rng("workload"))
+        for noise in self.noise_of("idle_node"):
+            work.job[self.node_index(noise.node), self.at(noise.at) : self.at(noise.at + noise.duration)] = -1
+        for noise in self.noise_of("boot_replay_burst"):  # the node reboots, then the burst
+            work.job[self.node_index(noise.node), self.at(noise.at - 600) : self.at(noise.at)] = -1
+        for failure in self.scenario.failures:
+            hang_end = failure.failure + self.failure_params[failure]["hang"]
+            work.job[self.node_index(failure.node), self.at(hang_end) :] = -1
+        work.checkpoint &= work.job >= 0
+        return work
+
+    @cached_property
+    def checkpoint_load(self) -> np.ndarray:
+        """(nodes, T) checkpoint write intensity: 1 for a regular checkpoint, more for a burst."""
+        load = self.workload.checkpoint.astype(float)
+        for noise in self.noise_of("checkpoint_burst"):
+            load[self.node_index(noise.node), self.at(noise.at) : self.at(noise.at + noise.duration)] = (
+                1.5 + 2 * noise.strength
+            )
+        return load
+
+    @cached_property
+    def hung(self) -> np.ndarray:
+        """(nodes, T): the job hangs in a collective between the hard failure and its kill."""
+        out = np.zeros((self.fleet.nodes, self.timeline.count), dtype=bool)
+        for failure in self.scenario.failures:
+            a = self.at(failure.failure)
+            out[
+                self.node_index(failure.node),
+                a : self.at(failure.failure + self.failure_params[failure]["hang"]),
+            ] = True
+        return out
+
+    @cached_property
+    def lost(self) -> np.ndarray:
+        """(GPUs, T): NVML no longer answers for the GPU."""
+        out = np.zeros(self.shape, dtype=bool)
+        for failure in self.faults_of(*LOST_KINDS):
+            out[self.gpu_index(failure.node, failure.gpu), self.at(failure.failure) :] = True
+        return out
+
+    def per_gpu(self, node_values: np.ndarray) -> np.ndarray:
+        return np.repeat(node_values, self.fleet.gpus_per_node, axis=0)
+
+    def readable(self, values: np.ndarray) -> np.ndarray:
+        """NVML readings: absent once the GPU is lost."""
+        return np.where(self.lost, np.nan, values)
+
+    @cached_property
+    def busy(self) -> np.ndarray:
+        return self.per_gpu(self.workload.busy)
+
+    @cached_property
+    def utilization(self) -> np.ndarray:
+        rng = self.rng("utilization")
+        util = np.clip(rng.normal(0.94, 0.025, self.shape), 0.6, 1.0) * self.busy
+        util = np.where(self.per_gpu(self.checkpoint_load > 0), 0.12 * self.busy, util)
+        return np.where(self.per_gpu(self.hung), 1.0, util)
+
+    @cached_property
+    def power_limit(self) -> np.ndarray:
+        limit = np.full(self.shape, POWER_LIMIT_W)
+        for noise in self.noise_of("power_cap"):
+            cap = POWER_LIMIT_W - 250 - 150 * noise.strength
+            limit[
+                self.gpu_index(noise.node, noise.gpu), self.at(noise.at) : self.at(noise.at + noise.duration)
+            ] = cap
+        return limit
+
+    @cached_property
+    def power(self) -> np.ndarray:
+        rng = self.rng("power")
+        load_power = rng.uniform(600, 690, (self.gpus, 1))
+        draw = IDLE_POWER_W + self.utilization * (load_power - IDLE_POWER_W) + rng.normal(0, 10, self.shape)
+        return np.clip(draw, IDLE_POWER_W - 15, self.power_limit)
+
+    @cached_property
+    def thermal_offset(self) -> np.ndarray:
+        """Extra heat at the same load: hot aisles (whole nodes) and thermal faults (one GPU)."""
+        offset = np.zeros(self.shape)
+        g = self.fleet.gpus_per_node
+        for noise in self.noise_of("hot_aisle"):
+            a, b = self.at(noise.at), self.at(noise.at + noise.duration)
+            shape = np.minimum(
+                1, np.minimum(np.arange(b - a) + 1, np.arange(b - a)[::-1] + 1) * self.timeline.step / 900
+            )
+            first = self.node_index(noise.node)
+            for node in range(first, min(first + (2 if noise.strength > 0.6 else 1), self.fleet.nodes)):
+                offset[node * g : (node + 1) * g, a:b] += (3 + 6 * noise.strength) * shape
+        for failure in self.faults_of("thermal_runaway"):
+            offset[self.gpu_index(failure.node, failure.gpu)] += (6 + 12 * failure.strength) * self.ramp(
+                failure
+            )
+        return offset
+
+    @cached_property
+    def temperature(self) -> np.ndarray:
+        """Smoothed heat from power draw (a few minutes' thermal lag), plus offsets, NVML integer degrees."""
+        rng = self.rng("temperature")
+        target = (
+            30
+            + rng.normal(0, 1.0, (self.fleet.nodes, 1)).repeat(self.fleet.gpus_per_node, 0)
+            + rng.normal(0, 1.5, (self.gpus, 1))
+            + 42 * (self.power - IDLE_POWER_W) / 630
+            + self.thermal_offset
+        )
+        alpha = 1 - np.exp(-self.timeline.step / 180)
+        smooth = np.empty(self.shape)
+        smooth[:, 0] = target[:, 0]
+        for i in range(1, self.timeline.count):
+            smooth[:, i] = smooth[:, i - 1] + alpha * (target[:, i] - smooth[:, i - 1])
+        return np.round(smooth + rng.normal(0, 0.5, self.shape))
+
+    @cached_property
+    def temperature_max(self) -> np.ndarray:
+        return self.temperature + np.ceil(np.abs(self.rng("tmax").normal(0, 0.8, self.shape)))
+
+    @cached_property
+    def clock_events(self) -> dict[str, np.ndarray]:
+        """Fraction of each sampling window spent in each clock event reason."""
+        zero = np.zeros(self.shape)
+        busy = self.busy.astype(float)
+        capped = (self.power_limit < POWER_LIMIT_W) & self.busy
+        return {
+            "gpu_idle": 1 - busy,
+            "applications_clocks_setting": zero,
+            "sw_power_cap": capped.astype(float),
+            "hw_slowdown": zero,
+            "sync_boost": zero,
+            "sw_thermal_slowdown": np.clip((self.temperature_max - (SLOWDOWN_C - 4)) / 4, 0, 1),
+            "hw_thermal_slowdown": np.clip((self.temperature_max - SLOWDOWN_C + 1) / 3, 0, 1),
+            "hw_power_brake_slowdown": zero,
+            "display_clock_setting": zero,
+        }
+
+    # ---- GPU families -------------------------------------------------------------------------------
+    def _up(self) -> Iterator[Family]:
+        yield self._gauge("up", np.ones((self.fleet.nodes, self.timeline.count)), node=True)
+
+    def _collectors(self) -> Iterator[Family]:
+        ones = np.ones((self.fleet.nodes, self.timeline.count))
+        yield Family(
+            "gpuhealth_collector_success",
+            "gauge",
+            [row for c in COLLECTORS for row in self._rows(ones, self.node_labels, f'collector="{c}",')],
+        )
+
+    def _gpu_counts(self) -> Iterator[Family]:
+        expected = np.full((self.fleet.nodes, self.timeline.count), float(self.fleet.gpus_per_node))
+        visible = expected.copy()
+        for failure in self.faults_of("thermal_runaway", "pcie_degradation", "fell_off_bus"):
+            visible[self.node_index(failure.node), self.at(failure.failure) :] -= 1
+        yield self._gauge("gpuhealth_gpus_expected", expected, node=True)
+        yield self._gauge("gpuhealth_gpus_visible", visible, node=True)
+
+    def _info(self) -> Iterator[Family]:
+        ones = np.ones(self.timeline.count)
+        buses = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")
+        rows = []
+        for i, labels in enumerate(self.gpu_labels):
+            node, gpu = divmod(i, self.fleet.gpus_per_node)
+            rows.append(
+                (
+                    f'uuid="GPU-{self.scenario.seed:08x}-{node:04x}-{gpu:04x}",'
+                    f'pci_bus_id="00000000:{buses[gpu % len(buses)].upper()}:00.0",'
+                    f'model="{self.fleet.model}",serial="{1650000000000 + i}",driver_version="550.90.07",'
+                    f'vbios_version="96.00.99.00.01",{labels}',
+                    ones,
+                )
+            )
+        yield Family("gpuhealth_gpu_info", "gauge", rows)
+
+    def _gpu_up(self) -> Iterator[Family]:
+        yield self._gauge("gpuhealth_gpu_up", np.where(self.lost, 0.0, 1.0))
+
+    def _nvml_errors(self) -> Iterator[Family]:
+        rows = []
+        for failure in self.faults_of(*LOST_KINDS):
+            error = "timeout" if failure.kind == "gsp_timeout" else "gpu_is_lost"
+            i = self.gpu_index(failure.node, failure.gpu)
+            values = np.cumsum(self.lost[i].astype(float))
+            values[values == 0] = np.nan
+            rows.append((f'error="{error}",{self.gpu_labels[i]}', values))
+        yield Family("gpuhealth_gpu_nvml_errors_total", "counter", rows)
+
+    def _nvml_latency(self) -> Iterator[Family]:
+        rng = self.rng("nvml-latency")
+        latency = 0.003 + 0.002 * rng.lognormal(0, 0.4, self.shape)
+        for failure in self.faults_of("gsp_timeout"):
+            if self.failure_params[failure]["extra"] < 0.5:  # slow answers before some GSP timeouts
+                a = self.at(failure.failure - 300 - 600 * failure.strength)
+                b = self.at(failure.failure)
+                latency[self.gpu_index(failure.node, failure.gpu), a:b] += np.linspace(0.05, 1.5, b - a)
+        yield self._gauge("gpuhealth_gpu_nvml_latency_seconds", self.readable(np.round(latency, 4)))
+
+    def _temperatures(self) -> Iterator[Family]:
+        rng = self.rng("memory-temperature")
+        memory = np.round(self.temperature + 5 + 0.3 * self.thermal_offset + rng.normal(0, 0.6, self.shape))
+        yield self._gauge("gpuhealth_gpu_temperature_celsius", self.readable(self.temperature))
+        yield self._gauge("gpuhealth_gpu_temperature_max_celsius", self.readable(self.temperature_max))
+        yield self._gauge("gpuhealth_gpu_memory_temperature_celsius", self.readable(memory))
+        yield self._gauge(
+            "gpuhealth_gpu_temperature_slowdown_margin_celsius",
+            self.readable(SLOWDOWN_C - self.temperature_max),
+        )
+
+    def _thresholds(self) -> Iterator[Family]:
+        yield self._gauge(
+            "gpuhealth_gpu_temperature_slowdown_threshold_celsius",
+            self.readable(np.full(self.shape, SLOWDOWN_C)),
+        )
+        yield self._gauge(
+            "gpuhealth_gpu_temperature_shutdown_threshold_celsius",
+            self.readable(np.full(self.shape, SHUTDOWN_C)),
+        )
+
+    def _power(self) -> Iterator[Family]:
+        yield self._gauge("gpuhealth_gpu_power_watts", self.readable(np.round(self.power, 1)))
+        yield self._gauge("gpuhealth_gpu_power_limit_watts", self.readable(self.power_limit))
+
+    def _clocks(self) -> Iterator[Family]:
+        events = self.clock_events
+        factor = (
+            (self.power_limit / POWER_LIMIT_W) ** 0.6
+            * (1 - 0.25 * events["sw_thermal_slowdown"])
+            * (1 - 0.3 * events["hw_thermal_slowdown"])
+        )
+        clock = np.where(self.busy, np.round(SM_CLOCK_MAX_HZ * factor / 15e6) * 15e6, SM_CLOCK_IDLE_HZ)
+        yield self._gauge("gpuhealth_gpu_sm_clock_hertz", self.readable(clock))
+        yield self._gauge(
+            "gpuhealth_gpu_sm_clock_max_hertz", self.readable(np.full(self.shape, SM_CLOCK_MAX_HZ))
+        )
+
+    def _clock_events(self) -> Iterator[Family]:
+        events = self.clock_events
+        yield Family(
+            "gpuhealth_gpu_clock_event_active",
+            "gauge",
+            [
+                row
+                for reason in CLOCK_REASONS
+                for row in self._rows(
+                    self.readable(np.round(events[reason])), self.gpu_labels, f'reason="{reason}",'
+                )
+            ],
+        )
+        yield Family(
+            "gpuhealth_gpu_clock_event_seconds_total",
+            "counter",
+            [
+                row
+                for reason in CLOCK_REASONS
+                for row in self._rows(
+                    self.readable(np.round(_counter(events[reason] * self.timeline.step), 3)),
+                    self.gpu_labels,
+                    f'reason="{reason}",',
+                )
+            ],
+        )
+
+    def _utilization(self) -> Iterator[Family]:
+        util = np.round(self.utilization, 2)
+        yield self._gauge("gpuhealth_gpu_utilization_ratio", self.readable(util))
+        yield self._gauge("gpuhealth_gpu_memory_utilization_ratio", self.readable(np.round(util * 0.55, 2)))
+
+    def _memory(self) -> Iterator[Family]:
+        used = np.where(self.busy, 0.9 * MEMORY_TOTAL_BYTES, 0.6e9)
+        yield self._gauge("gpuhealth_gpu_memory_used_bytes", self.readable(used))
+        yield self._gauge(
+            "gpuhealth_gpu_memory_total_bytes", self.readable(np.full(self.shape, float(MEMORY_TOTAL_BYTES)))
+        )
+
+    @cached_property
+    def hbm(self) -> dict[str, np.ndarray]:
+        """ECC and row-remap increments: background SBEs, SBE bursts and HBM degradations."""
+        rng = self.rng("hbm")
+        corrected = np.zeros(self.shape)
+        background = rng.random(self.gpus) < 0.04  # a few GPUs log the odd corrected error
+        corrected[background] = rng.poisson(
+            self.timeline.step / 86400, (int(background.sum()), self.timeline.count)
+        )
+        for noise in self.noise_of("sbe_burst"):
+            a, b = self.at(noise.at), max(self.at(noise.at + noise.duration), self.at(noise.at) + 1)
+            corrected[self.gpu_index(noise.node, noise.gpu), a:b] += rng.poisson(
+                (20 + 280 * noise.strength) / (b - a), b - a
+            )
+        remapped = np.zeros(self.shape)
+        uncorrectable = np.zeros(self.shape)
+        uncorrected = np.zeros(self.shape)
+        pending = np.zeros(self.shape)
+        failed = np.zeros(self.shape)
+        for failure in self.faults_of("hbm_degradation"):
+            i, ramp = self.gpu_index(failure.node, failure.gpu), self.ramp(failure)
+            minutes = self.timeline.step / 60
+            corrected[i] += rng.poisson((2 + 40 * failure.strength) * minutes * ramp)
+            rows = 4 + 40 * failure.strength
+            remapped[i] += rng.poisson(rows * ramp / max(ramp.sum(), 1))
+            a, b = self.at(failure.onset), self.at(failure.failure)
+            if failure.strength > 0.5 and b - a > 2:  # strong degradations run out of spare rows first
+                k = a + int((b - a) * 0.9)
+                uncorrectable[i, k] += 1
+                pending[i, k:b] = 1
+            uncorrected[i, b] += 1 + int(failure.strength * 3)
+            if failure.xid == 64:
+                failed[i, b:] = 1
+        return {
+            "corrected": corrected,
+            "uncorrected": uncorrected,
+            "remapped": remapped,
+            "uncorrectable": uncorrectable,
+            "pending": pending,
+            "failure": failed,
+        }
+
+    def _ecc(self) -> Iterator[Family]:
+        rng = self.rng("ecc-lifetime")
+        lifetime = np.where(rng.random(self.gpus) < 0.1, rng.integers(1, 50, self.gpus), 0).astype(float)
+        rows = []
+        for kind, counter_kind, offset in (
+            ("corrected", "volatile", 0.0),
+            ("corrected", "aggregate", lifetime),
+            ("uncorrected", "volatile", 0.0),
+            ("uncorrected", "aggregate", 0.0),
+        ):
+            values = self.readable(_counter(self.hbm[kind], offset))
+            rows += self._rows(values, self.gpu_labels, f'type="{kind}",counter="{counter_kind}",')
+        yield Family("gpuhealth_gpu_ecc_errors_total", "counter", rows)
+
+    def _remaps(self) -> Iterator[Family]:
+        rng = self.rng("remap-lifetime")
+        lifetime = np.where(rng.random(self.gpus) < 0.05, rng.integers(1, 3, self.gpus), 0).astype(float)
+        yield Family(
+            "gpuhealth_gpu_remapped_rows",
+            "gauge",
+            [
+                *self._rows(
+                    self.readable(_counter(self.hbm["remapped"], lifetime)),
+                    self.gpu_labels,
+                    'type="correctable",',
+                ),
+                *self._rows(
+                    self.readable(_counter(self.hbm["uncorrectable"])),
+                    self.gpu_labels,
+                    'type="uncorrectable",',
+                ),
+            ],
+        )
+        yield self._gauge("gpuhealth_gpu_remap_pending", self.readable(self.hbm["pending"]))
+        yield self._gauge("gpuhealth_gpu_remap_failure", self.readable(self.hbm["failure"]))
+
+    @cached_property
+    def replays(self) -> np.ndarray:
+        rng = self.rng("pcie")
+        replays = np.zeros(self.shape)
+        for noise in self.noise_of("boot_replay_burst"):
+            gpus = [noise.gpu] if noise.gpu is not None else range(self.fleet.gpus_per_node)
+            for gpu in gpus:
+                replays[self.gpu_index(noise.node, gpu), self.at(noise.at)] += int(50 + 450 * noise.strength)
+        for failure in self.faults_of("pcie_degradation"):
+            per_step = (1 + 40 * failure.strength) * self.timeline.step / 60
+            replays[self.gpu_index(failure.node, failure.gpu)] += rng.poisson(per_step * self.ramp(failure))
+        return replays
+
+    def _pcie(self) -> Iterator[Family]:
+        rng = self.rng("pcie-lifetime")
+        lifetime = np.where(rng.random(self.gpus) < 0.1, rng.integers(1, 200, self.gpus), 0).astype(float)
+        width = np.full(self.shape, 16.0)
+        for failure in self.faults_of("pcie_degradation"):
+            if failure.strength > 0.4:
+                a, b = self.at(failure.onset), self.at(failure.failure)
+                width[self.gpu_index(failure.node, failure.gpu), a + int((b - a) * 0.6) :] = 8
+        yield self._count("gpuhealth_gpu_pcie_replays_total", self.readable(_counter(self.replays, lifetime)))
+        yield self._gauge("gpuhealth_gpu_pcie_link_generation", self.readable(np.full(self.shape, 5.0)))
+        yield self._gauge("gpuhealth_gpu_pcie_link_generation_max", self.readable(np.full(self.shape, 5.0)))
+        yield self._gauge("gpuhealth_gpu_pcie_link_width_lanes", self.readable(width))
+        yield self._gauge("gpuhealth_gpu_pcie_link_width_max_lanes", self.readable(np.full(self.shape, 16.0)))
+        yield self._gauge("gpuhealth_gpu_pcie_link_downgraded", self.readable((width < 16).astype(float)))
+
+    def _aer(self) -> Iterator[Family]:
+        rows = []
+        for failure in self.faults_of("pcie_degradation"):
+            i = self.gpu_index(failure.node, failure.gpu)
+            values = np.floor(_counter(self.replays[i]) / 3)
+            rows.append(
+                (
+                    f'pci_bus_id="00000000:{18 + failure.gpu:02X}:00.0",severity="corrected",'
+                    f'gpu="{failure.gpu}",{self.node_labels[self.node_index(failure.node)]}',
+                    values,
+                )
+            )
+        yield Family("gpuhealth_pcie_aer_errors_total", "counter", rows)
+
+    def _nvlink(self) -> Iterator[Family]:
+        """Every link of every GPU; only a failing GPU's one link moves."""
+        rng = self.rng("nvlink")
+        moving: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        down: dict[tuple[int, int], int] = {}
+        for failure in self.faults_of("nvlink_errors"):
+            i, ramp = self.gpu_index(failure.node, failure.gpu), self.ramp(failure)
+            link = int(self.failure_params[failure]["link"])
+            flit = rng.poisson((2 + 200 * failure.strength) * self.timeline.step / 60 * ramp)
+            moving[(i, link)] = {
+                "crc_flit": flit,
+                "crc_data": rng.binomial(flit, 0.1),
+                "replay": rng.binomial(flit, 0.2),
+                "recovery": rng.binomial(flit, 0.01),
+            }
+            down[(i, link)] = self.at(failure.failure)
+        zeros = self.readable(np.zeros(self.shape))
+        ones = self.readable(np.ones(self.shape))
+        up_rows, error_rows = [], []
+        for link in range(self.fleet.nvlinks):
+            for i, labels in enumerate(self.gpu_labels):
+                state = ones[i]
+                if (i, link) in down:
+                    state = state.copy()
+                    state[down[(i, link)] :] = np.where(np.isnan(state[down[(i, link)] :]), np.nan, 0.0)
+                up_rows.append((f'link="{link}",{labels}', state))
+                for kind in NVLINK_ERROR_TYPES:
+                    values = zeros[i]
+                    if (i, link) in moving:
+                        values = np.where(self.lost[i], np.nan, _counter(moving[(i, link)][kind]))
+                    error_rows.append((f'link="{link}",type="{kind}",{labels}', values))
+        yield Family("gpuhealth_gpu_nvlink_up", "gauge", up_rows)
+        yield Family("gpuhealth_gpu_nvlink_errors_total", "counter", error_rows)
+
+    def _processes(self) -> Iterator[Family]:
+        yield self._gauge("gpuhealth_gpu_processes", self.readable(self.busy.astype(float)))
+
+    def _jobs(self) -> Iterator[Family]:
+        rows = []
+        for node, labels in enumerate(self.node_labels):
+            jobs = self.workload.job[node]
+            for job_id in np.unique(jobs[jobs >= 0]):
+                values = np.where(jobs == job_id, 1.0, np.nan)
+                rows += [
+                    (f'gpu="{g}",job_id="{job_id}",{labels}', values) for g in range(self.fleet.gpus_per_node)
+                ]
+        yield Family("gpuhealth_gpu_job_info", "gauge", rows)
+
+    def _xids(self) -> Iterator[Family]:
+        """XID counters appear with the first event, as the exporter creates them."""
+        events: dict[tuple[int, int], np.ndarray] = {}
+
+        def add(i: int, xid: int, increments: np.ndarray) -> None:
+            events.setdefault((i, xid), np.zeros(self.timeline.count))
+            events[(i, xid)] += increments
+
+        for failure in self.scenario.failures:
+            i = self.gpu_index(failure.node, failure.gpu)
+            if failure.kind == "hbm_degradation":
+                add(i, 63, self.hbm["remapped"][i] + self.hbm["uncorrectable"][i])
+            if failure.kind == "nvlink_errors":
+                hit = np.zeros(self.timeline.count)
+                hit[self.at(failure.failure - 120) : self.at(failure.failure)] = 1  # the link's last gasps
+                add(i, 74, hit)
+            hit = np.zeros(self.timeline.count)
+            hit[self.at(failure.failure)] = 1
+            add(i, failure.xid, hit)
+        rows = []
+        for (i, xid), increments in sorted(events.items()):
+            values = _counter(increments)
+            values[values == 0] = np.nan
+            rows.append((f'xid="{xid}",{self.gpu_labels[i]}', values))
+        yield Family("gpuhealth_xid_events_total", "counter", rows)
+
+    def _fallen(self) -> Iterator[Family]:
+        falls = np.zeros(self.shape)
+        for failure in self.faults_of("thermal_runaway", "pcie_degradation", "fell_off_bus"):
+            falls[self.gpu_index(failure.node, failure.gpu), self.at(failure.failure) :] = 1
+        yield self._count("gpuhealth_gpu_fallen_off_bus_total", falls)
+
+    # ---- host families ------------------------------------------------------------------------------
+    def node_rate(
+        self,
+        purpose: str,
+        busy: float,
+        idle: float,
+        hung: float,
+        checkpoint: float = 0.0,
+        spread: float = 0.05,
+    ) -> np.ndarray:
+        """Per-node rate following the workload: busy/idle/hung levels plus checkpoint load and jitter."""
+        work = self.workload.busy
+        level = np.where(work, busy, idle) + checkpoint * self.checkpoint_load
+        level = np.where(self.hung, hung, level)
+        return np.maximum(level * self.rng(purpose).normal(1, spread, level.shape), 0)
+
+    def _cpu(self) -> Iterator[Family]:
+        step = self.timeline.step
+        user = self.node_rate("cpu-user", 40, 0.6, 4)
+        system = self.node_rate("cpu-system", 6, 0.3, 1)
+        iowait = self.node_rate("cpu-iowait", 0.2, 0.05, 0.05, checkpoint=6)
+        idle = np.maximum(HOST_CPUS - user - system - iowait, 0)
+        rows = []
+        for mode, rate in (("user", user), ("system", system), ("iowait", iowait), ("idle", idle)):
+            rows += self._rows(np.round(_counter(rate * step), 2), self.node_labels, f'mode="{mode}",')
+        yield Family("gpuhealth_host_cpu_seconds_total", "counter", rows)
+
+    def _host_memory(self) -> Iterator[Family]:
+        shape = (self.fleet.nodes, self.timeline.count)
+        yield self._gauge(
+            "gpuhealth_host_memory_total_bytes", np.full(shape, float(HOST_MEMORY_BYTES)), node=True
+        )
+        available = (
+            HOST_MEMORY_BYTES - self.node_rate("memory", 0.45, 0.05, 0.45, checkpoint=0.1) * HOST_MEMORY_BYTES
+        )
+        yield self._gauge("gpuhealth_host_memory_available_bytes", np.round(available, -6), node=True)
+
+    def _load(self) -> Iterator[Family]:
+        procs = np.round(self.node_rate("procs", 12, 1, 0.3, checkpoint=2, spread=0.2))
+        alpha = 1 - np.exp(-self.timeline.step / 60)
+        load = np.empty(procs.shape)
+        load[:, 0] = procs[:, 0]
+        for i in range(1, procs.shape[1]):
+            load[:, i] = load[:, i - 1] + alpha * (procs[:, i] - load[:, i - 1])
+        yield self._gauge("gpuhealth_host_procs_running", procs, node=True)
+        yield self._gauge("gpuhealth_host_load1", np.round(load, 2), node=True)
+
+    def _interrupts(self) -> Iterator[Family]:
+        step = self.timeline.step
+        yield self._count(
+            "gpuhealth_host_interrupts_total",
+            np.round(_counter(self.node_rate("interrupts", 10000, 1500, 2600, 2000) * step)),
+            node=True,
+        )
+        yield self._count(
+            "gpuhealth_host_context_switches_total",
+            np.round(_counter(self.node_rate("ctxt", 50000, 4000, 7000, 8000) * step)),
+            node=True,
+        )
+
+    @cached_property
+    def storage_stress(self) -> np.ndarray:
+        """(nodes, T) 0..1: some HBM failures stall the host before the XID (paging, slow NFS metadata)."""
+        stress = np.zeros((self.fleet.nodes, self.timeline.count))
+        for failure in self.faults_of("hbm_degradation"):
+            if self.failure_params[failure]["extra"] < 0.5:
+                a, b = self.at(failure.failure - 1800), self.at(failure.failure)
+                stress[self.node_index(failure.node), a:b] = failure.strength
+        return stress
+
+    def _paging(self) -> Iterator[Family]:
+        step = self.timeline.step
+        rate = self.node_rate("page-outs", 300, 50, 100, 2500, spread=0.3) + 40000 * self.storage_stress
+        yield self._count("gpuhealth_host_page_outs_total", np.round(_counter(rate * step)), node=True)
+        yield self._count("gpuhealth_host_swap_outs_total", np.zeros(rate.shape), node=True)
+
+    def _io(self) -> Iterator[Family]:
+        step = self.timeline.step
+        for name, device, busy, idle, ckpt in (
+            ("gpuhealth_host_disk_read_bytes_total", "nvme0n1", 2e6, 1e5, 0),
+            ("gpuhealth_host_disk_written_bytes_total", "nvme0n1", 5e6, 2e5, 1e7),
+            ("gpuhealth_host_network_receive_bytes_total", "ib0", 9e9, 1e6, 1e9),
+            ("gpuhealth_host_network_transmit_bytes_total", "ib0", 9e9, 1e6, 3e9),
+        ):
+            values = np.round(_counter(self.node_rate(name, busy, idle, idle, ckpt, spread=0.1) * step))
+            yield self._count(name, values, extra=f'device="{device}",', node=True)
+
+    def _nfs(self) -> Iterator[Family]:
+        """Per-op RPC counters; checkpoints queue WRITEs on the client (slot table exhaustion)."""
+        step, load, stress = self.timeline.step, self.checkpoint_load, self.storage_stress
+        ops = {
+            "READ": self.node_rate("nfs-read", 20, 1, 1, 50, spread=0.2),
+            "WRITE": self.node_rate("nfs-write", 5, 0.5, 0.5, 2500, spread=0.2),
+            "GETATTR": self.node_rate("nfs-getattr", 40, 5, 5, 20, spread=0.2),
+        }
+        rtt = {"READ": 0.002 + 0.002 * load, "WRITE": 0.003 + 0.004 * load, "GETATTR": 0.0005 + 0.02 * stress}
+        queue = {
+            "READ": 0.0001 + 0.005 * load,
+            "WRITE": 0.0001 + 0.08 * load,
+            "GETATTR": 0.00005 + 0.05 * stress,
+        }
+        families: dict[str, list[tuple[str, np.ndarray]]] = {}
+        for op in NFS_OPS:
+            extra = f'mount="{NFS_MOUNT}",op="{op}",'
+            count = _counter(ops[op] * step)
+            for name, values in (
+                ("gpuhealth_nfs_rpc_operations_total", np.round(count)),
+                ("gpuhealth_nfs_rpc_transmissions_total", np.round(count * 1.0005)),
+                ("gpuhealth_nfs_rpc_queue_seconds_total", np.round(_counter(ops[op] * queue[op] * step), 3)),
+                ("gpuhealth_nfs_rpc_rtt_seconds_total", np.round(_counter(ops[op] * rtt[op] * step), 3)),
+                (
+                    "gpuhealth_nfs_rpc_execute_seconds_total",
+                    np.round(_counter(ops[op] * (queue[op] + rtt[op] + 0.0001) * step), 3),
+                ),
+            ):
+                families.setdefault(name, []).extend(self._rows(values, self.node_labels, extra))
+        for name, rows in families.items():
+            yield Family(name, "counter", rows)
+        sends = sum(ops.values()) * step
+        extra = f'mount="{NFS_MOUNT}",'
+        yield self._count("gpuhealth_nfs_transport_sends_total", np.round(_counter(sends)), extra, node=True)
+        yield self._count(
+            "gpuhealth_nfs_transport_backlog_queue_total",
+            np.round(_counter(sends * (0.1 + 60 * load))),
+            extra,
+            node=True,
+        )
