@@ -26,13 +26,12 @@ NOT_RETRYABLE = {400, 403, 404, 405, 409, 410, 415, 422}
 
 
 class KubeAPIError(BackendError):
-    """The API server answered with an error ``Status``; ``code`` and ``reason`` are its own."""
+    """The API server answered with an error ``Status``; the message keeps its code, reason and text."""
 
     def __init__(self, where: str, code: int, reason: str, message: str,
                  retry_after: float | None = None) -> None:
         super().__init__(f"{where}: {code} {reason}: {message}", retryable=code not in NOT_RETRYABLE)
         self.code = code
-        self.reason = reason
         self.retry_after = retry_after
 
 
