@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -37,9 +38,19 @@ class PrometheusAPI:
         self.url = url.rstrip("/")
 
     def _get(self, path: str, params: dict[str, Any] | None = None, timeout: float = 60.0) -> Any:
-        query = f"?{urllib.parse.urlencode(params)}" if params else ""
-        with urllib.request.urlopen(f"{self.url}{path}{query}", timeout=timeout) as resp:
-            body = json.load(resp)
+        query = urllib.parse.urlencode(params) if params else ""
+        if len(query) > 4000:  # long expressions go in a form body: URLs have length limits
+            request = urllib.request.Request(f"{self.url}{path}", data=query.encode(), method="POST")
+        else:
+            request = urllib.request.Request(f"{self.url}{path}{'?' if query else ''}{query}")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as resp:
+                body = json.load(resp)
+        except urllib.error.HTTPError as exc:  # 4xx/5xx still carry Prometheus's error text
+            try:
+                body = json.load(exc)
+            except ValueError:
+                raise RuntimeError(f"Prometheus {path} failed: HTTP {exc.code}") from None
         if body.get("status") != "success":
             raise RuntimeError(f"Prometheus {path} failed: {body.get('error', body)}")
         return body["data"]
@@ -50,9 +61,10 @@ class PrometheusAPI:
             params["time"] = f"{time:.3f}"
         return self._get("/api/v1/query", params)["result"]
 
-    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
+    def query_range(self, expr: str, start: float, end: float, step: float,
+                    timeout: float = 60.0) -> list[dict[str, Any]]:
         params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}
-        return self._get("/api/v1/query_range", params)["result"]
+        return self._get("/api/v1/query_range", params, timeout=timeout)["result"]
 
     def targets(self) -> list[dict[str, Any]]:
         return self._get("/api/v1/targets")["activeTargets"]
