@@ -120,7 +120,7 @@ class SlurmCluster:
         except BaseException:
             self.stop()
             raise
-        log.info("slurm cluster ready conf=%s nodes=%s", self.conf_path, ",".join(self.node_names))
+        log.info("event=slurm_cluster_ready conf=%s nodes=%s", self.conf_path, ",".join(self.node_names))
         return self
 
     def _start_munged(self, munged: str) -> None:
@@ -177,7 +177,7 @@ class SlurmCluster:
             except OSError:
                 continue
             if cwd == root or cwd.startswith(root + "/"):
-                log.warning("killing leftover job process pid=%s cwd=%s", proc.name, cwd)
+                log.warning("event=slurm_leftover_killed pid=%s cwd=%s", proc.name, cwd)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(proc.name), signal.SIGKILL)
 

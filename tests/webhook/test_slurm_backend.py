@@ -129,7 +129,8 @@ async def test_requeue_moves_a_two_node_job_off_the_excluded_node(slurm, backend
     info = slurm.job(job)
     assert info.restarts == 1
     assert set(info.excluded) == {bad, "gpu04"}, "our exclusion is merged with the job's own"
-    assert info.state in ("PENDING", "RUNNING", "CONFIGURING") and bad not in info.nodes
+    assert info.state in ("COMPLETING", "PENDING"), "the old allocation ends, the job waits to restart"
+    slurm.wait_job(job, lambda j: j.state == "PENDING", what=f"job {job} to be requeued")
     await backend.requeue(job, [bad])  # a retried requeue restarts nothing
     assert slurm.job(job).restarts == 1
     start_now(slurm, job)
@@ -149,6 +150,19 @@ async def test_requeue_completes_after_a_crash_between_its_steps(slurm, backend)
     start_now(slurm, job)
     info = slurm.wait_job(job, lambda j: j.state == "RUNNING", what="the requeued job to run again")
     assert bad not in info.nodes
+
+
+async def test_a_failed_job_is_requeued_a_completed_one_is_not(slurm, backend):
+    failed = slurm.sbatch("--requeue", "--nodes=1", "--nodelist=gpu02", "--wrap", "exit 3")
+    done = slurm.sbatch("--requeue", "--nodes=1", "--nodelist=gpu03", "--wrap", "true")
+    slurm.wait_job(failed, lambda j: j.state == "FAILED")
+    slurm.wait_job(done, lambda j: j.state == "COMPLETED")
+    await backend.requeue(failed, ["gpu01"])
+    await backend.requeue(done, ["gpu01"])
+    info = slurm.job(failed)
+    assert info.state == "PENDING" and info.restarts == 1 and info.excluded == ["gpu01"]
+    info = slurm.job(done)
+    assert info.state == "COMPLETED" and info.restarts == 0 and info.excluded == []
 
 
 async def test_requeue_of_an_unknown_job_is_permanent(backend):

@@ -175,7 +175,7 @@ class CommandBackend:
     def __init__(self, settings: CommandSettings) -> None:
         self.settings = settings
         if "node_state" not in settings.commands:
-            log.warning("command backend has no node_state command: drains set by others cannot be seen")
+            log.warning("event=command_no_node_state (drains set by others cannot be seen)")
 
     @classmethod
     def from_config(cls, section: Mapping[str, Any]) -> CommandBackend:
@@ -188,7 +188,7 @@ class CommandBackend:
             raise BackendError(f"command backend: no '{operation}' command configured "
                                f"(backend.commands.{operation})", retryable=False)
         argv = fill(template, fields)
-        log.info("command operation=%s argv=%s", operation, json.dumps(argv))
+        log.info("event=command_run operation=%s argv=%s", operation, json.dumps(argv))
         return await run_argv(argv, env=environment(operation, fields, self.settings.env),
                               timeout=self.settings.timeout_seconds, cwd=self.settings.cwd,
                               permanent_exit_codes=self.settings.permanent_exit_codes)

@@ -29,6 +29,7 @@ MAX_REASON_CHARS = 200
 DRAIN_FLAGS = {"DRAIN", "DRAINING", "DRAINED", "FAIL", "FAILING"}
 REBOOT_FLAGS = {"REBOOT_REQUESTED", "REBOOT_ISSUED"}
 ACTIVE_STATES = "RUNNING,CONFIGURING"
+RESTARTABLE = {"RUNNING", "CONFIGURING", "SUSPENDED", "FAILED", "NODE_FAIL", "PREEMPTED"}
 OUR_HOLD = "job_requeued_in_held_state"  # the Reason scontrol requeuehold leaves on the job
 # Slurm's answers for a name or id that does not exist: retrying cannot help.
 PERMANENT = re.compile(r"Invalid (node name|job id)|not found|Invalid node state|Requested operation is "
@@ -160,7 +161,7 @@ class SlurmBackend:
         if state.drained and state.reason == text:
             return
         await self._scontrol("update", f"NodeName={node}", "State=DRAIN", f"Reason={text}")
-        log.info("slurm drained node=%s reason=%r", node, text)
+        log.info("event=slurm_drain node=%s reason=%r", node, text)
 
     async def resume(self, node: str) -> None:
         state = await self.node_state(node)
@@ -169,7 +170,7 @@ class SlurmBackend:
         if not state.drained:
             return
         await self._scontrol("update", f"NodeName={node}", "State=RESUME")
-        log.info("slurm resumed node=%s", node)
+        log.info("event=slurm_resume node=%s", node)
 
     async def jobs_on_node(self, node: str) -> list[str]:
         out = await self._run(self.settings.squeue, "-h", "-w", node, "-t", ACTIVE_STATES, "-o", "%i")
@@ -184,8 +185,16 @@ class SlurmBackend:
         return (await self._scontrol("show", "hostnames", hostlist)).split()
 
     async def requeue(self, job_id: str, exclude_nodes: list[str]) -> None:
+        """Restart a running or failed job away from ``exclude_nodes``; a job that ended otherwise
+        (completed, cancelled, timed out) is left alone, since running it again is not a retry."""
         job = await self._job(job_id)
-        if job.get("JobState") != "PENDING" and job.get("Reason") != OUR_HOLD:
+        state = job.get("JobState", "")
+        if state != "PENDING" and job.get("Reason") != OUR_HOLD:
+            if state == "COMPLETING":
+                raise BackendError(f"job {job_id} is completing; it can be requeued once it has ended")
+            if state not in RESTARTABLE:
+                log.info("event=slurm_requeue_skipped job=%s state=%s", job_id, state)
+                return
             await self._scontrol("requeuehold", job_id)
             job = await self._job(job_id)
         excluded = await self._hostnames(job.get("ExcNodeList", ""))
@@ -199,7 +208,7 @@ class SlurmBackend:
                 raise BackendError(f"job {job_id}: ExcNodeList is {now} after asking for {merged}")
         if job.get("Reason") == OUR_HOLD:
             await self._scontrol("release", job_id)
-        log.info("slurm requeued job=%s excluded=%s", job_id, ",".join(sorted({*excluded, *missing})))
+        log.info("event=slurm_requeue job=%s excluded=%s", job_id, ",".join(sorted({*excluded, *missing})))
 
     async def reset_gpu(self, node: str, gpu: str | None, reason: str) -> None:
         command = self.settings.reset_gpu_command
@@ -213,7 +222,7 @@ class SlurmBackend:
         fields = alert_fields(node, reason, gpu or "")
         await run_argv(fill(command, fields), env=environment("reset_gpu", fields, self._env),
                        timeout=self.settings.timeout_seconds)
-        log.info("slurm reset_gpu node=%s gpu=%s", node, gpu)
+        log.info("event=slurm_reset_gpu node=%s gpu=%s", node, gpu)
 
     async def reboot(self, node: str, reason: str) -> None:
         line = await self._show_node(node)
@@ -223,4 +232,4 @@ class SlurmBackend:
             return
         await self._scontrol("reboot", "ASAP", f"nextstate={self.settings.reboot_next_state}",
                              f"reason={slurm_reason(reason)}", node)
-        log.info("slurm reboot requested node=%s next_state=%s", node, self.settings.reboot_next_state)
+        log.info("event=slurm_reboot node=%s next_state=%s", node, self.settings.reboot_next_state)
