@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from aiohttp import web
 
 ACCEPTED_PATCH_TYPES = {"application/merge-patch+json", "application/strategic-merge-patch+json"}
@@ -144,6 +145,23 @@ class FakeKube:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    async def __aenter__(self) -> FakeKube:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def write_kubeconfig(self, path: Path, user: dict[str, Any] | None = None,
+                         cluster: dict[str, Any] | None = None) -> Path:
+        """A kubeconfig for this server: its bearer token unless ``user`` says otherwise."""
+        path.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": self.url, **(cluster or {})}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "webhook"}}],
+            "users": [{"name": "webhook", "user": user or {"token": self.token}}]}))
+        return path
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:

@@ -31,23 +31,12 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 @pytest.fixture
 async def kube() -> AsyncIterator[FakeKube]:
-    fake = FakeKube()
-    await fake.start()
-    yield fake
-    await fake.close()
-
-
-def _kubeconfig(path: Path, server: str, user: dict[str, Any], cluster: dict[str, Any] | None = None) -> Path:
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "test",
-        "clusters": [{"name": "test", "cluster": {"server": server, **(cluster or {})}}],
-        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "webhook"}}],
-        "users": [{"name": "webhook", "user": user}]}))
-    return path
+    async with FakeKube() as fake:
+        yield fake
 
 
 def _backend(kube: FakeKube, tmp_path: Path, **settings: Any) -> KubernetesBackend:
-    config = _kubeconfig(tmp_path / "kubeconfig", kube.url, {"token": kube.token})
+    config = kube.write_kubeconfig(tmp_path / "kubeconfig")
     return KubernetesBackend.from_config({"kubeconfig": str(config), **settings})
 
 
@@ -313,34 +302,27 @@ async def test_the_fake_refuses_what_the_real_api_server_refuses(kube):
 
 
 async def test_client_certificate_over_verified_tls(pki, tmp_path):
-    kube = FakeKube(tls=pki.server_context())
-    await kube.start()
-    try:
+    async with FakeKube(tls=pki.server_context()) as kube:
         kube.add_node("gpu01")
-        config = _kubeconfig(tmp_path / "cert.yaml", kube.url,
-                             {"client-certificate-data": _b64(pki.client_cert),
-                              "client-key-data": _b64(pki.client_key)},
-                             {"certificate-authority-data": _b64(pki.ca)})
+        config = kube.write_kubeconfig(tmp_path / "cert.yaml",
+                                       {"client-certificate-data": _b64(pki.client_cert),
+                                        "client-key-data": _b64(pki.client_key)},
+                                       {"certificate-authority-data": _b64(pki.ca)})
         await KubernetesBackend.from_config({"kubeconfig": str(config)}).drain("gpu01", REASON)
         assert kube.nodes["gpu01"]["spec"]["unschedulable"] is True
 
         other_ca = make_pki(tmp_path / "other").ca
-        wrong = _kubeconfig(tmp_path / "wrong.yaml", kube.url, {"token": kube.token},
-                            {"certificate-authority": str(other_ca)})
+        wrong = kube.write_kubeconfig(tmp_path / "wrong.yaml",
+                                      cluster={"certificate-authority": str(other_ca)})
         with pytest.raises(BackendError, match="TLS verification failed") as exc:
             await KubernetesBackend.from_config({"kubeconfig": str(wrong)}).fleet_size()
         assert not exc.value.retryable
-        skip = _kubeconfig(tmp_path / "skip.yaml", kube.url, {"token": kube.token},
-                           {"insecure-skip-tls-verify": True})
+        skip = kube.write_kubeconfig(tmp_path / "skip.yaml", cluster={"insecure-skip-tls-verify": True})
         assert await KubernetesBackend.from_config({"kubeconfig": str(skip)}).fleet_size() == 1
-    finally:
-        await kube.close()
 
 
 async def test_in_cluster_service_account_with_a_rotating_token(pki, tmp_path, monkeypatch):
-    kube = FakeKube(token="sa-1", tls=pki.server_context())
-    await kube.start()
-    try:
+    async with FakeKube(token="sa-1", tls=pki.server_context()) as kube:
         kube.add_node("gpu01")
         sa = tmp_path / "serviceaccount"
         sa.mkdir()
@@ -353,8 +335,6 @@ async def test_in_cluster_service_account_with_a_rotating_token(pki, tmp_path, m
         kube.token = "sa-2"
         (sa / "token").write_text("sa-2")
         assert (await backend.node_state("gpu01")).exists
-    finally:
-        await kube.close()
 
 
 def _documented_cluster_role() -> set[tuple[str, str]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-import yaml
 from conftest import alert, resolved
 from fake_kube import FakeKube
 from gpuhealth.webhook.backends.kubernetes import REASON_ANNOTATION, TAINT_KEY, KubernetesBackend
@@ -13,10 +12,8 @@ from gpuhealth.webhook.backends.kubernetes import REASON_ANNOTATION, TAINT_KEY, 
 
 @pytest.fixture
 async def kube() -> AsyncIterator[FakeKube]:
-    fake = FakeKube()
-    await fake.start()
-    yield fake
-    await fake.close()
+    async with FakeKube() as fake:
+        yield fake
 
 
 async def test_alert_to_cordon_eviction_job_restart_and_back(webhook, kube, tmp_path):
@@ -29,11 +26,7 @@ async def test_alert_to_cordon_eviction_job_restart_and_back(webhook, kube, tmp_
     kube.add_pod("ml", "notebook", "gpu01", gpus=1)
     kube.add_pod("ml", "infer", "gpu04", gpus=1)
     kube.pdb_blocks[("ml", "notebook")] = 1
-    config = tmp_path / "kubeconfig"
-    config.write_text(yaml.safe_dump({
-        "current-context": "t", "clusters": [{"name": "t", "cluster": {"server": kube.url}}],
-        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "u"}}],
-        "users": [{"name": "u", "user": {"token": kube.token}}]}))
+    config = kube.write_kubeconfig(tmp_path / "kubeconfig")
     backend = KubernetesBackend.from_config({"kubeconfig": str(config), "eviction_backoff_seconds": 0.01,
                                              "node_selector": "nvidia.com/gpu.present=true"})
     hook = await webhook(backend=backend)
