@@ -23,12 +23,15 @@ import socket
 import stat
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from gpuhealth.local.process import ManagedProcess, ProcessError, free_port, wait_until
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SBIN_PATH = "/usr/sbin:/usr/bin"
 TOOLS = ("scontrol", "squeue", "sbatch", "sinfo", "scancel")
@@ -64,6 +67,16 @@ class JobInfo:
     excluded: list[str]
     reason: str
     restarts: int
+
+
+def _poll(fetch: Callable[[], T], predicate: Callable[[T], bool], timeout: float, what: str) -> T:
+    found: list[T] = []
+
+    def check() -> bool:
+        found[:] = [fetch()]
+        return predicate(found[0])
+    wait_until(check, timeout, interval=0.2, what=what)
+    return found[0]
 
 
 def _binary(name: str) -> str:
@@ -312,24 +325,15 @@ class SlurmCluster:
     def jobs_on(self, node: str) -> list[str]:
         return self.squeue("-h", "-w", node, "-o", "%i").split()
 
-    def wait_job(self, job_id: str, predicate, timeout: float = 30.0, what: str = "") -> JobInfo:
+    def wait_job(self, job_id: str, predicate: Callable[[JobInfo], bool], timeout: float = 30.0,
+                 what: str = "") -> JobInfo:
         """Poll ``scontrol show job`` until ``predicate(JobInfo)``; the matching JobInfo."""
-        found: list[JobInfo] = []
+        return _poll(lambda: self.job(job_id), predicate, timeout, what or f"job {job_id}")
 
-        def check() -> bool:
-            found[:] = [self.job(job_id)]
-            return predicate(found[0])
-        wait_until(check, timeout, interval=0.2, what=what or f"job {job_id}")
-        return found[0]
-
-    def wait_node(self, node: str, predicate, timeout: float = 30.0, what: str = "") -> NodeInfo:
-        found: list[NodeInfo] = []
-
-        def check() -> bool:
-            found[:] = [self.node(node)]
-            return predicate(found[0])
-        wait_until(check, timeout, interval=0.2, what=what or f"node {node}")
-        return found[0]
+    def wait_node(self, node: str, predicate: Callable[[NodeInfo], bool], timeout: float = 30.0,
+                  what: str = "") -> NodeInfo:
+        """Poll ``scontrol show node`` until ``predicate(NodeInfo)``; the matching NodeInfo."""
+        return _poll(lambda: self.node(node), predicate, timeout, what or f"node {node}")
 
     # --- simulation helpers ----------------------------------------------------------------------
 

@@ -162,6 +162,19 @@ async def test_fleet_size_from_a_command(tmp_path, recorder):
     assert await backend.fleet_size() == 512
 
 
+@pytest.mark.parametrize("node", ["gpu[01-04]", "gpu01,gpu02", "ALL", "--all", ""])
+async def test_a_label_naming_many_nodes_runs_nothing(tmp_path, recorder, node):
+    backend = make(tmp_path, recorder, {op: ["{node}"] for op in ("drain", "resume", "node_state",
+                                                                    "jobs_on_node", "reboot")})
+    for act in (lambda: backend.drain(node, "gpuhealth: A: b"), lambda: backend.resume(node),
+                lambda: backend.node_state(node), lambda: backend.jobs_on_node(node),
+                lambda: backend.reboot(node, "gpuhealth: A: b"), lambda: backend.requeue("7", [node])):
+        with pytest.raises(BackendError, match="not a single node name") as err:
+            await act()
+        assert not err.value.retryable
+    assert calls(tmp_path) == []
+
+
 def test_config_lists_every_problem_at_once():
     with pytest.raises(ValueError) as err:
         CommandBackend.from_config({

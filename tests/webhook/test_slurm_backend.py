@@ -212,6 +212,25 @@ async def test_errors_carry_slurms_message(backend):
     assert not err.value.retryable and "Invalid node name" in str(err.value)
 
 
+@pytest.mark.parametrize("node", ["gpu[01-04]", "gpu01,gpu02", "ALL", "gpu01 gpu02", "-gpu01", ""])
+async def test_a_label_naming_many_nodes_acts_on_none(slurm, backend, node):
+    assert not (await backend.node_state(node)).exists
+    for act in (lambda: backend.drain(node, REASON), lambda: backend.reboot(node, REASON),
+                lambda: backend.resume(node), lambda: backend.jobs_on_node(node),
+                lambda: backend.requeue("1", [node]), lambda: backend.reset_gpu(node, "0", REASON)):
+        with pytest.raises(BackendError, match=r"not a single node name|not found") as err:
+            await act()
+        assert not err.value.retryable
+    assert slurm.run("sinfo", "-h", "-o", "%t %D").split() == ["idle", "4"]
+
+
+@pytest.mark.parametrize("job_id", ["1,2", "1 2", "", "all"])
+async def test_a_job_list_is_refused(backend, job_id):
+    with pytest.raises(BackendError, match="not a single Slurm job id") as err:
+        await backend.requeue(job_id, ["gpu01"])
+    assert not err.value.retryable
+
+
 async def test_an_unreachable_controller_is_retryable(slurm, tmp_path):
     conf = tmp_path / "slurm.conf"
     text = slurm.conf_path.read_text()

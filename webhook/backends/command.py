@@ -31,6 +31,9 @@ from gpuhealth.webhook.backends.base import BackendError, NodeState
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_CHARS = 2000
+# One node, never a list, range or option: Slurm reads "gpu[01-64]", "a,b" and "ALL" as many nodes,
+# and an alert's label must not widen what we act on.
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 REASON_ALERTNAME = re.compile(r"^gpuhealth: (?P<alertname>[^:]+):")
 
 # The placeholders each operation may use; the environment carries the same fields.
@@ -112,10 +115,17 @@ def environment(operation: str, fields: Mapping[str, str], extra: Mapping[str, s
     return env
 
 
+def check_node(node: str) -> str:
+    """``node`` if it names exactly one node; a non-retryable ``BackendError`` otherwise."""
+    if not NODE_NAME.fullmatch(node) or node.upper() == "ALL":
+        raise BackendError(f"{node!r} is not a single node name", retryable=False)
+    return node
+
+
 def alert_fields(node: str, reason: str, gpu: str | None = None) -> dict[str, str]:
     """The fields of an alert-driven operation; the alert name is read back from our reason format."""
     match = REASON_ALERTNAME.match(reason)
-    fields = {"node": node, "reason": reason, "alertname": match["alertname"] if match else ""}
+    fields = {"node": check_node(node), "reason": reason, "alertname": match["alertname"] if match else ""}
     if gpu is not None:
         fields["gpu"] = gpu
     return fields
@@ -196,7 +206,7 @@ class CommandBackend:
     async def node_state(self, node: str) -> NodeState:
         if "node_state" not in self.settings.commands:
             return NodeState(node, exists=True, drained=False)
-        out = await self._run("node_state", {"node": node})
+        out = await self._run("node_state", {"node": check_node(node)})
         try:
             data = json.loads(out)
             return NodeState(node, exists=bool(data.get("exists", True)), drained=bool(data["drained"]),
@@ -220,15 +230,16 @@ class CommandBackend:
         await self._run("drain", alert_fields(node, reason))
 
     async def resume(self, node: str) -> None:
-        await self._run("resume", {"node": node})
+        await self._run("resume", {"node": check_node(node)})
 
     async def jobs_on_node(self, node: str) -> list[str]:
         if "jobs_on_node" not in self.settings.commands:
             return []
-        return (await self._run("jobs_on_node", {"node": node})).split()
+        return (await self._run("jobs_on_node", {"node": check_node(node)})).split()
 
     async def requeue(self, job_id: str, exclude_nodes: list[str]) -> None:
-        await self._run("requeue", {"job_id": job_id, "exclude_nodes": ",".join(exclude_nodes)})
+        excluded = ",".join(check_node(n) for n in exclude_nodes)
+        await self._run("requeue", {"job_id": job_id, "exclude_nodes": excluded})
 
     async def reset_gpu(self, node: str, gpu: str | None, reason: str) -> None:
         await self._run("reset_gpu", alert_fields(node, reason, gpu or ""))

@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuhealth.webhook.backends.base import BackendError, NodeState
-from gpuhealth.webhook.backends.command import alert_fields, environment, fill, run_argv, template_errors
+from gpuhealth.webhook.backends.command import (
+    NODE_NAME,
+    alert_fields,
+    check_node,
+    environment,
+    fill,
+    run_argv,
+    template_errors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +46,7 @@ _STATE = re.compile(r"(?:^|\s)State=(\S+)")
 _REASON = re.compile(r"\sReason=(.*)$")
 _REASON_STAMP = re.compile(r"\s*\[[^\[\]]*@[^\[\]]*\]\s*$")  # Slurm appends " [user@time]"
 _JOB_FIELD = re.compile(r"(?:^|\s)(JobState|ExcNodeList|Reason)=(\S*)")
+JOB_ID = re.compile(r"\d+(_\d+)?")  # one job (or array task), never a list
 _KEYS = {"scontrol", "squeue", "slurm_conf", "timeout_seconds", "partition", "reset_gpu_command",
          "reset_gpu_fallback", "reboot_next_state"}
 
@@ -133,14 +142,14 @@ class SlurmBackend:
 
     async def _show_node(self, node: str) -> str | None:
         try:
-            return (await self._scontrol("show", "node", node, "-o")).strip()
+            return (await self._scontrol("show", "node", check_node(node), "-o")).strip()
         except BackendError as exc:
             if not exc.retryable:  # "Node x not found"
                 return None
             raise
 
     async def node_state(self, node: str) -> NodeState:
-        line = await self._show_node(node)
+        line = await self._show_node(node) if NODE_NAME.fullmatch(node) else None
         if line is None:
             return NodeState(node, exists=False, drained=False)
         return parse_node(node, line)
@@ -160,7 +169,7 @@ class SlurmBackend:
         state = await self.node_state(node)
         if state.drained and state.reason == text:
             return
-        await self._scontrol("update", f"NodeName={node}", "State=DRAIN", f"Reason={text}")
+        await self._scontrol("update", f"NodeName={check_node(node)}", "State=DRAIN", f"Reason={text}")
         log.info("event=slurm_drain node=%s reason=%r", node, text)
 
     async def resume(self, node: str) -> None:
@@ -173,7 +182,8 @@ class SlurmBackend:
         log.info("event=slurm_resume node=%s", node)
 
     async def jobs_on_node(self, node: str) -> list[str]:
-        out = await self._run(self.settings.squeue, "-h", "-w", node, "-t", ACTIVE_STATES, "-o", "%i")
+        out = await self._run(self.settings.squeue, "-h", "-w", check_node(node), "-t", ACTIVE_STATES,
+                              "-o", "%i")
         return out.split()
 
     async def _job(self, job_id: str) -> dict[str, str]:
@@ -187,6 +197,10 @@ class SlurmBackend:
     async def requeue(self, job_id: str, exclude_nodes: list[str]) -> None:
         """Restart a running or failed job away from ``exclude_nodes``; a job that ended otherwise
         (completed, cancelled, timed out) is left alone, since running it again is not a retry."""
+        if not JOB_ID.fullmatch(job_id):
+            raise BackendError(f"{job_id!r} is not a single Slurm job id", retryable=False)
+        for node in exclude_nodes:
+            check_node(node)
         job = await self._job(job_id)
         state = job.get("JobState", "")
         if state != "PENDING" and job.get("Reason") != OUR_HOLD:
@@ -211,6 +225,7 @@ class SlurmBackend:
         log.info("event=slurm_requeue job=%s excluded=%s", job_id, ",".join(sorted({*excluded, *missing})))
 
     async def reset_gpu(self, node: str, gpu: str | None, reason: str) -> None:
+        check_node(node)
         command = self.settings.reset_gpu_command
         if command is None:
             if self.settings.reset_gpu_fallback == "reboot":
