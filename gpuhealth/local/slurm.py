@@ -115,12 +115,12 @@ class SlurmCluster:
     # --- lifecycle -------------------------------------------------------------------------------
 
     def start(self, timeout: float = 60.0) -> SlurmCluster:
-        """Start every daemon and wait until all nodes are IDLE; on failure nothing is left running."""
-        if os.geteuid() != 0:
-            raise ProcessError("a local Slurm cluster must be started as root: slurmd runs jobs as their "
-                               "submitting user and slurmctld/slurmd run as SlurmUser=root here")
-        binaries = {name: _binary(name) for name in ("munged", "slurmctld", "slurmd", *TOOLS)}
+        """Start every daemon and wait until all nodes are IDLE; on failure nothing is left behind."""
         try:
+            if os.geteuid() != 0:
+                raise ProcessError("a local Slurm cluster must be started as root: slurmd runs jobs as "
+                                   "their submitting user and the daemons run as SlurmUser=root here")
+            binaries = {name: _binary(name) for name in ("munged", "slurmctld", "slurmd", *TOOLS)}
             self._start_munged(binaries["munged"])
             self._write_config()
             self._slurmctld = ManagedProcess(
@@ -129,12 +129,18 @@ class SlurmCluster:
             self._slurmctld.wait_ready(self._controller_answers, timeout)
             for node in self.node_names:
                 self._start_slurmd(node)
-            self._slurmctld.wait_ready(lambda: self._all_idle(self.node_names), timeout)
+            self._slurmctld.wait_ready(self._nodes_ready, timeout)
         except BaseException:
             self.stop()
             raise
         log.info("event=slurm_cluster_ready conf=%s nodes=%s", self.conf_path, ",".join(self.node_names))
         return self
+
+    def _nodes_ready(self) -> bool:
+        for daemon in self._slurmd.values():
+            if not daemon.running:
+                raise ProcessError(f"{daemon.name} exited:\n{daemon.log_tail()}")
+        return self._all_idle(self.node_names)
 
     def _start_munged(self, munged: str) -> None:
         # munged insists that its socket directory be world-searchable and its key private, which the
