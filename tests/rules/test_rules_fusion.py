@@ -1,0 +1,152 @@
+"""Precursor evidence and fusion: several weak signals raise GPUHealthGpuFailureRisk, one alone or benign
+noise (SBE burst, hot aisle, replay burst at boot, power cap, idle node) does not."""
+
+from __future__ import annotations
+
+import pytest
+from rules_promtool import SOURCES, Fleet, alert, run_promtool
+
+GROUPS = ["evidence", "fusion"]
+RISK = "GPUHealthGpuFailureRisk"
+
+
+def _risk_alert(node: str, gpu: int, risk: str, contributions: str) -> dict:
+    return alert(RISK, {"alertname": RISK, "node": node, "gpu": str(gpu)},
+                 f"GPU {gpu} on {node} is likely to fail (risk {risk})",
+                 f"Several precursor signals of GPU {gpu} on {node} together put its failure risk at {risk}. "
+                 f"Top contributions: {contributions}.", "warning", "drain")
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_several_weak_signals_raise_the_risk_alert(tmp_path, source):
+    minutes = 420
+    fleet = Fleet(source)
+    for node in ("n1", "n2", "n3"):
+        fleet.node(node, minutes, interrupts_per_s=1500 if node == "n2" else 10_000, procs=2 if node == "n2" else 40)
+    # HBM degradation on n1 GPU 0: corrected ECC keeps growing, then remapped rows step up at 6h.
+    fleet.add("ecc_corrected", "n1", 0, (0, 1, minutes))
+    fleet.add("rows_correctable", "n1", 0, (0, 0, 359), (10, 0, minutes - 360))
+    # n2 hangs in a collective (interrupts and runnable processes collapse); GPU 3's NVLink errs from 200 min.
+    fleet.add("nvlink_crc", "n2", 3, (0, 0, 199), (0, 60, minutes - 200))
+    # Thermal runaway on n3 GPU 6 from 300 min: hotter than its node mates and thermally slowed down.
+    fleet.add("temperature", "n3", 6, (60, 0, 299), (70, 0, minutes - 300))
+    fleet.add("thermal_seconds", "n3", 6, (0, 0, 299), (0, 30, minutes - 300))
+    hbm = _risk_alert("n1", 0, "0.75", "remapped_rows_growth=0.40, ecc_corrected_growth=0.35")
+    nvlink = _risk_alert("n2", 3, "0.95", "nvlink_errors=0.45, interrupt_collapse=0.30, procs_running_collapse=0.20")
+    thermal = _risk_alert("n3", 6, "0.85", "temperature_peer=0.35, thermal_slowdown=0.30, temperature_baseline=0.20")
+    checks = [
+        # Each case: quiet while pending (the condition cannot hold before its onset + `for`), then firing.
+        {"eval_time": "230m", "alertname": RISK, "exp_alerts": []},
+        {"eval_time": "240m", "alertname": RISK, "exp_alerts": [nvlink]},
+        {"eval_time": "330m", "alertname": RISK, "exp_alerts": [nvlink]},
+        {"eval_time": "340m", "alertname": RISK, "exp_alerts": [nvlink, thermal]},
+        {"eval_time": "389m", "alertname": RISK, "exp_alerts": [nvlink, thermal]},
+        {"eval_time": "400m", "alertname": RISK, "exp_alerts": [hbm, nvlink, thermal]},
+    ]
+    exprs = [
+        # Before the rows step, ECC growth alone (0.35) stays below the threshold.
+        {"expr": 'gpuhealth:gpu_failure_risk:score{node="n1", gpu="0"}', "eval_time": "350m",
+         "exp_samples": [{"labels": 'gpuhealth:gpu_failure_risk:score{node="n1", gpu="0"}', "value": 0.35}]},
+        # Node evidence counts for every GPU of the node: n2's other GPUs carry the collapse alone.
+        {"expr": 'gpuhealth:gpu_failure_risk:score{node="n2", gpu="5"}', "eval_time": "400m",
+         "exp_samples": [{"labels": 'gpuhealth:gpu_failure_risk:score{node="n2", gpu="5"}', "value": 0.5}]},
+        # A healthy GPU without ECC, PCIe or NVLink series at all still scores 0.
+        {"expr": 'gpuhealth:gpu_failure_risk:score{node="n1", gpu="7"}', "eval_time": "400m",
+         "exp_samples": [{"labels": 'gpuhealth:gpu_failure_risk:score{node="n1", gpu="7"}', "value": 0}]},
+    ]
+    run_promtool(tmp_path, source, GROUPS, [{"interval": "1m", "input_series": fleet.input_series(),
+                                             "alert_rule_test": checks, "promql_expr_test": exprs}])
+
+
+def _evidence(signal: str, node: str, gpu: int | None, at: str, above: float | None = None) -> dict:
+    """The evidence of one GPU (node) at ``at``: 0 when ``above`` is None, else above that value."""
+    level = "node_evidence" if gpu is None else "gpu_evidence"
+    selector = f'node="{node}"' + ("" if gpu is None else f', gpu="{gpu}"')
+    expr = f"gpuhealth:{level}:{signal}{{{selector}}}"
+    if above is None:
+        return {"expr": expr, "eval_time": at, "exp_samples": [{"labels": expr, "value": 0}]}
+    return {"expr": f"{expr} > bool {above}", "eval_time": at,
+            "exp_samples": [{"labels": "{" + selector + "}", "value": 1}]}
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_each_signal_and_benign_noise(tmp_path, source):
+    minutes = 400
+    fleet = Fleet(source)
+    for node in ("n1", "n2", "n4", "n5"):
+        fleet.node(node, minutes)
+    fleet.node("n6", minutes, gpus=7)                     # one GPU gone from the bus
+    fleet.add("gpus_expected", "n6", None, (8, 0, minutes))
+    fleet.add("gpus_visible", "n6", None, (7, 0, minutes))
+    fleet.node("n3", minutes, utilization=0, interrupts_per_s=800, procs=1)   # idle between jobs
+    for gpu in range(8):
+        fleet.add("temperature", "n3", gpu, (35, 0, minutes))
+        fleet.add("pcie_gen", "n3", gpu, (1, 0, minutes))           # idle links drop to gen 1
+        fleet.add("pcie_gen_max", "n3", gpu, (5, 0, minutes))
+        fleet.add("temperature", "n5", gpu, (60, 0, 99), (75, 0, minutes - 100))   # hot aisle
+    fleet.add("interrupts", "n4", None, (0, 1500 * 60, minutes))    # hung in a collective, still busy
+    fleet.add("procs_running", "n4", None, (2, 0, minutes))
+    for node, rate in (("n1", 100), ("n2", 100), ("n3", 100_000), ("n4", 100), ("n5", 100), ("n6", 100)):
+        fleet.add("page_outs", node, None, (0, rate * 60, minutes))
+        latency = 0.2 if node == "n6" else 0.002
+        fleet.nfs(node, "/home", "GETATTR", {"operations": 50, "execute": 50 * latency}, minutes)
+    fleet.add("ecc_corrected", "n1", 0, (0, 1, minutes))                         # keeps growing
+    fleet.add("ecc_corrected", "n1", 1, (0, 0, 99), (500, 0, minutes - 100))     # isolated SBE burst
+    fleet.add("rows_correctable", "n1", 2, (0, 0, 299), (12, 0, minutes - 300))
+    fleet.add("remap_pending", "n1", 3, (0, 0, 379), (1, 0, minutes - 380))
+    fleet.add("nvml_latency", "n1", 4, (0.05, 0, 299), (3, 0, minutes - 300))
+    fleet.add("temperature", "n2", 0, (60, 0, 199), (72, 0, minutes - 200))      # hotter than its peers
+    fleet.add("thermal_seconds", "n2", 1, (0, 30, minutes))
+    fleet.add("power_cap_seconds", "n2", 2, (0, 60, minutes))                    # operator's power cap
+    fleet.add("temperature", "n2", 2, (50, 0, minutes))
+    fleet.add("power_brake_seconds", "n2", 3, (0, 6, minutes))
+    fleet.add("pcie_replays", "n2", 4, (0, 20, minutes))                         # replays keep coming
+    fleet.add("pcie_replays", "n2", 5, (0, 150, 2), (300, 0, minutes - 3))       # one burst at boot
+    fleet.add("pcie_width", "n2", 6, (16, 0, 99), (8, 0, minutes - 100))
+    fleet.add("pcie_width_max", "n2", 6, (16, 0, minutes))
+    fleet.add("nvlink_crc", "n2", 7, (0, 60, minutes))
+
+    at = "390m"
+    exprs = [
+        _evidence("ecc_corrected_growth", "n1", 0, at, 0.99),
+        _evidence("ecc_corrected_acceleration", "n1", 0, at),
+        _evidence("ecc_corrected_growth", "n1", 1, at),
+        _evidence("ecc_corrected_acceleration", "n1", 1, "130m"),
+        _evidence("remapped_rows_growth", "n1", 2, at, 0.99),
+        _evidence("remap_pending", "n1", 3, at, 0.99),
+        _evidence("temperature_peer", "n2", 0, at, 0.99),
+        _evidence("temperature_baseline", "n2", 0, "230m", 0.99),
+        _evidence("thermal_slowdown", "n2", 1, at, 0.99),
+        _evidence("pcie_replay", "n2", 4, at, 0.99),
+        _evidence("pcie_replay", "n2", 5, "30m"),
+        _evidence("pcie_replay", "n2", 5, at),
+        _evidence("pcie_link_downgrade", "n2", 6, at, 0.99),
+        _evidence("pcie_link_downgrade", "n2", 6, "105m"),   # not yet for the whole window
+        _evidence("nvlink_errors", "n2", 7, at, 0.99),
+        _evidence("interrupt_collapse", "n4", None, at, 0.99),
+        _evidence("procs_running_collapse", "n4", None, at, 0.99),
+        _evidence("interrupt_collapse", "n1", None, at),
+        _evidence("page_out_spike", "n3", None, at, 0.99),
+        _evidence("nfs_latency_spike", "n6", None, at, 0.99),
+        _evidence("gpus_missing", "n6", None, at, 0.99),
+        _evidence("gpus_missing", "n1", None, at),
+    ]
+    if fleet.supports("power_brake_seconds"):
+        exprs.append(_evidence("power_brake", "n2", 3, at, 0.99))
+        exprs.append(_evidence("power_brake", "n2", 2, at))
+    if fleet.supports("nvml_latency"):
+        exprs.append(_evidence("nvml_latency", "n1", 4, at, 0.99))
+    # Benign noise raises no evidence at all.
+    for gpu in range(8):
+        for signal in ("temperature_peer", "temperature_baseline"):
+            exprs.append(_evidence(signal, "n5", gpu, at))                 # hot aisle
+            exprs.append(_evidence(signal, "n3", gpu, at))                 # idle node
+        exprs.append(_evidence("pcie_link_downgrade", "n3", gpu, at))
+    for signal in ("temperature_peer", "thermal_slowdown", "temperature_baseline"):
+        exprs.append(_evidence(signal, "n2", 2, at))                        # power-capped GPU
+    for signal in ("interrupt_collapse", "procs_running_collapse"):
+        exprs.append(_evidence(signal, "n3", None, at))                     # idle, not collapsed
+    # One signal alone never raises the alert, and neither does noise.
+    checks = [{"eval_time": t, "alertname": RISK, "exp_alerts": []} for t in ("60m", "150m", "250m", at)]
+    run_promtool(tmp_path, source, GROUPS, [{"interval": "1m", "input_series": fleet.input_series(),
+                                             "alert_rule_test": checks, "promql_expr_test": exprs}])
