@@ -10,7 +10,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import generate_latest
 
 
 @dataclass(frozen=True)
@@ -145,14 +144,54 @@ class Families:
         return iter(self._families.values())
 
 
-class _Static:
-    def __init__(self, families: Iterable[Metric]) -> None:
-        self._families = list(families)
+MAX_CACHED_SERIES = 100_000
+_ESCAPES = str.maketrans({"\\": "\\\\", "\n": "\\n", '"': '\\"'})
 
-    def collect(self) -> Iterable[Metric]:
-        return self._families
+
+def _format_value(value: float) -> str:
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+class Renderer:
+    """Prometheus text format, with each series' name-and-labels prefix built once and reused.
+
+    The exposition is rendered every sampling run, so this is the exporter's hottest loop; series
+    are stable from one run to the next, so nearly every prefix comes from the cache.
+    """
+
+    def __init__(self) -> None:
+        self._prefixes: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
+        self._headers: dict[tuple[str, str, str], str] = {}
+
+    def _prefix(self, name: str, labels: dict[str, str]) -> str:
+        key = (name, tuple(labels.items()))
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            if len(self._prefixes) > MAX_CACHED_SERIES:  # label values churned (jobs come and go)
+                self._prefixes.clear()
+            inner = ",".join(f'{k}="{str(v).translate(_ESCAPES)}"' for k, v in sorted(labels.items()))
+            prefix = self._prefixes[key] = f"{name}{{{inner}}} " if inner else f"{name} "
+        return prefix
+
+    def render(self, families: Iterable[Metric]) -> bytes:
+        lines: list[str] = []
+        for family in families:
+            header_key = (family.name, family.type, family.documentation)
+            header = self._headers.get(header_key)
+            if header is None:
+                name = family.name + ("_total" if family.type == "counter" else "")
+                doc = family.documentation.replace("\\", "\\\\").replace("\n", "\\n")
+                header = self._headers[header_key] = f"# HELP {name} {doc}\n# TYPE {name} {family.type}"
+            lines.append(header)
+            lines.extend(self._prefix(s.name, s.labels) + _format_value(s.value) for s in family.samples)
+        lines.append("")
+        return "\n".join(lines).encode()
 
 
 def render(families: Iterable[Metric]) -> bytes:
-    """Prometheus text exposition of ``families``."""
-    return generate_latest(_Static(families))  # type: ignore[arg-type]
+    """Prometheus text exposition of ``families`` (one-off; the sampler keeps a ``Renderer``)."""
+    return Renderer().render(families)

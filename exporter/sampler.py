@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from gpuhealth.exporter.collector import Collector
-from gpuhealth.exporter.metrics import Families, render
+from gpuhealth.exporter.metrics import Families, Renderer
 from prometheus_client.core import Metric
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ class Sampler:
         self.clock = clock
         self._failing: set[str] = set()
         self._exposition = b""
+        self._renderer = Renderer()
         self._last_run: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -56,7 +57,7 @@ class Sampler:
                 (self._failing.discard if ok else self._failing.add)(name)
                 meta.add("gpuhealth_collector_success", int(ok), [name])
                 meta.add("gpuhealth_collector_duration_seconds", time.perf_counter() - start, [name])
-            self._exposition = render([*families, *meta])
+            self._exposition = self._renderer.render([*families, *meta])
             self._last_run = self.clock()
             return self._exposition
 

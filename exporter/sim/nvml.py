@@ -58,6 +58,7 @@ class SimulatedNvml:
         self._event_sets: list[_EventSet] = []
         self._node = Node(scenario, self._emit)
         self._start = clock()
+        self._advanced_to: float | None = None
         self._initialised = False
 
     def __getattr__(self, name: str):
@@ -75,6 +76,7 @@ class SimulatedNvml:
                                  f"{scenario.gpus}); restart the exporter")
             self._node.load(scenario)
             self._start = self._clock()
+            self._advanced_to = None
 
     def _emit(self, index: int, text: str, xid: int | None) -> None:
         if self._writer is not None:
@@ -85,7 +87,11 @@ class SimulatedNvml:
                     event_set.pending.append((index, xid))
 
     def _advance(self) -> None:
-        self._node.advance(self._clock() - self._start)
+        """Move the node to now; calls within a millisecond share one step (a sample is ~60 calls)."""
+        t = self._clock() - self._start
+        if self._advanced_to is None or abs(t - self._advanced_to) >= 0.001:
+            self._node.advance(t)
+            self._advanced_to = t
 
     def _gpu(self, handle: SimHandle) -> GpuState:
         if not self._initialised:

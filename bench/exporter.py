@@ -1,0 +1,115 @@
+"""Exporter cost: scrape latency, CPU and RSS of gpuhealth-exporter next to Debian's node_exporter.
+
+Both run side by side on loopback for the same duration and are scraped alternately, several times
+a second each (Prometheus scrapes every 15 s; more scrapes give a steadier p99). gpuhealth-exporter
+simulates 8 H100s with 18 NVLinks each and samples every second.
+
+    .venv/bin/python bench/exporter.py --duration 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+from gpuhealth.local.process import ManagedProcess, free_port, http_ok
+
+WARMUP_S = 5.0
+
+
+def scrape_seconds(url: str) -> tuple[float, int]:
+    start = time.perf_counter()
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        body = resp.read()
+    return time.perf_counter() - start, len(body)
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+class Target:
+    def __init__(self, name: str, argv: list[str], port: int, workdir: Path) -> None:
+        self.name = name
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.process = ManagedProcess(name, argv, workdir / f"{name}.log")
+        self.latencies: list[float] = []
+        self.rss: list[float] = []
+        self.size = 0
+
+    def start(self) -> None:
+        self.process.start().wait_ready(lambda: http_ok(self.url), timeout=30)
+        self.ps = psutil.Process(self.process.proc.pid)
+
+    def measure(self) -> None:
+        seconds, self.size = scrape_seconds(self.url)
+        self.latencies.append(seconds)
+        self.rss.append(self.ps.memory_info().rss / 2**20)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=300, help="seconds of measurement (default 300)")
+    parser.add_argument("--scrape-interval", type=float, default=0.25,
+                        help="seconds between scrapes of each target (default 0.25)")
+    args = parser.parse_args()
+    node_exporter = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
+    if node_exporter is None:
+        print("prometheus-node-exporter not found: apt-get install prometheus-node-exporter", file=sys.stderr)
+        return 2
+    workdir = Path(tempfile.mkdtemp(prefix="gpuhealth-bench-"))
+    gh_port, ne_port = free_port(), free_port()
+    exporter = Path(sys.executable).parent / "gpuhealth-exporter"
+    targets = [
+        Target("gpuhealth-exporter", [str(exporter), "--backend", "sim", "--listen", f"127.0.0.1:{gh_port}",
+                                      "--sampling.interval", "1"], gh_port, workdir),
+        Target("node_exporter", [node_exporter, f"--web.listen-address=127.0.0.1:{ne_port}"], ne_port,
+               workdir),
+    ]
+    try:
+        for target in targets:
+            target.start()
+        time.sleep(WARMUP_S)
+        cpu_start = {t.name: cpu_seconds(t.ps) for t in targets}
+        start = time.monotonic()
+        while time.monotonic() - start < args.duration:
+            tick = time.monotonic()
+            for target in targets:
+                target.measure()
+            time.sleep(max(0.0, args.scrape_interval - (time.monotonic() - tick)))
+        elapsed = time.monotonic() - start
+        cpu = {t.name: (cpu_seconds(t.ps) - cpu_start[t.name]) / elapsed for t in targets}
+    finally:
+        for target in targets:
+            target.process.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(f"duration {elapsed:.0f} s, {len(targets[0].latencies)} scrapes each, "
+          f"{args.scrape_interval:g} s apart, alternating")
+    print(f"{'target':<20}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'CPU %':>8}{'RSS MB start':>14}"
+          f"{'RSS MB end':>12}{'RSS MB max':>12}{'body KB':>9}")
+    for t in targets:
+        ms = [s * 1000 for s in t.latencies]
+        minute = max(1, min(60, len(t.rss) // 4))
+        print(f"{t.name:<20}{statistics.median(ms):>9.2f}{percentile(ms, 0.99):>9.2f}{max(ms):>9.2f}"
+              f"{cpu[t.name] * 100:>8.2f}{statistics.mean(t.rss[:minute]):>14.1f}"
+              f"{statistics.mean(t.rss[-minute:]):>12.1f}{max(t.rss):>12.1f}{t.size / 1024:>9.0f}")
+    print("CPU % is of one core, scrapes included; RSS start/end are means over the first/last minute.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
