@@ -1,0 +1,270 @@
+"""The whole gpuhealth loop as local processes on loopback.
+
+A Slurm cluster (one slurmd per simulated node), one ``gpuhealth-exporter --backend sim`` per node,
+a real Prometheus loading the generated rules, a real Alertmanager routing to the webhook, and the
+webhook acting on Slurm. Faults are injected into a running exporter by rewriting its scenario file
+and sending SIGHUP. Used by ``gpuhealth demo``, the end-to-end test and ``bench/e2e.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gpuhealth.demo import deployment
+from gpuhealth.local.process import ManagedProcess, ProcessError, free_port, http_ok
+from gpuhealth.local.prometheus import AlertmanagerServer, PrometheusServer
+from gpuhealth.local.slurm import SlurmCluster
+
+log = logging.getLogger(__name__)
+
+OVERLAY = Path(__file__).with_name("catalogue-overlay.yaml")
+#: The vocabulary of docs/contract.md: faults end in a hard failure, noise must not raise an action.
+FAULT_KINDS = ("hbm_degradation", "thermal_runaway", "pcie_degradation", "nvlink_errors", "gsp_timeout",
+               "fell_off_bus")
+NOISE_KINDS = ("sbe_burst", "hot_aisle", "boot_replay_burst", "power_cap", "idle_node")
+NODE_WIDE_KINDS = ("hot_aisle", "idle_node")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected event: a fault of docs/contract.md's vocabulary, or benign noise."""
+
+    node: str
+    kind: str
+    gpu: int = 0
+    duration: float = 0.0  # precursor length (faults) or active time (noise), seconds
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_noise(self) -> bool:
+        return self.kind in NOISE_KINDS
+
+    def scenario_entry(self) -> dict[str, Any]:
+        """This event as an entry of the exporter simulator's scenario file (exporter/README.md)."""
+        entry: dict[str, Any] = {"kind": self.kind, "start": 0, **self.params}
+        if self.kind not in NODE_WIDE_KINDS:
+            entry["gpu"] = self.gpu
+        entry["duration" if self.is_noise else "precursor"] = self.duration
+        return entry
+
+
+@dataclass
+class StackOptions:
+    nodes: int = 4
+    job_nodes: int = 2
+    jobs: int = 1
+    scrape_interval: str = "5s"
+    evaluation_interval: str = "5s"
+    breaker_max_nodes: int = 2
+
+
+class ClosedLoopStack:
+    """Start, observe and tear down the loop. Always use it as a context manager."""
+
+    def __init__(self, options: StackOptions | None = None, workdir: Path | None = None) -> None:
+        self.options = options or StackOptions()
+        self._own_workdir = workdir is None
+        self.root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="gpuhealth-demo-"))
+        self.token = secrets.token_hex(16)
+        self.slurm = SlurmCluster(self.root / "slurm", nodes=self.options.nodes, prefix="node")
+        self.nodes = self.slurm.node_names
+        self.exporters: dict[str, ManagedProcess] = {}
+        self.exporter_ports: dict[str, int] = {}
+        self.prometheus: PrometheusServer | None = None
+        self.alertmanager: AlertmanagerServer | None = None
+        self.webhook: ManagedProcess | None = None
+        self.webhook_port = free_port()
+        self.webhook_url = f"http://127.0.0.1:{self.webhook_port}"
+        self.jobs: list[str] = []
+        self._faults: dict[str, list[Fault]] = {node: [] for node in self.nodes}
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> ClosedLoopStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, progress=lambda message: None) -> ClosedLoopStack:
+        """Start everything; on any failure stop what was started and re-raise."""
+        try:
+            progress("starting Slurm (slurmctld, munged, one slurmd per node)")
+            self.slurm.start()
+            progress("starting one simulated-GPU exporter per node")
+            self._start_exporters()
+            progress("generating rules and starting Alertmanager, the webhook and Prometheus")
+            rules_dir, am_example = self._generate_rules()
+            self._start_alertmanager(am_example)
+            self._start_webhook()
+            self._start_prometheus(rules_dir)
+            progress(f"submitting {self.options.jobs} training job(s) of {self.options.job_nodes} nodes")
+            for index in range(self.options.jobs):
+                self.jobs.append(self.slurm.submit_training_job(self.options.job_nodes, seconds=3600,
+                                                                name=f"train{index + 1}"))
+            progress("waiting for Prometheus to scrape every exporter")
+            self.wait_targets_up()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for proc in [self.prometheus, self.alertmanager, self.webhook, *self.exporters.values()]:
+            if proc is not None:
+                proc.stop()
+        self.slurm.stop()
+
+    # --- components --------------------------------------------------------------------------------
+
+    def _bin(self, name: str) -> str:
+        return str(Path(sys.executable).with_name(name))
+
+    def _scenario_path(self, node: str) -> Path:
+        return self.root / "nodes" / node / "scenario.yml"
+
+    def _write_scenario(self, node: str) -> None:
+        faults = [f.scenario_entry() for f in self._faults[node]]
+        deployment.write(self._scenario_path(node), yaml.safe_dump({"gpus": 8, "faults": faults}))
+
+    def _start_exporters(self) -> None:
+        for node in self.nodes:
+            self._write_scenario(node)
+            port = free_port()
+            node_dir = self.root / "nodes" / node
+            (node_dir / "state").mkdir(parents=True, exist_ok=True)
+            argv = [self._bin("gpuhealth-exporter"), "--backend", "sim",
+                    "--sim-scenario", self._scenario_path(node), "--kmsg-path", node_dir / "kmsg",
+                    "--listen", f"127.0.0.1:{port}", "--state-dir", node_dir / "state",
+                    "--sampling.window", "5"]
+            proc = ManagedProcess(f"exporter-{node}", argv, node_dir / "exporter.log").start()
+            self.exporters[node], self.exporter_ports[node] = proc, port
+        for node, proc in self.exporters.items():
+            proc.wait_ready(lambda port=self.exporter_ports[node]: http_ok(f"http://127.0.0.1:{port}/healthz"))
+
+    def _generate_rules(self) -> tuple[Path, dict[str, Any]]:
+        out = self.root / "generated"
+        overlay = self.root / "catalogue-overlay.yml"
+        text = OVERLAY.read_text().replace("${SCRAPE_INTERVAL}", self.options.scrape_interval) \
+            .replace("${EVALUATION_INTERVAL}", self.options.evaluation_interval)
+        deployment.write(overlay, text)
+        cmd = [self._bin("gpuhealth"), "rules", "generate", "--catalogue", str(overlay),
+               "--source", "gpuhealth", "--out", str(out)]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise ProcessError(f"rule generation failed:\n{result.stderr}")
+        rules_dir = self.root / "etc/prometheus/rules/gpuhealth"
+        rules_dir.mkdir(parents=True, exist_ok=True)
+        for path in sorted((out / "gpuhealth").glob("*.yml")):
+            (rules_dir / path.name).write_text(path.read_text())
+        return rules_dir, yaml.safe_load((out / "alertmanager.yml").read_text())
+
+    def _start_alertmanager(self, example: dict[str, Any]) -> None:
+        token_file = "/etc/prometheus/gpuhealth-webhook.token"
+        deployment.write(self.root / token_file.lstrip("/"), self.token)
+        os.chmod(self.root / token_file.lstrip("/"), 0o600)
+        text = deployment.render("gpuhealth_prometheus", "alertmanager.yml.j2", {
+            "gpuhealth_prometheus_alertmanager_example": example,
+            "gpuhealth_prometheus_root_prefix": str(self.root),
+            "gpuhealth_prometheus_webhook_url": f"{self.webhook_url}/alerts",
+            "gpuhealth_prometheus_webhook_token_file": token_file,
+        })
+        self.alertmanager = AlertmanagerServer(self.root / "alertmanager", text).start()
+
+    def _start_webhook(self) -> None:
+        config_dir = "/etc/gpuhealth"
+        deployment.write(self.root / config_dir.lstrip("/") / "webhook.token", self.token)
+        text = deployment.render("gpuhealth_webhook", "webhook.yml.j2", {
+            "gpuhealth_webhook_root_prefix": str(self.root),
+            "gpuhealth_webhook_config_dir": config_dir,
+            "gpuhealth_webhook_state_dir": "/var/lib/gpuhealth-webhook",
+            "gpuhealth_webhook_port": self.webhook_port,
+            "gpuhealth_webhook_backend": {"type": "slurm", "slurm_conf": str(self.slurm.conf_path)},
+            "gpuhealth_webhook_guardrails": {
+                "breaker_max_nodes": self.options.breaker_max_nodes,
+                "breaker_max_fraction": 0.5,
+                "node_cooldown_seconds": 60,
+            },
+            "gpuhealth_webhook_retry": {"backoff_initial_seconds": 0.5, "job_retry_interval_seconds": 5},
+            "gpuhealth_webhook_undrain": {"mode": "manual"},
+        })
+        config = deployment.write(self.root / config_dir.lstrip("/") / "webhook.yml", text)
+        self.webhook = ManagedProcess("webhook", [self._bin("gpuhealth-webhook"), "--config", config],
+                                      self.root / "webhook.log", env={**os.environ, **self.slurm.env}).start()
+        self.webhook.wait_ready(lambda: http_ok(f"{self.webhook_url}/healthz"))
+
+    def _start_prometheus(self, rules_dir: Path) -> None:
+        file_sd = "/etc/prometheus/file_sd"
+        common = {"gpuhealth_prometheus_root_prefix": str(self.root),
+                  "gpuhealth_prometheus_file_sd_dir": file_sd,
+                  "gpuhealth_prometheus_rules_dir": "/etc/prometheus/rules/gpuhealth"}
+        targets = [{"node": node, "address": f"127.0.0.1:{self.exporter_ports[node]}"} for node in self.nodes]
+        deployment.write(self.root / file_sd.lstrip("/") / "gpuhealth-exporters.yml",
+                         deployment.render("gpuhealth_prometheus", "gpuhealth-exporters.yml.j2",
+                                           {**common, "gpuhealth_prometheus_exporter_targets": targets}))
+        text = deployment.render("gpuhealth_prometheus", "prometheus.yml.j2", {
+            **common,
+            "gpuhealth_prometheus_exporter_targets": targets,
+            "gpuhealth_prometheus_scrape_interval": self.options.scrape_interval,
+            "gpuhealth_prometheus_scrape_timeout": self.options.scrape_interval,
+            "gpuhealth_prometheus_evaluation_interval": self.options.evaluation_interval,
+            "gpuhealth_prometheus_alertmanager_targets": [f"127.0.0.1:{self.alertmanager.port}"],
+            "gpuhealth_prometheus_webhook_target": f"127.0.0.1:{self.webhook_port}",
+        })
+        self.prometheus = PrometheusServer(self.root / "prometheus", yaml.safe_load(text)).start()
+
+    # --- acting on the simulated fleet --------------------------------------------------------------
+
+    def inject(self, fault: Fault) -> float:
+        """Add ``fault`` to its node's scenario and reload that exporter; the injection time."""
+        self._faults[fault.node].append(fault)
+        self._write_scenario(fault.node)
+        proc = self.exporters[fault.node].proc
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGHUP)
+        log.info("fault injected node=%s kind=%s gpu=%s", fault.node, fault.kind, fault.gpu)
+        return time.time()
+
+    # --- observing ---------------------------------------------------------------------------------
+
+    def wait_targets_up(self, timeout: float = 60.0) -> None:
+        assert self.prometheus is not None
+        api = self.prometheus.api
+
+        def all_up() -> bool:
+            up = api.query('up{job="gpuhealth-exporter"} == 1')
+            return len(up) == len(self.nodes)
+        self.prometheus.wait_ready(all_up, timeout)
+
+    def webhook_get(self, path: str) -> Any:
+        request = urllib.request.Request(f"{self.webhook_url}{path}",
+                                         headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return json.load(resp)
+
+    def urls(self) -> dict[str, str]:
+        return {
+            "Prometheus": f"{self.prometheus.url}/alerts" if self.prometheus else "",
+            "Alertmanager": self.alertmanager.url if self.alertmanager else "",
+            "Webhook status": f"{self.webhook_url}/",
+        }
+
+    def cleanup_workdir(self) -> None:
+        if self._own_workdir:
+            with contextlib.suppress(OSError):
+                subprocess.run(["rm", "-rf", str(self.root)], check=False)
