@@ -76,10 +76,23 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_wheelhouse(scratch / "wheelhouse", scratch)
 
 
-def run_playbook(env: dict[str, str], inventory: Path, *args: str) -> PlaybookRun:
-    proc = subprocess.run(
+def start_playbook(env: dict[str, str], inventory: Path, *args: str) -> subprocess.Popen[str]:
+    """Start site.yml; independent runs (another prefix) may overlap to save wall time."""
+    return subprocess.Popen(
         [str(BIN / "ansible-playbook"), "-i", str(inventory), str(COLLECTION / "playbooks" / "site.yml"),
          *args],
-        env=env, capture_output=True, text=True, timeout=240,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    return PlaybookRun(proc.returncode, proc.stdout + proc.stderr)
+
+
+def finish_playbook(proc: subprocess.Popen[str]) -> PlaybookRun:
+    try:
+        output, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+    return PlaybookRun(proc.returncode, output)
+
+
+def run_playbook(env: dict[str, str], inventory: Path, *args: str) -> PlaybookRun:
+    return finish_playbook(start_playbook(env, inventory, *args))

@@ -1,0 +1,215 @@
+"""playbooks/site.yml for real: localhost in every group, into a root prefix, without systemd.
+
+The first run installs everything, the second changes nothing, and what was installed runs: the
+exporter from its unit's ExecStart, Prometheus on the merged configuration, the webhook behind the
+token Alertmanager was given."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import VERSION, PlaybookRun, finish_playbook, run_playbook, start_playbook
+from deployment import NODE, TOKEN, Deployment, seed_existing_monitoring, write_inventory
+from wheelhouse import ROOT
+
+from gpuhealth.local.process import ManagedProcess, free_port, http_ok, wait_until
+from gpuhealth.local.prometheus import PrometheusServer
+
+pytestmark = pytest.mark.slow
+
+SITE_VARS = {
+    "gpuhealth_prometheus_scrape_interval": "1s",
+    "gpuhealth_webhook_backend": {"type": "simulated", "nodes": [NODE]},
+}
+
+
+def fresh_deployment(tmp_path_factory, wheelhouse, name: str) -> Deployment:
+    prefix = tmp_path_factory.mktemp(name)
+    seed_existing_monitoring(prefix)
+    return write_inventory(prefix, wheelhouse, free_port(), free_port(), **SITE_VARS)
+
+
+def tree(root: Path) -> list[Path]:
+    return sorted(p.relative_to(root) for p in root.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, ansible_env, wheelhouse) -> dict:
+    """A real run, the same again, and --check on another fresh prefix alongside the first."""
+    deployment = fresh_deployment(tmp_path_factory, wheelhouse, "root")
+    checked = fresh_deployment(tmp_path_factory, wheelhouse, "check-root")
+    checked_before = tree(checked.prefix)
+    check = start_playbook(ansible_env, checked.inventory, "--check")
+    first = run_playbook(ansible_env, deployment.inventory)
+    second = run_playbook(ansible_env, deployment.inventory) if first.rc == 0 else first
+    return {"deployment": deployment, "first": first, "second": second, "check": finish_playbook(check),
+            "checked": checked, "checked_before": checked_before}
+
+
+@pytest.fixture(scope="module")
+def site(runs) -> tuple[Deployment, PlaybookRun, PlaybookRun]:
+    assert runs["first"].rc == 0, runs["first"].failures()
+    return runs["deployment"], runs["first"], runs["second"]
+
+
+@pytest.fixture(scope="module")
+def exporter(site, tmp_path_factory):
+    deployment = site[0]
+    argv = deployment.exec_start("gpuhealth-exporter.service")
+    url = f"http://127.0.0.1:{deployment.exporter_port}/metrics"
+    with ManagedProcess("exporter", argv, tmp_path_factory.mktemp("exporter") / "exporter.log") as proc:
+        proc.start().wait_ready(lambda: http_ok(url), timeout=60)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def webhook(site, tmp_path_factory):
+    deployment = site[0]
+    argv = deployment.exec_start("gpuhealth-webhook.service")
+    url = f"http://127.0.0.1:{deployment.webhook_port}"
+    with ManagedProcess("webhook", argv, tmp_path_factory.mktemp("webhook") / "webhook.log") as proc:
+        proc.start().wait_ready(lambda: http_ok(f"{url}/metrics"), timeout=60)
+        yield url
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_first_run_installs_everything(site):
+    deployment, first, _ = site
+    assert first.stats()["changed"] > 0
+    venv_python = deployment.path("/opt/gpuhealth/venv/bin/python")
+    version = "import importlib.metadata as m; print(m.version('gpuhealth'))"
+    installed = subprocess.run([venv_python, "-c", version], capture_output=True, text=True,
+                               check=True).stdout.strip()
+    assert installed == VERSION
+
+    token = deployment.path("/etc/gpuhealth/webhook.token")
+    assert token.read_text().strip() == TOKEN and mode(token) == 0o600
+    assert mode(deployment.path("/var/lib/gpuhealth-webhook")) == 0o750
+    assert mode(deployment.path("/var/lib/gpuhealth-exporter")) == 0o750
+    am_token = deployment.path("/etc/prometheus/gpuhealth-webhook.token")
+    assert am_token.read_text().strip() == TOKEN and mode(am_token) == 0o640
+    assert os.access(deployment.path("/usr/local/sbin/gpuhealth-healthcheck"), os.X_OK)
+
+    rules = sorted(p.name for p in deployment.path("/etc/prometheus/rules/gpuhealth").iterdir())
+    assert rules == sorted(p.name for p in (ROOT / "rules/generated/gpuhealth").glob("*.yml"))
+
+
+def test_units_are_hardened_but_reach_the_gpus(site):
+    deployment = site[0]
+    exporter = deployment.path("/etc/systemd/system/gpuhealth-exporter.service").read_text()
+    for line in ("NoNewPrivileges=true", "ProtectSystem=strict", "DevicePolicy=closed",
+                 "DeviceAllow=char-nvidia-frontend rw", "DeviceAllow=/dev/kmsg r",
+                 "AmbientCapabilities=CAP_SYSLOG", "CapabilityBoundingSet=CAP_SYSLOG",
+                 "ProtectKernelLogs=false",
+                 f'ReadWritePaths="{deployment.path("/var/lib/gpuhealth-exporter")}"'):
+        assert line in exporter.splitlines(), line
+    assert "PrivateDevices=true" not in exporter
+    webhook = deployment.path("/etc/systemd/system/gpuhealth-webhook.service").read_text()
+    for line in ("NoNewPrivileges=true", "PrivateDevices=true", "CapabilityBoundingSet=",
+                 f'ReadWritePaths="{deployment.path("/var/lib/gpuhealth-webhook")}"'):
+        assert line in webhook.splitlines(), line
+
+
+def test_second_run_changes_nothing(site):
+    second = site[2]
+    assert second.rc == 0, second.failures()
+    assert second.stats()["changed"] == 0, second.changed_tasks()
+
+
+def test_installed_exporter_serves_metrics(exporter):
+    with urllib.request.urlopen(exporter, timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'gpuhealth_exporter_build_info{backend="sim"' in text
+    assert 'gpuhealth_gpu_up{gpu="0"} 1.0' in text
+
+
+def test_healthcheck_leaves_a_healthy_node_alone(site, exporter):
+    script = site[0].path("/usr/local/sbin/gpuhealth-healthcheck")
+    result = subprocess.run([script, "--node", NODE, "--url", exporter, "--dry-run"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+
+
+def test_prometheus_scrapes_the_exporter_with_its_node_label(site, exporter, webhook, tmp_path):
+    deployment = site[0]
+    merged = yaml.safe_load(deployment.path("/etc/prometheus/prometheus.yml").read_text())
+    jobs = [c["job_name"] for c in merged["scrape_configs"]]
+    assert jobs == ["node", "gpuhealth-exporter", "gpuhealth-webhook"]
+    with PrometheusServer(tmp_path, merged) as prometheus:
+        prometheus.start()
+
+        def scraped() -> bool:
+            return {t["labels"]["job"]: t["health"] for t in prometheus.api.targets()}.get(
+                "gpuhealth-exporter") == "up"
+        wait_until(scraped, timeout=60, what="the exporter target to be up")
+        series = prometheus.api.query('gpuhealth_gpu_up{job="gpuhealth-exporter"}')
+        assert series and {s["metric"]["node"] for s in series} == {NODE}
+        groups = {g["file"] for g in prometheus.api.rule_groups()}
+        assert groups == {str(p) for p in deployment.path("/etc/prometheus/rules/gpuhealth").glob("*.yml")}
+
+
+def test_alertmanager_routes_gpuhealth_alerts_and_keeps_existing_routes(site):
+    config = site[0].path("/etc/prometheus/alertmanager.yml")
+
+    def receivers(*labels: str) -> str:
+        out = subprocess.run(["amtool", "config", "routes", "test", f"--config.file={config}", *labels],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    drain = ("alertname=GPUHealthXidDrain", f"node={NODE}", "action=drain")
+    assert receivers(*drain) == "gpuhealth-webhook"
+    assert receivers(*drain, "severity=page") == "gpuhealth-webhook,ops-pager"  # continue: true
+    assert receivers("alertname=DiskFull", "severity=page") == "ops-pager"
+    assert receivers("alertname=DiskFull") == "ops-mail"
+    webhook_config = next(r for r in yaml.safe_load(config.read_text())["receivers"]
+                          if r["name"] == "gpuhealth-webhook")["webhook_configs"][0]
+    assert webhook_config["url"] == f"http://127.0.0.1:{site[0].webhook_port}/alerts"
+
+
+def test_webhook_accepts_alertmanagers_token_only(site, webhook):
+    am_config = yaml.safe_load(site[0].path("/etc/prometheus/alertmanager.yml").read_text())
+    receiver = next(r for r in am_config["receivers"] if r["name"] == "gpuhealth-webhook")
+    http_config = receiver["webhook_configs"][0]["http_config"]
+    token = Path(http_config["authorization"]["credentials_file"]).read_text().strip()
+    payload = json.dumps({
+        "version": "4", "groupKey": f'{{}}:{{node="{NODE}"}}', "truncatedAlerts": 0, "status": "firing",
+        "receiver": "gpuhealth-webhook", "groupLabels": {"node": NODE}, "commonLabels": {},
+        "commonAnnotations": {},
+        "externalURL": "http://127.0.0.1:9093", "alerts": [{
+            "status": "firing", "labels": {"alertname": "GPUHealthXidDrain", "node": NODE, "gpu": "0",
+                                           "severity": "warning", "action": "drain"},
+            "annotations": {}, "startsAt": "2026-01-01T00:00:00Z", "endsAt": "0001-01-01T00:00:00Z",
+            "generatorURL": "", "fingerprint": "0123456789abcdef"}],
+    }).encode()
+
+    def post(bearer: str) -> int:
+        request = urllib.request.Request(f"{webhook}/alerts", data=payload, method="POST", headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {bearer}"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    assert post("not-the-token-0123456789") == 401
+    assert 200 <= post(token) < 300
+
+
+def test_check_mode_on_a_fresh_prefix_changes_nothing(runs):
+    check = runs["check"]
+    assert check.rc == 0, check.failures()
+    assert check.stats()["changed"] > 0
+    assert tree(runs["checked"].prefix) == runs["checked_before"]
