@@ -1,9 +1,11 @@
 """Record the webhook bodies a real Alertmanager delivers, so webhook tests parse what production sends.
 
 Run ``.venv/bin/python tests/webhook/record_fixtures.py`` to refresh ``tests/webhook/fixtures/``.
-A real Alertmanager (grouping by ``node``, ``send_resolved``, bearer auth) delivers to a small local
-aiohttp capture server; the alerts are posted to Alertmanager's ``/api/v2/alerts`` in stages (firing,
-partly resolved, resolved) and each delivered body is saved as it arrived.
+A real Alertmanager, configured with the project's own routing (``rules/alertmanager.yml``: grouped
+by ``node``, routed by ``action``, ``send_resolved``, bearer auth; only the timers are shortened),
+delivers to a small local aiohttp capture server. The alerts are posted to Alertmanager's
+``/api/v2/alerts`` in stages (firing, partly resolved, resolved) and each delivered body is saved as
+it arrived.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 from aiohttp import web
 
 from gpuhealth.local.prometheus import AlertmanagerServer
@@ -30,32 +33,56 @@ from gpuhealth.local.prometheus import AlertmanagerServer
 log = logging.getLogger(__name__)
 
 FIXTURES_DIR = Path(__file__).parent / "fixtures"
+ROUTING = Path(__file__).resolve().parents[2] / "rules" / "alertmanager.yml"
+WEBHOOK_RECEIVER = "gpuhealth-webhook"
 BEARER_TOKEN = "fixture-token"  # what Alertmanager is configured to send in the recording
 RUNBOOK = "https://github.com/gpuhealth/gpuhealth/blob/main/rules/runbooks.md"
 
 
-def _alert(name: str, node: str, gpu: str | None, severity: str, action: str, summary: str) -> dict[str, Any]:
-    labels = {"alertname": name, "node": node, "severity": severity, "action": action,
-              "instance": f"{node}:9835", "job": "gpuhealth"}
-    if gpu is not None:
-        labels["gpu"] = gpu
-    anchor = name.lower()
+def _alert(name: str, node: str, labels: dict[str, str], summary: str, description: str) -> dict[str, Any]:
+    """An alert as Prometheus sends it for the generated rules (labels and annotation texts alike)."""
     return {
-        "labels": labels,
-        "annotations": {"summary": summary,
-                        "description": f"{summary} on {node}" + (f" GPU {gpu}" if gpu else "") + ".",
-                        "runbook_url": f"{RUNBOOK}#{anchor}"},
-        "generatorURL": f"http://prometheus.example:9090/graph?g0.expr={name}",
+        "labels": {"alertname": name, "node": node, **labels},
+        "annotations": {"summary": summary, "description": description,
+                        "runbook_url": f"{RUNBOOK}#{name.lower()}"},
+        "generatorURL": f"http://prometheus.example:9090/graph?g0.expr=ALERTS%7Balertname%3D%22{name}%22%7D",
     }
 
 
-# One GPU alert alone on gpu01; three alerts (two per-GPU, one node-level) grouped on gpu02.
-XID = _alert("GPUHealthXidFatal", "gpu01", "3", "critical", "drain_reset_gpu",
-             "XID 79: GPU has fallen off the bus")
-RISK = _alert("GPUHealthGpuFailureRisk", "gpu02", "0", "warning", "drain", "GPU failure risk is high")
-NVLINK = _alert("GPUHealthNvlinkErrors", "gpu02", "1", "warning", "drain", "NVLink CRC errors are rising")
-MISSING = _alert("GPUHealthGpusMissing", "gpu02", None, "critical", "drain_reboot",
-                 "Fewer GPUs visible than expected")
+# The project's routing groups by node within each action's route, so one node's alerts arrive in one
+# notification per action. gpu01: a single GPU alert. gpu02: three GPU alerts of one action. gpu03: a
+# node-level and a GPU alert of one action, and a node-level alert of another action.
+XID = _alert("GPUHealthXidResetGpu", "gpu01",
+             {"gpu": "3", "xid": "48", "severity": "critical", "action": "drain_reset_gpu"},
+             "XID 48 on gpu01 GPU 3: reset the GPU",
+             "GPU 3 of gpu01 reported XID 48 (1 in the last window); the GPU needs a reset before it is "
+             "trusted again. Drain the node, requeue its jobs, reset.")
+RISK0, RISK1 = (
+    _alert("GPUHealthGpuFailureRisk", "gpu02", {"gpu": gpu, "severity": "warning", "action": "drain"},
+           f"GPU {gpu} on gpu02 is likely to fail (risk {risk})",
+           f"Several precursor signals of GPU {gpu} on gpu02 together put its failure risk at {risk}. Top "
+           "contributions: ecc_corrected_growth=0.40, remapped_rows_growth=0.30.")
+    for gpu, risk in (("0", "0.70"), ("1", "0.65")))
+DIAG = _alert("GPUHealthXidDrain", "gpu02",
+              {"gpu": "2", "reason": "XID 13/31 repeated on this GPU", "severity": "warning",
+               "action": "drain"},
+              "GPU 2 on gpu02 needs diagnostics (XID 13/31 repeated on this GPU)",
+              "GPU 2 of gpu02: XID 13/31 repeated on this GPU (3). Drain the node and run diagnostics before "
+              "it takes more jobs.")
+LEMON = _alert("GPUHealthLemonNode", "gpu03", {"severity": "warning", "action": "replace"},
+               "gpu03 failed 3 times recently: take it out of rotation",
+               "gpu03 had 3 separate failures or exclusions in the lemon window. A few nodes cause most "
+               "failures; keep this one out of rotation until it is repaired.")
+REPLACE = _alert("GPUHealthXidReplaceGpu", "gpu03",
+                 {"gpu": "5", "xid": "64", "severity": "critical", "action": "replace"},
+                 "GPU 5 on gpu03 keeps failing row remapping: replace it",
+                 "GPU 5 of gpu03 reported a row-remap failure 2 times in the repeat window; resets no longer "
+                 "help. Take the node out of rotation and replace the GPU.")
+MISSING = _alert("GPUHealthGpusMissing", "gpu03", {"severity": "critical", "action": "drain_reboot"},
+                 "gpu03 sees 1 fewer GPUs than expected",
+                 "1 GPUs of gpu03 are not enumerated by the driver. A GPU that vanished needs a node reboot "
+                 "at least; drain first.")
+ALERTS = (XID, RISK0, RISK1, DIAG, LEMON, REPLACE, MISSING)
 
 
 @dataclass
@@ -92,15 +119,17 @@ class Capture:
 
 
 def alertmanager_config(webhook_url: str) -> dict[str, Any]:
-    """Grouping as recommended in webhook/README.md: one notification per node, resolved ones sent too."""
-    return {
-        "route": {"receiver": "gpuhealth", "group_by": ["node"], "group_wait": "200ms",
-                  "group_interval": "1s", "repeat_interval": "4h"},
-        "receivers": [{"name": "gpuhealth", "webhook_configs": [{
-            "url": webhook_url, "send_resolved": True, "max_alerts": 0,
-            "http_config": {"authorization": {"type": "Bearer", "credentials": BEARER_TOKEN}},
-        }]}],
-    }
+    """The project's routing (rules/alertmanager.yml) pointed at ``webhook_url``, with short timers."""
+    try:
+        config = yaml.safe_load(ROUTING.read_text())
+        config["route"].update(group_wait="200ms", group_interval="1s")
+        [receiver] = [r for r in config["receivers"] if r["name"] == WEBHOOK_RECEIVER]
+        [webhook] = receiver["webhook_configs"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as exc:
+        raise RuntimeError(f"{ROUTING} has no usable {WEBHOOK_RECEIVER} receiver: {exc!r}") from None
+    webhook["url"] = webhook_url
+    webhook["http_config"] = {"authorization": {"type": "Bearer", "credentials": BEARER_TOKEN}}
+    return config
 
 
 @contextlib.asynccontextmanager
@@ -130,48 +159,51 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def _key(alert: dict[str, Any]) -> str:
+    return f"{alert['labels']['alertname']}/{alert['labels'].get('gpu', '')}"
+
+
 def _statuses(body: dict[str, Any], node: str) -> dict[str, str] | None:
     if body["groupLabels"].get("node") != node:
         return None
-    return {a["labels"]["alertname"]: a["status"] for a in body["alerts"]}
+    return {_key(a): a["status"] for a in body["alerts"]}
+
+
+# (fixture name, node, {alert key: status}) for each notification to keep, by stage.
+FIRING = [
+    ("firing_single_gpu", "gpu01", {"GPUHealthXidResetGpu/3": "firing"}),
+    ("firing_node_group", "gpu02", {"GPUHealthGpuFailureRisk/0": "firing",
+                                    "GPUHealthGpuFailureRisk/1": "firing", "GPUHealthXidDrain/2": "firing"}),
+    ("firing_node_and_gpu", "gpu03", {"GPUHealthLemonNode/": "firing", "GPUHealthXidReplaceGpu/5": "firing"}),
+    ("firing_same_node_other_action", "gpu03", {"GPUHealthGpusMissing/": "firing"}),
+]
+PARTLY = [("partly_resolved_node_group", "gpu02", {**FIRING[1][2], "GPUHealthGpuFailureRisk/1": "resolved"})]
+RESOLVED = [("resolved_single_gpu", "gpu01", {"GPUHealthXidResetGpu/3": "resolved"}),
+            ("resolved_node_group", "gpu02", dict.fromkeys(FIRING[1][2], "resolved"))]
 
 
 async def record(workdir: Path, timeout: float = 20.0) -> dict[str, Any]:
     """Drive a real Alertmanager through the staged scenario; return ``{fixture name: body}``."""
+    bodies: dict[str, Any] = {}
     async with capture_server() as (capture, url):
         am = AlertmanagerServer(workdir, alertmanager_config(url))
         await asyncio.to_thread(am.start)
         try:
             async with aiohttp.ClientSession() as session:
-                async def post(*alerts: dict[str, Any]) -> None:
-                    async with session.post(f"{am.url}/api/v2/alerts", json=list(alerts)) as resp:
+                async def stage(alerts: list[dict[str, Any]], expected: list[tuple[str, str, dict]]) -> None:
+                    async with session.post(f"{am.url}/api/v2/alerts", json=alerts) as resp:
                         if resp.status != 200:
                             text = await resp.text()
                             raise RuntimeError(f"Alertmanager refused alerts: {resp.status} {text}")
-
-                def group(node: str, expected: dict[str, str]) -> Callable[[dict[str, Any]], bool]:
-                    return lambda body: _statuses(body, node) == expected
+                    for name, node, statuses in expected:
+                        bodies[name] = await capture.wait_for(
+                            lambda body, n=node, s=statuses: _statuses(body, n) == s, timeout, name)
 
                 started = _now()
-                await post(*(_stamp(a, started) for a in (XID, RISK, NVLINK, MISSING)))
-                firing = {"GPUHealthGpuFailureRisk": "firing", "GPUHealthNvlinkErrors": "firing",
-                          "GPUHealthGpusMissing": "firing"}
-                bodies = {
-                    "firing_single_gpu": await capture.wait_for(
-                        group("gpu01", {"GPUHealthXidFatal": "firing"}), timeout, "the gpu01 firing group"),
-                    "firing_node_group": await capture.wait_for(
-                        group("gpu02", firing), timeout, "the gpu02 firing group"),
-                }
-                await post(_stamp(NVLINK, started, _now()))
-                partly = {**firing, "GPUHealthNvlinkErrors": "resolved"}
-                bodies["partly_resolved_node_group"] = await capture.wait_for(
-                    group("gpu02", partly), timeout, "the gpu02 partly resolved group")
+                await stage([_stamp(a, started) for a in ALERTS], FIRING)
+                await stage([_stamp(RISK1, started, _now())], PARTLY)
                 ended = _now()
-                await post(*(_stamp(a, started, ended) for a in (XID, RISK, NVLINK, MISSING)))
-                bodies["resolved_single_gpu"] = await capture.wait_for(
-                    group("gpu01", {"GPUHealthXidFatal": "resolved"}), timeout, "the gpu01 resolution")
-                bodies["resolved_node_group"] = await capture.wait_for(
-                    group("gpu02", dict.fromkeys(firing, "resolved")), timeout, "the gpu02 resolution")
+                await stage([_stamp(a, started, ended) for a in ALERTS], RESOLVED)
         finally:
             await asyncio.to_thread(am.stop)
     bodies["delivery_headers"] = {k: v for k, v in capture.headers[0].items()

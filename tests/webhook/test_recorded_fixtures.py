@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from record_fixtures import FIXTURES_DIR, record
+from record_fixtures import FIRING, FIXTURES_DIR, PARTLY, RESOLVED, WEBHOOK_RECEIVER, record
 
 PAYLOAD_FIELDS = {"version", "groupKey", "truncatedAlerts", "status", "receiver", "groupLabels",
                   "commonLabels", "commonAnnotations", "externalURL", "alerts"}
@@ -28,9 +28,7 @@ def _shape(body: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def test_every_scenario_was_recorded():
-    assert {p.stem for p in PAYLOADS} == {"firing_single_gpu", "firing_node_group",
-                                         "partly_resolved_node_group", "resolved_single_gpu",
-                                         "resolved_node_group"}
+    assert {p.stem for p in PAYLOADS} == {name for name, _, _ in FIRING + PARTLY + RESOLVED}
 
 
 @pytest.mark.parametrize("path", PAYLOADS, ids=lambda p: p.stem)
@@ -45,6 +43,7 @@ def test_payload_has_v4_schema(path):
         assert set(alert) == ALERT_FIELDS
         assert alert["status"] in ("firing", "resolved")
         assert {"alertname", "node", "severity", "action"} <= set(alert["labels"])
+        assert alert["labels"]["action"] == body["commonLabels"]["action"]
         assert {"summary", "description", "runbook_url"} <= set(alert["annotations"])
         assert len(alert["fingerprint"]) == 16
         datetime.fromisoformat(alert["startsAt"])
@@ -55,8 +54,17 @@ def test_payload_has_v4_schema(path):
 
 
 def test_node_level_and_gpu_alerts_are_both_present():
-    group = _load(FIXTURES_DIR / "firing_node_group.json")
-    assert sorted("gpu" in a["labels"] for a in group["alerts"]) == [False, True, True]
+    group = _load(FIXTURES_DIR / "firing_node_and_gpu.json")
+    assert sorted("gpu" in a["labels"] for a in group["alerts"]) == [False, True]
+
+
+def test_the_projects_routing_splits_a_node_by_action():
+    """rules/alertmanager.yml groups by node within each action's route: one notification per action."""
+    same_node = [_load(FIXTURES_DIR / f"{name}.json")
+                 for name in ("firing_node_and_gpu", "firing_same_node_other_action")]
+    assert {body["groupLabels"]["node"] for body in same_node} == {"gpu03"}
+    assert [body["commonLabels"]["action"] for body in same_node] == ["replace", "drain_reboot"]
+    assert all(body["receiver"] == WEBHOOK_RECEIVER for body in same_node)
 
 
 def test_delivery_headers_carry_the_bearer_token():
