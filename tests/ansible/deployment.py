@@ -54,18 +54,16 @@ def seed_existing_monitoring(prefix: Path) -> None:
         target.write_text(yaml.safe_dump(content, sort_keys=False))
 
 
-def write_inventory(prefix: Path, wheelhouse: Path, exporter_port: int, webhook_port: int,
-                    **overrides: object) -> Deployment:
-    """Localhost in every group; everything under ``prefix``, owned by the current user, no systemd."""
+def local_vars(prefix: Path, wheelhouse: Path, exporter_port: int, webhook_port: int) -> dict[str, object]:
+    """Variables for localhost: everything under ``prefix``, owned by the current user, no systemd."""
     user = pwd.getpwuid(os.getuid()).pw_name
     group = grp.getgrgid(os.getgid()).gr_name
-    (prefix / "var" / "log").mkdir(parents=True, exist_ok=True)
     common = {
         "version": VERSION, "wheelhouse": str(wheelhouse), "pip_extra_args": "--no-index",
         "python": sys.executable, "root_prefix": str(prefix), "manage_service": False, "create_user": False,
         "user": user, "group": group,
     }
-    variables = {
+    return {
         "ansible_connection": "local",
         "ansible_python_interpreter": sys.executable,
         "ansible_become": False,
@@ -88,8 +86,13 @@ def write_inventory(prefix: Path, wheelhouse: Path, exporter_port: int, webhook_
         "gpuhealth_prometheus_webhook_token": TOKEN,
         "gpuhealth_prometheus_webhook_url": f"http://127.0.0.1:{webhook_port}/alerts",
         "gpuhealth_prometheus_webhook_target": f"127.0.0.1:{webhook_port}",
-        **overrides,
     }
+
+
+def write_inventory(prefix: Path, wheelhouse: Path, exporter_port: int, webhook_port: int,
+                    **overrides: object) -> Deployment:
+    """Localhost in every group, deploying into ``prefix``."""
+    variables = {**local_vars(prefix, wheelhouse, exporter_port, webhook_port), **overrides}
     inventory = {"all": {
         "hosts": {"localhost": None},
         "vars": variables,
