@@ -1,0 +1,85 @@
+"""The closed loop on the real stack: simulated GPUs -> Prometheus -> Alertmanager -> webhook -> Slurm.
+
+One stack, three events at once on different nodes: a sudden hard failure (XID 79), a slow HBM
+precursor, and benign noise. Everything is checked in Slurm itself (``scontrol show node``,
+``squeue``), the way an operator would check it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gpuhealth.demo.observe import Observer
+from gpuhealth.demo.stack import ClosedLoopStack, Fault, StackOptions
+from gpuhealth.local.process import wait_until
+
+pytestmark = pytest.mark.slow
+
+PRECURSOR_SECONDS = 90.0
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory):
+    options = StackOptions(nodes=6, jobs=2, job_nodes=2, breaker_max_nodes=3)
+    with ClosedLoopStack(options, workdir=tmp_path_factory.mktemp("loop")) as stack:
+        stack.start()
+        observer = Observer(stack)
+        observer.poll()
+        job_nodes = {job: observer.last.jobs[job][1] for job in stack.jobs}
+        busy = {node for nodes in job_nodes.values() for node in nodes}
+        idle = [node for node in stack.nodes if node not in busy]
+        hard_node = job_nodes[stack.jobs[0]][-1]
+        slow_node = job_nodes[stack.jobs[1]][-1]
+        noise_node = idle[0]
+        observer.inject(Fault(hard_node, "fell_off_bus", gpu=2, duration=0.0))
+        observer.inject(Fault(slow_node, "hbm_degradation", gpu=5, duration=PRECURSOR_SECONDS))
+        observer.inject(Fault(noise_node, "sbe_burst", gpu=1, duration=30.0))
+
+        def settled() -> bool:
+            observer.poll()
+            return observer.loop_closed()
+        wait_until(settled, timeout=PRECURSOR_SECONDS + 90, interval=1.0, what="the loop to close")
+        # Let the noise run its course and any late action land before judging the quiet nodes.
+        deadline = observer.injections[-1].at + 45
+        while time.time() < deadline:
+            observer.poll()
+            time.sleep(1)
+        yield stack, observer, {"hard": hard_node, "slow": slow_node, "noise": noise_node,
+                                "jobs": job_nodes}
+
+
+def test_hard_xid_drains_node_and_requeues_job(loop):
+    stack, observer, where = loop
+    node = stack.slurm.node(where["hard"])
+    assert "DRAIN" in node.state
+    assert node.reason.startswith("gpuhealth:")
+    job = stack.jobs[0]
+    assert job not in stack.slurm.jobs_on(where["hard"])
+    info = stack.slurm.job(job)
+    assert info.restarts >= 1
+    assert where["hard"] in info.excluded
+    assert observer.latencies()[where["hard"]]["drain_from_hard_failure_seconds"] is not None
+
+
+def test_slow_precursor_drains_before_the_hard_failure(loop):
+    stack, observer, where = loop
+    node = stack.slurm.node(where["slow"])
+    assert "DRAIN" in node.state
+    assert "GPUHealthGpuFailureRisk" in node.reason, node.reason
+    latency = observer.latencies()[where["slow"]]
+    assert latency["drain_from_hard_failure_seconds"] < 0, latency
+    job = stack.jobs[1]
+    assert job not in stack.slurm.jobs_on(where["slow"])
+    assert where["slow"] in stack.slurm.job(job).excluded
+
+
+def test_noise_and_healthy_nodes_are_left_alone(loop):
+    stack, observer, where = loop
+    assert "DRAIN" not in stack.slurm.node(where["noise"]).state
+    faulty = {where["hard"], where["slow"]}
+    for name in stack.nodes:
+        if name not in faulty:
+            assert "DRAIN" not in stack.slurm.node(name).state, name
+    assert observer.healthy_nodes_touched() == []
