@@ -40,6 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="give up this long after the injection (default: precursor + 120 s)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the latencies and verdict as JSON")
+    parser.add_argument("--workdir", type=Path, metavar="DIR",
+                        help="keep every config, log and database here (default: a temporary folder, "
+                             "removed on exit)")
     parser.set_defaults(func=run)
 
 
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     say = print if not live else (lambda *a, **k: print(*a, **k, flush=True))
     options = StackOptions(nodes=args.nodes)
     try:
-        with ClosedLoopStack(options) as stack:
+        with ClosedLoopStack(options, workdir=args.workdir) as stack:
             stack.start(progress=lambda message: say(f"* {message}"))
             for name, url in stack.urls().items():
                 say(f"  {name:15s} {url}")

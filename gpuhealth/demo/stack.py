@@ -8,11 +8,11 @@ and sending SIGHUP. Used by ``gpuhealth demo``, the end-to-end test and ``bench/
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,10 +125,13 @@ class ClosedLoopStack:
         return self
 
     def stop(self) -> None:
+        """Stop every process; a temporary working folder (no ``workdir`` given) goes too."""
         for proc in [self.prometheus, self.alertmanager, self.webhook, *self.exporters.values()]:
             if proc is not None:
                 proc.stop()
         self.slurm.stop()
+        if self._own_workdir:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     # --- components --------------------------------------------------------------------------------
 
@@ -264,7 +267,3 @@ class ClosedLoopStack:
             "Webhook status": f"{self.webhook_url}/",
         }
 
-    def cleanup_workdir(self) -> None:
-        if self._own_workdir:
-            with contextlib.suppress(OSError):
-                subprocess.run(["rm", "-rf", str(self.root)], check=False)
