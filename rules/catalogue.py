@@ -66,7 +66,7 @@ def merge(base: Any, overlay: Any, path: str, errors: list[str]) -> Any:
 
 def _read_yaml(path: Path, errors: list[str]) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except OSError as exc:
         errors.append(f"{path}: cannot read: {exc.strerror}")
         return {}
@@ -80,13 +80,19 @@ def _read_yaml(path: Path, errors: list[str]) -> dict[str, Any]:
 
 
 def load(overlay: Path | None = None) -> Catalogue:
-    """The built-in catalogue, with ``overlay`` merged over it, checked; raises CatalogueError."""
+    """The built-in catalogue, with the file ``overlay`` merged over it, checked; raises CatalogueError."""
     errors: list[str] = []
-    data = _read_yaml(BUILTIN, errors)
-    if overlay is not None:
-        data = merge(data, _read_yaml(Path(overlay), errors), "", errors)
-    if not errors:
-        errors.extend(check(data))
+    data = _read_yaml(Path(overlay), errors) if overlay is not None else {}
+    if errors:
+        raise CatalogueError(errors)
+    return resolve(data)
+
+
+def resolve(overlay: dict[str, Any]) -> Catalogue:
+    """The built-in catalogue with ``overlay`` (parsed YAML) merged over it, checked."""
+    errors: list[str] = []
+    data = merge(_read_yaml(BUILTIN, errors), overlay, "", errors)
+    errors.extend(check(data))
     if errors:
         raise CatalogueError(errors)
     return Catalogue(defaults=data["defaults"], alerts=data["alerts"])

@@ -7,6 +7,7 @@ Output is deterministic: the same catalogue always yields byte-identical files.
 
 from __future__ import annotations
 
+import functools
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ def _promql(text: str) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+@functools.cache
 def _environment() -> jinja2.Environment:
+    """One environment per process, so each template compiles once however often it renders."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES),
         undefined=jinja2.StrictUndefined,
@@ -39,11 +42,14 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-class _Dumper(yaml.SafeDumper):
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):
     """Multi-line strings (PromQL) as literal blocks, so the committed files read like PromQL."""
 
 
-def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+def _str(dumper: yaml.BaseDumper, value: str) -> yaml.ScalarNode:
     style = "|" if "\n" in value else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
@@ -83,7 +89,7 @@ class Renderer:
             extra: dict[str, Any] = {"src": src}
             if name == "fusion":
                 extra["gpu_signals"], extra["node_signals"] = _signals(groups["evidence"])
-            groups[name] = yaml.safe_load(self._render(f"groups/{name}.yml.j2", **extra))
+            groups[name] = yaml.load(self._render(f"groups/{name}.yml.j2", **extra), Loader=_Loader)
         for group in groups.values():
             group["rules"] = [self._finish(rule) for rule in group["rules"]]
         return groups
@@ -120,7 +126,7 @@ class Renderer:
                                if a["group"] == "xid" and a["severity"] == "critical"),
             predictive_alerts=sorted(n for n, a in alerts.items() if a["group"] == "fusion"),
         )
-        return HEADER.format(what="Alertmanager routing") + dump(yaml.safe_load(text))
+        return HEADER.format(what="Alertmanager routing") + dump(yaml.load(text, Loader=_Loader))
 
 
 def _signals(evidence: dict[str, Any]) -> tuple[list[str], list[str]]:

@@ -190,13 +190,13 @@ def alert(name: str, labels: dict[str, str], summary: str, description: str, sev
 
 
 def run_promtool(tmp_path: Path, source: str, groups: list[str], tests: list[dict[str, Any]],
-                 evaluation_interval: str = "1m") -> None:
+                 evaluation_interval: str = "1m", rules_dir: Path = GENERATED) -> None:
     """Write a promtool unit-test file for ``groups`` of ``source`` and run it; fail with its output."""
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.fail("promtool not found: install the Debian package 'prometheus' (scripts/bootstrap.sh)")
     spec = {
-        "rule_files": [str(GENERATED / source / f"{group}.yml") for group in groups],
+        "rule_files": [str(rules_dir / source / f"{group}.yml") for group in groups],
         "evaluation_interval": evaluation_interval,
         "tests": tests,
     }

@@ -22,7 +22,9 @@ def test_several_weak_signals_raise_the_risk_alert(tmp_path, source):
     minutes = 420
     fleet = Fleet(source)
     for node in ("n1", "n2", "n3"):
-        fleet.node(node, minutes, interrupts_per_s=1500 if node == "n2" else 10_000, procs=2 if node == "n2" else 40)
+        collapsed = node == "n2"
+        fleet.node(node, minutes, interrupts_per_s=1500 if collapsed else 10_000,
+                   procs=2 if collapsed else 40)
     # HBM degradation on n1 GPU 0: corrected ECC keeps growing, then remapped rows step up at 6h.
     fleet.add("ecc_corrected", "n1", 0, (0, 1, minutes))
     fleet.add("rows_correctable", "n1", 0, (0, 0, 359), (10, 0, minutes - 360))
@@ -32,8 +34,10 @@ def test_several_weak_signals_raise_the_risk_alert(tmp_path, source):
     fleet.add("temperature", "n3", 6, (60, 0, 299), (70, 0, minutes - 300))
     fleet.add("thermal_seconds", "n3", 6, (0, 0, 299), (0, 30, minutes - 300))
     hbm = _risk_alert("n1", 0, "0.75", "remapped_rows_growth=0.40, ecc_corrected_growth=0.35")
-    nvlink = _risk_alert("n2", 3, "0.95", "nvlink_errors=0.45, interrupt_collapse=0.30, procs_running_collapse=0.20")
-    thermal = _risk_alert("n3", 6, "0.85", "temperature_peer=0.35, thermal_slowdown=0.30, temperature_baseline=0.20")
+    nvlink = _risk_alert("n2", 3, "0.95",
+                         "nvlink_errors=0.45, interrupt_collapse=0.30, procs_running_collapse=0.20")
+    thermal = _risk_alert("n3", 6, "0.85",
+                          "temperature_peer=0.35, thermal_slowdown=0.30, temperature_baseline=0.20")
     checks = [
         # Each case: quiet while pending (the condition cannot hold before its onset + `for`), then firing.
         {"eval_time": "230m", "alertname": RISK, "exp_alerts": []},

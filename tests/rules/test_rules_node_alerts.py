@@ -7,10 +7,11 @@ from rules_promtool import JOBS, SOURCES, Fleet, alert, run_promtool
 
 
 def _firing(node: str, alertname: str, action: str, hours: list[int], total_hours: int) -> tuple[str, str]:
-    """An ALERTS series as Prometheus writes it (10-minute samples), firing one hour from each of ``hours``."""
+    """An ALERTS series as Prometheus writes it (10-minute samples), firing an hour from each of ``hours``."""
     labels = (f'ALERTS{{alertname="{alertname}", alertstate="firing", node="{node}", gpu="0", '
               f'severity="critical", action="{action}"}}')
-    points = ["1" if any(h * 6 <= t < (h + 1) * 6 for h in hours) else "_" for t in range(total_hours * 6 + 1)]
+    points = ["1" if any(h * 6 <= t < (h + 1) * 6 for h in hours) else "_"
+              for t in range(total_hours * 6 + 1)]
     return labels, " ".join(points)
 
 
@@ -82,8 +83,8 @@ def test_monitoring_of_monitoring(tmp_path, source):
                  "and none of its failures will be detected.", "warning", "none")
     missing = alert("GPUHealthGpusMissing", {"alertname": "GPUHealthGpusMissing", "node": "n3"},
                     "n3 is missing 1 GPU(s)",
-                    "1 GPU(s) of n3 are not enumerated by the driver. A GPU that vanished needs a node reboot "
-                    "at least; drain first.", "critical", "drain_reboot")
+                    "1 GPU(s) of n3 are not enumerated by the driver. A GPU that vanished needs a node "
+                    "reboot at least; drain first.", "critical", "drain_reboot")
     checks = [
         {"eval_time": "9m", "alertname": "GPUHealthExporterDown", "exp_alerts": []},
         {"eval_time": "10m", "alertname": "GPUHealthExporterDown", "exp_alerts": [down]},

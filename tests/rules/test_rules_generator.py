@@ -1,0 +1,232 @@
+"""The generator: committed files current, every knob used, overlays, clear errors, valid output."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from gpuhealth.rules import catalogue
+from gpuhealth.rules.render import render_all
+from rules_promtool import GENERATED, SOURCES, Fleet, alert, run_promtool
+
+from gpuhealth.cli import main
+
+RULES = GENERATED.parent
+DEMO = RULES / "overlays" / "demo.yaml"
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} not found: install the Debian packages from scripts/bootstrap.sh")
+    return path
+
+
+def test_committed_files_are_current(capsys):
+    assert main(["rules", "generate", "--check"]) == 0, capsys.readouterr().err
+
+
+def test_check_reports_stale_and_extra_files(tmp_path, capsys):
+    assert main(["rules", "generate", "--out", str(tmp_path)]) == 0
+    assert main(["rules", "generate", "--out", str(tmp_path), "--check"]) == 0
+    (tmp_path / "gpuhealth" / "xid.yml").write_text("groups: []\n")
+    (tmp_path / "dcgm" / "old-group.yml").write_text("groups: []\n")
+    capsys.readouterr()
+    assert main(["rules", "generate", "--out", str(tmp_path), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "gpuhealth/xid.yml" in err and "dcgm/old-group.yml" in err and "dcgm/xid.yml" not in err
+    assert main(["rules", "generate", "--out", str(tmp_path)]) == 0   # regenerating removes the leftover
+    assert not (tmp_path / "dcgm" / "old-group.yml").exists()
+
+
+def test_output_is_deterministic():
+    assert render_all(catalogue.load()) == render_all(catalogue.load())
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_promtool_check_rules(source):
+    files = sorted((GENERATED / source).glob("*.yml"))
+    assert [f.stem for f in files] == sorted(["xid", "evidence", "fusion", "lemon", "storage", "meta"])
+    result = subprocess.run([_tool("promtool"), "check", "rules", *map(str, files)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_alert_carries_the_contract():
+    for source in SOURCES:
+        for path in (GENERATED / source).glob("*.yml"):
+            for rule in yaml.safe_load(path.read_text())["groups"][0]["rules"]:
+                if "alert" not in rule:
+                    assert rule["record"].startswith("gpuhealth:")
+                    continue
+                assert rule["alert"].startswith("GPUHealth")
+                assert rule["labels"]["severity"] in ("critical", "warning", "info")
+                assert rule["labels"]["action"] in catalogue.ACTIONS
+                assert set(rule["annotations"]) == {"summary", "description", "runbook_url"}
+
+
+def test_runbook_has_a_section_per_alert():
+    runbook = (RULES / "runbooks.md").read_text()
+    headings = {line[3:].strip() for line in runbook.splitlines() if line.startswith("## ")}
+    assert headings == set(catalogue.load().alerts)
+
+
+def test_alertmanager_config_routes_by_action_and_inhibits(tmp_path):
+    config = RULES / "alertmanager.yml"
+    amtool = _tool("amtool")
+    result = subprocess.run([amtool, "check-config", str(config)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    def receiver(*labels: str) -> str:
+        out = subprocess.run([amtool, "config", "routes", "test", f"--config.file={config}", *labels],
+                             capture_output=True, text=True, timeout=60)
+        return out.stdout.strip()
+
+    for action in ("restart_job", "drain", "drain_reset_gpu", "drain_reboot", "replace"):
+        assert receiver("node=n1", f"action={action}") == "gpuhealth-webhook"
+    assert receiver("node=n1", "action=none") == "gpuhealth-notify"
+    data = yaml.safe_load(config.read_text())
+    assert data["route"]["group_by"] == ["node"]
+    (inhibit,) = data["inhibit_rules"]
+    assert inhibit["equal"] == ["node"] and "GPUHealthGpuFailureRisk" in inhibit["target_matchers"][0]
+    assert "GPUHealthXidRebootNode" in inhibit["source_matchers"][0]
+    webhook = data["receivers"][1]["webhook_configs"][0]
+    assert webhook["url"] == "http://127.0.0.1:9836/alerts"
+    assert webhook["http_config"]["authorization"]["credentials_file"] == "/etc/gpuhealth/webhook.token"
+
+
+def test_catalogue_errors_are_all_listed_without_traceback(tmp_path, capsys):
+    overlay = tmp_path / "bad.yaml"
+    overlay.write_text(yaml.safe_dump({
+        "defaults": {
+            "scrape_interval": "2m",                              # makes 5m windows too short
+            "evidence": {"nvlink_errors": {"low": 2, "high": 1, "windw": "5m"},
+                         "pcie_replay": {"step": "7m"}},          # 1h is not a multiple of 7m
+            "fusion": {"weights": {"nvlink_errors": 0.9}},        # alone above the threshold
+            "xid": {"classes": {"drain_reboot": [79, 48], "reboot_now": [13]}},
+            "for": {"GPUHealthExporterDown": "soon"},
+        },
+        "alerts": {"GPUHealthLemonNode": {"action": "shoot"}},
+    }))
+    assert main(["rules", "generate", "--catalogue", str(overlay), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for expected in (
+        "defaults.evidence.nvlink_errors.windw: unknown key",
+        "defaults.evidence.nvlink_errors: low (2) must be a number below high (1)",
+        "defaults.storage.window: 5m holds fewer than 4 samples at scrape_interval 2m; use at least 480s",
+        "defaults.evidence.pcie_replay: window 1h must be a multiple (> 1) of step 7m",
+        "defaults.fusion.weights.nvlink_errors: 0.9 >= fusion.threshold 0.6",
+        "defaults.xid.classes.drain_reboot: XID 48 is also in class drain_reset_gpu",
+        "defaults.xid.classes.reboot_now: unknown key",
+        "defaults.for.GPUHealthExporterDown: not a duration: 'soon'",
+        "alerts.GPUHealthLemonNode.action: must be one of",
+    ):
+        assert expected in err, f"missing {expected!r} in:\n{err}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreadable_overlay_is_a_clear_error(tmp_path, capsys):
+    assert main(["rules", "generate", "--catalogue", str(tmp_path / "missing.yaml"), "--check"]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def _leaves(node: Any, path: tuple[str, ...] = ()):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, (*path, key))
+    else:
+        yield path, node
+
+
+def _changed(value: Any, key: str) -> Any:
+    """A different, still valid value for a knob."""
+    if isinstance(value, list):
+        return value[:-1] if len(value) > 1 else ([value[0] + 1] if isinstance(value[0], int) else [])
+    if isinstance(value, int):
+        return value - 1 if key == "low" else value + 1
+    if isinstance(value, float):
+        if key == "threshold":
+            return round((1 + value) / 2, 3)   # lowering it would let one weight alone reach it
+        return round(value * 0.7 + 0.0001, 5) if value < 1 else value + 0.5
+    if not value:
+        return 'cluster="a"'
+    try:
+        seconds = catalogue.seconds(value)
+    except ValueError:
+        return value + ("|x" if "|" in value else "/x")
+    return f"{2 * seconds}s" if seconds else "1m"
+
+
+def _overlay(path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    overlay: dict[str, Any] = value
+    for key in reversed(path):
+        overlay = {key: overlay}
+    return overlay
+
+
+def test_every_knob_takes_effect():
+    """Changing any single value of `defaults` changes the rendered rules or routing: no knob is
+    ignored and no window, threshold or weight is hard-coded in a template."""
+    builtin = yaml.safe_load(catalogue.BUILTIN.read_text())
+    baseline = render_all(catalogue.load())
+    ignored, invalid = [], []
+    for path, value in _leaves(builtin["defaults"], ("defaults",)):
+        if path == ("defaults", "scrape_interval"):
+            continue   # renders nothing: it bounds the windows (test_catalogue_errors_are_all_listed)
+        new = _changed(value, path[-1])
+        if path[-1] in ("gpuhealth_job", "dcgm_job", "node_exporter_job"):
+            new = 'job="renamed"'
+        try:
+            rendered = render_all(catalogue.resolve(_overlay(path, new)))
+        except catalogue.CatalogueError as exc:
+            invalid.append(f"{'.'.join(path)}={new!r}: {exc.errors}")
+            continue
+        if rendered == baseline:
+            ignored.append(".".join(path))
+    assert not invalid, invalid
+    assert not ignored, f"knobs with no effect on the output: {ignored}"
+
+
+def test_overlay_merges_over_the_builtin_catalogue():
+    builtin = catalogue.load()
+    demo = catalogue.load(DEMO)
+    assert demo.defaults["scrape_interval"] == "5s"
+    assert demo.defaults["evidence"]["nvlink_errors"] == {**builtin.defaults["evidence"]["nvlink_errors"],
+                                                          "window": "30s"}
+    assert demo.defaults["fusion"] == builtin.defaults["fusion"]
+    unchanged = copy.deepcopy(builtin.alerts)
+    assert demo.alerts == unchanged
+
+
+def test_demo_overlay_fires_within_two_minutes(tmp_path):
+    """The demo's short windows: a collapse plus NVLink errors played for two minutes raises the risk."""
+    out = tmp_path / "rules"
+    assert main(["rules", "generate", "--catalogue", str(DEMO), "--out", str(out),
+                 "--source", "gpuhealth"]) == 0
+    steps = 36   # 3 minutes of 5 s samples
+    fleet = Fleet("gpuhealth")
+    for node in ("n1", "n2", "n3"):
+        collapsed = node == "n2"
+        for gpu in range(8):
+            fleet.gpu(node, gpu, steps)
+        fleet.add("interrupts", node, None, (0, (1500 if collapsed else 10_000) * 5, steps))
+        fleet.add("procs_running", node, None, (2 if collapsed else 40, 0, steps))
+    fleet.add("nvlink_crc", "n2", 3, (0, 0, 11), (0, 5, steps - 12))    # errors from the first minute
+    risk = alert("GPUHealthGpuFailureRisk",
+                 {"alertname": "GPUHealthGpuFailureRisk", "node": "n2", "gpu": "3"},
+                 "GPU 3 on n2 is likely to fail (risk 0.95)",
+                 "Several precursor signals of GPU 3 on n2 together put its failure risk at 0.95. Top "
+                 "contributions: nvlink_errors=0.45, interrupt_collapse=0.30, procs_running_collapse=0.20.",
+                 "warning", "drain")
+    checks = [{"eval_time": "1m", "alertname": "GPUHealthGpuFailureRisk", "exp_alerts": []},
+              {"eval_time": "2m", "alertname": "GPUHealthGpuFailureRisk", "exp_alerts": [risk]}]
+    run_promtool(tmp_path, "gpuhealth", ["evidence", "fusion"],
+                 [{"interval": "5s", "input_series": fleet.input_series(), "alert_rule_test": checks}],
+                 evaluation_interval="5s", rules_dir=out)
+    assert Path(out / "alertmanager.yml").is_file()
