@@ -351,11 +351,14 @@ class SlurmCluster:
             return []
 
     def complete_reboot(self, node: str, timeout: float = 30.0) -> None:
-        """Bring ``node`` back as if it had rebooted: its slurmd restarts and reports a fresh boot."""
+        """Bring ``node`` back as if it had rebooted: once Slurm has issued the reboot (the node was
+        idle), its slurmd restarts and reports a fresh boot, and ``nextstate`` applies."""
+        self.wait_node(node, lambda info: "REBOOT_ISSUED" in info.flags, timeout,
+                       f"{node}'s reboot to be issued")
         self._slurmd[node].stop()
         self._start_slurmd(node, rebooted=True)
-        self.wait_node(node, lambda info: "REBOOT_ISSUED" not in info.flags
-                       and "REBOOT_REQUESTED" not in info.flags, timeout, f"{node} to finish rebooting")
+        self.wait_node(node, lambda info: not {"REBOOT_ISSUED", "REBOOT_REQUESTED"} & info.flags, timeout,
+                       f"{node} to finish rebooting")
 
     def reset(self, timeout: float = 30.0) -> None:
         """Cancel every job and return every node to IDLE with no reason: a clean slate between tests."""
