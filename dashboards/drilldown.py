@@ -14,6 +14,7 @@ from gpuhealth.dashboards.panels import (
     NODE,
     band,
     bargauge_panel,
+    events,
     fixed_colour,
     query,
     row,
@@ -62,16 +63,16 @@ def peer_panel(feature: PeerFeature, settings: Settings):
 
 def _overview(settings: Settings) -> list:
     return [
+        table_panel(
+            "Identity", "What NVML reports about this GPU: identity, model, firmware and driver.",
+            [query(f"gpuhealth_gpu_info{THIS_GPU}", instant=True, table_format=True)],
+            w=24, h=3, hide=("__name__", "Value", "job", "instance", "cluster", "node", "gpu")),
         timeseries_panel(
             "Failure risk and evidence",
             "The fused failure risk of this GPU and each evidence signal behind it (all 0..1).",
             [query(f"gpuhealth:gpu_failure_risk:score{THIS_GPU}", "risk"),
              query(gpu_evidence(THIS_GPU), "{{signal}}")],
-            w=16, h=8, unit="percentunit", min_val=0, legend_right=True),
-        table_panel(
-            "Identity", "What NVML reports about this GPU: identity, model, firmware and driver.",
-            [query(f"gpuhealth_gpu_info{THIS_GPU}", instant=True, table_format=True)],
-            w=8, h=8, hide=("__name__", "Value", "job", "instance", "cluster")),
+            w=24, h=8, unit="percentunit", min_val=0, legend_right=True),
     ]
 
 
@@ -149,7 +150,7 @@ def _pcie(settings: Settings) -> list:
             w=8, h=8, unit="cps", min_val=0),
         bargauge_panel(
             "XID events", "XIDs this GPU logged over the time range, by XID number.",
-            [query(f"sort_desc(sum by (xid) (increase(gpuhealth_xid_events_total{THIS_GPU}[$__range])))",
+            [query(f"sort_desc({events(f'gpuhealth_xid_events_total{THIS_GPU}', '$__range', 'xid')})",
                    "XID {{xid}}", instant=True)],
             w=8, h=8, unit="short", steps=thresholds((None, "orange"))),
     ]

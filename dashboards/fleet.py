@@ -7,6 +7,7 @@ from gpuhealth.dashboards.panels import (
     CLUSTER,
     NODE,
     bargauge_panel,
+    events,
     query,
     row,
     selector,
@@ -22,6 +23,7 @@ from grafana_foundation_sdk.builders import dashboard
 UID = "gpuhealth-fleet"
 SCOPE = selector(CLUSTER, NODE)
 RISK = f"gpuhealth:gpu_failure_risk:score{SCOPE}"
+XIDS = "gpuhealth_xid_events_total"
 
 
 def risk_steps(settings: Settings):
@@ -53,7 +55,7 @@ def _inventory(settings: Settings) -> list:
             "A gap between the lines is a GPU lost from NVML (fallen off the bus, driver failure).",
             [query(f"sum(gpuhealth_gpus_expected{SCOPE})", "expected"),
              query(f"sum(gpuhealth_gpus_visible{SCOPE})", "visible")],
-            w=8, h=8, min_val=0),
+            w=8, h=8, unit="short"),
         timeseries_panel(
             "Nodes missing GPUs", "Per node, expected minus visible GPUs; zero while every GPU answers.",
             [query(f"gpuhealth_gpus_expected{SCOPE} - gpuhealth_gpus_visible{SCOPE}", "{{node}}")],
@@ -87,15 +89,15 @@ def _risk(settings: Settings) -> list:
 
 def _events(settings: Settings) -> list:
     scope = SCOPE[1:-1]
+    by = "node, gpu, xid"
     classified = "|".join(str(x) for c in settings.xid_classes for x in c.xids)
     groups = [(c.name, f'xid=~"{"|".join(map(str, c.xids))}"') for c in settings.xid_classes]
     groups.append(("informational", f'xid!~"{classified}"'))
     by_class = " or ".join(
-        f'label_replace(increase(gpuhealth_xid_events_total{selector(scope, matcher)}[$__rate_interval]), '
+        f'label_replace({events(XIDS + selector(scope, matcher), "$__interval", by)}, '
         f'"class", "{name}", "", "")' for name, matcher in groups)
     nfs = selector(CLUSTER, NODE, f'op="{settings.nfs_op}"')
-    lemons = (f"topk({settings.lemon_nodes}, sum by (node) "
-              f"(increase(gpuhealth_xid_events_total{SCOPE}[$__range])))")
+    lemons = f"topk({settings.lemon_nodes}, {events(XIDS + SCOPE, '$__range', 'node')})"
     return [
         timeseries_panel(
             "XID events by action class",

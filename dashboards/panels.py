@@ -36,6 +36,17 @@ def selector(*matchers: str) -> str:
     return "{" + ", ".join(kept) + "}" if kept else ""
 
 
+def events(series: str, window: str, by: str) -> str:
+    """How many events a counter such as ``gpuhealth_xid_events_total`` counted over ``window``.
+
+    ``increase`` misses the first event of a counter that only appears once its event happened (the
+    series starts at 1 with no earlier sample), and for an XID that first one matters most; a series
+    absent ``window`` ago counts from 0 here. Counter resets are clamped to 0.
+    """
+    now = f"sum by ({by}) ({series})"
+    return f"clamp_min({now} - (sum by ({by}) ({series} offset {window}) or 0 * {now}), 0)"
+
+
 def query(expr: str, legend: str = "", *, instant: bool = False, table_format: bool = False,
           ) -> prometheus.Dataquery:
     target = prometheus.Dataquery().expr(expr).datasource(DATASOURCE)
