@@ -1,0 +1,156 @@
+"""Every alert rule over the whole period, by range queries, with ``for:`` honoured as Prometheus does.
+
+An alert is pending from the first evaluation at which its expression returns a series and fires
+once it has returned it at every evaluation for the ``for:`` duration. A recording rule that errors
+records nothing in Prometheus; here it is found by probing, replaced by an empty vector, and
+reported. Alerts reading ``ALERTS`` run last, on ALERTS series written from the others' results.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gpuhealth.evaluation.expand import Expander
+from gpuhealth.evaluation.ranges import Labels, Matrix, grid, range_matrix
+from gpuhealth.evaluation.rulefiles import Rule, RuleSet, selectors
+from gpuhealth.local.prometheus import PrometheusAPI
+
+log = logging.getLogger(__name__)
+PROBE_STEP = 3600.0  # recording rules are checked for errors on an hourly grid over the period
+
+
+@dataclass(frozen=True)
+class Episode:
+    """Consecutive firing of one alert for one label set; times are evaluation instants (unix s)."""
+
+    alert: str
+    labels: Labels
+    start: float
+    end: float
+
+    def label(self, name: str) -> str | None:
+        return dict(self.labels).get(name)
+
+    @property
+    def node(self) -> str | None:
+        return self.label("node")
+
+    @property
+    def gpu(self) -> str | None:
+        return self.label("gpu")
+
+    @property
+    def action(self) -> str:
+        return self.label("action") or "none"
+
+
+@dataclass
+class AlertRun:
+    """What evaluating the rules produced: firing instants per alert and label set, and the errors."""
+
+    times: np.ndarray
+    firing: dict[str, dict[Labels, np.ndarray]] = field(default_factory=dict)
+    pending: dict[str, dict[Labels, np.ndarray]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # rule name -> Prometheus's error
+
+    def episodes(self) -> list[Episode]:
+        out = []
+        for alert, series in self.firing.items():
+            for labels, fires in series.items():
+                for a, b in runs(fires):
+                    out.append(Episode(alert, labels, float(self.times[a]), float(self.times[b - 1])))
+        return sorted(out, key=lambda e: (e.start, e.alert, e.labels))
+
+
+def runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) index pairs of the True stretches of ``mask``."""
+    edges = np.diff(np.concatenate(([0], mask.astype(np.int8), [0])))
+    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist(), strict=True))
+
+
+def fires(present: np.ndarray, for_seconds: float, step: float) -> np.ndarray:
+    """Firing instants: the expression returned the series at this and every evaluation of the
+    preceding ``for_seconds`` (Prometheus: firing once ``now - activeAt >= for``)."""
+    index = np.arange(present.size)
+    last_absent = np.maximum.accumulate(np.where(present, -1, index))
+    held = index - last_absent  # evaluations in a row with the series, this one included
+    return present & (held > math.ceil(for_seconds / step - 1e-9))
+
+
+def alert_labels(rule: Rule, labels: Labels) -> Labels:
+    merged = {k: v for k, v in labels if k != "__name__"}
+    merged.update(dict(rule.labels))
+    merged["alertname"] = rule.name
+    return tuple(sorted(merged.items()))
+
+
+def reads_alerts(rule: Rule) -> bool:
+    return any(s.name == "ALERTS" for s in selectors(rule.expr))
+
+
+class AlertEvaluator:
+    """Evaluates alert rules against one Prometheus on the grid [start, end] at ``step``."""
+
+    def __init__(self, api: PrometheusAPI, rules: RuleSet, start: float, end: float, step: float) -> None:
+        self.api = api
+        self.rules = rules
+        self.step = step
+        self.expander = Expander(rules)
+        self.times = grid(start, end, step)
+        self.probe_times = grid(start, end, max(PROBE_STEP, step))
+        self.run = AlertRun(self.times)
+
+    def _query(self, expr: str) -> Matrix:
+        return range_matrix(self.api, expr, self.times)
+
+    def _find_broken_records(self, rule: Rule) -> None:
+        """Probe the records ``rule`` reads, dependencies first; mark those Prometheus rejects."""
+        for name in self.expander.records_used(rule.expr):
+            if name in self.expander.broken:
+                continue
+            try:
+                range_matrix(self.api, self.expander.definition(name), self.probe_times)
+            except RuntimeError as exc:
+                log.warning("recording rule fails name=%s error=%r", name, str(exc))
+                self.expander.mark_broken(name, str(exc))
+                self.run.errors[name] = str(exc)
+
+    def evaluate(self, rule: Rule) -> None:
+        try:
+            matrix = self._query(self.expander.expand(rule.expr))
+        except RuntimeError as exc:
+            self._find_broken_records(rule)
+            try:
+                matrix = self._query(self.expander.expand(rule.expr))
+            except RuntimeError:
+                log.warning("alert rule fails name=%s error=%r", rule.name, str(exc))
+                self.run.errors[rule.name] = str(exc)
+                return
+        firing, pending = (
+            self.run.firing.setdefault(rule.name, {}),
+            self.run.pending.setdefault(rule.name, {}),
+        )
+        for labels, values in matrix.series.items():
+            present = ~np.isnan(values)
+            on = fires(present, rule.for_seconds, self.step)
+            key = alert_labels(rule, labels)
+            if on.any():
+                firing[key] = firing[key] | on if key in firing else on
+            if (present & ~on).any():
+                pending[key] = present & ~on
+
+    def evaluate_all(self, rules: list[Rule], advance: Callable[[], None], workers: int = 2) -> None:
+        """Alerts in parallel (Prometheus runs each range query on one core)."""
+        pool = ThreadPoolExecutor(max_workers=workers)
+        try:
+            for future in [pool.submit(self.evaluate, rule) for rule in rules]:
+                future.result()
+                advance()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)

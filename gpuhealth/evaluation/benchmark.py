@@ -1,0 +1,109 @@
+"""One evaluation run: backfill the fleet, evaluate every alert, score against ground truth."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpuhealth.evaluation import plot, report
+from gpuhealth.evaluation.alerts import AlertEvaluator, AlertRun, reads_alerts
+from gpuhealth.evaluation.fleet import BackfilledFleet, backfilled_prometheus, run_parallel
+from gpuhealth.evaluation.matching import score
+from gpuhealth.evaluation.openmetrics import BlockFiles, Thinning
+from gpuhealth.evaluation.progress import Progress
+from gpuhealth.evaluation.ranges import label_text
+from gpuhealth.evaluation.signals import Family
+from gpuhealth.evaluation.workload import Timeline
+from gpuhealth.local.prometheus import find_binary
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Options:
+    scenario: Path
+    rules: Path
+    workdir: Path
+    seed: int | None = None
+    step: float | None = None
+    plot: Path | None = None
+    progress: bool = True
+
+
+def backfill_alerts(fleet: BackfilledFleet, run: AlertRun, workdir: Path, *, progress: bool) -> None:
+    """Write ALERTS{alertstate=...} as Prometheus would have, for rules that read it; restart."""
+    step = float(run.times[1] - run.times[0]) if run.times.size > 1 else 60.0
+    files = BlockFiles(workdir / "alerts", Timeline(float(run.times[0]), step, run.times.size))
+    rows = []
+    for state, table in (("firing", run.firing), ("pending", run.pending)):
+        for series in table.values():
+            for labels, mask in series.items():
+                text = label_text((*labels, ("alertstate", state)))
+                rows.append((text, np.where(mask, 1.0, np.nan)))
+    try:
+        files.write(Family("ALERTS", "gauge", rows), Thinning(0, 0))
+    finally:
+        paths = files.close()
+    blocks = workdir / "alert-blocks"
+    promtool = find_binary("promtool")
+    run_parallel(
+        [[promtool, "tsdb", "create-blocks-from", "openmetrics", "-q", str(p), str(blocks)] for p in paths],
+        "backfilling ALERTS",
+        progress=progress,
+        workdir=workdir,
+    )
+    fleet.server.stop()
+    if blocks.exists():
+        for block in blocks.iterdir():
+            block.rename(fleet.server.data_dir / block.name)
+    shutil.rmtree(workdir / "alerts", ignore_errors=True)
+    fleet.server.start(timeout=300)
+
+
+def evaluate(options: Options) -> dict[str, Any]:
+    began = time.monotonic()
+    with backfilled_prometheus(
+        options.scenario,
+        options.workdir,
+        rules_dir=options.rules,
+        seed=options.seed,
+        record=False,
+        progress=options.progress,
+    ) as fleet:
+        rules = fleet.rules
+        assert rules is not None
+        step = options.step or fleet.scenario.evaluation_step or rules.interval
+        longest_for = max((r.for_seconds for r in rules.alerts), default=0.0)
+        evaluator = AlertEvaluator(
+            fleet.server.api, rules, max(fleet.data_start, fleet.start - longest_for), fleet.end, step
+        )
+        direct = [r for r in rules.alerts if not reads_alerts(r)]
+        second = [r for r in rules.alerts if reads_alerts(r)]
+        with Progress("evaluating alerts", len(direct), enabled=options.progress) as bar:
+            evaluator.evaluate_all(direct, bar.advance)
+        if second:
+            backfill_alerts(fleet, evaluator.run, options.workdir, progress=options.progress)
+            with Progress("evaluating ALERTS rules", len(second), enabled=options.progress) as bar:
+                evaluator.evaluate_all(second, bar.advance)
+        episodes = [e for e in evaluator.run.episodes() if e.start >= fleet.start]
+        result = score(
+            fleet.scenario.failures,
+            episodes,
+            fleet.start,
+            fleet.scenario.duration,
+            fleet.scenario.fleet.nodes,
+        )
+        if options.plot:
+            shown = plot.timeline(
+                options.plot, evaluator, result, episodes, fleet.start, fleet.data_start, fleet.end
+            )
+            log.info("plot written path=%s failure=%s", options.plot, shown.failure if shown else None)
+        return report.summary(
+            result, evaluator.run, fleet.scenario, rules, step, fleet.samples, time.monotonic() - began
+        )

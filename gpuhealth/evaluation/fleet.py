@@ -1,0 +1,232 @@
+"""A real Prometheus holding a simulated fleet's history, backfilled with promtool.
+
+``backfilled_prometheus`` is the entry point for anything that needs realistic fleet data in a real
+Prometheus (the benchmark, dashboard previews and tests). Prometheus 2.42 only loads blocks present
+in its data directory at start-up, so every backfill happens before a (re)start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuhealth.evaluation.expand import Expander
+from gpuhealth.evaluation.openmetrics import BlockFiles, Thinning, write_blocks
+from gpuhealth.evaluation.progress import Progress
+from gpuhealth.evaluation.ranges import grid, label_text, range_matrix
+from gpuhealth.evaluation.rulefiles import RuleSet, load_rules
+from gpuhealth.evaluation.scenario import Scenario, load_scenario
+from gpuhealth.evaluation.selection import Selection
+from gpuhealth.evaluation.signals import Family, FleetSignals
+from gpuhealth.evaluation.workload import Timeline
+from gpuhealth.local.process import ProcessError
+from gpuhealth.local.prometheus import PrometheusServer, find_binary
+
+log = logging.getLogger(__name__)
+
+PROMETHEUS_ARGS = [
+    "--storage.tsdb.retention.time=100y",  # the data is years old by the wall clock's standards
+    "--storage.tsdb.min-block-duration=2h",  # no compaction: it would only compete with the queries
+    "--storage.tsdb.max-block-duration=2h",
+    "--query.max-samples=1000000000",
+    "--query.timeout=30m",
+    "--log.level=warn",
+]
+
+
+class BackfillError(RuntimeError):
+    """promtool or Prometheus refused the data; the message carries their output."""
+
+
+@dataclass
+class BackfilledFleet:
+    """A started Prometheus with the scenario's series; ``start``/``end`` bound the evaluated period
+    (unix seconds), ``data_start`` is where the warm-up history begins."""
+
+    server: PrometheusServer
+    scenario: Scenario
+    signals: FleetSignals
+    rules: RuleSet | None
+    samples: int
+
+    @property
+    def start(self) -> float:
+        return self.scenario.start
+
+    @property
+    def end(self) -> float:
+        return self.scenario.end
+
+    @property
+    def data_start(self) -> float:
+        return self.scenario.data_start
+
+
+def run_parallel(
+    commands: list[list[str]], label: str, *, progress: bool, workdir: Path, on_done: Any = None
+) -> None:
+    """Run commands, one per CPU at a time; the first failure stops the rest. Children never outlive
+    this call, Ctrl-C included."""
+    workers = max(1, os.cpu_count() or 1)
+    pending = list(enumerate(commands))
+    running: list[tuple[int, subprocess.Popen[bytes], Path]] = []
+    try:
+        with Progress(label, len(commands), enabled=progress) as bar:
+            while pending or running:
+                while pending and len(running) < workers:
+                    index, argv = pending.pop(0)
+                    errors = workdir / f"{label.replace(' ', '-')}-{index}.log"
+                    with errors.open("wb") as sink:
+                        running.append(
+                            (
+                                index,
+                                subprocess.Popen(
+                                    argv, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                                ),
+                                errors,
+                            )
+                        )
+                for entry in list(running):
+                    index, proc, errors = entry
+                    if proc.poll() is None:
+                        continue
+                    running.remove(entry)
+                    if proc.returncode != 0:
+                        raise BackfillError(
+                            f"{' '.join(commands[index][:4])} ... failed "
+                            f"(exit {proc.returncode}):\n{errors.read_text()[-2000:]}"
+                        )
+                    errors.unlink()
+                    if on_done:
+                        on_done(index)
+                    bar.advance()
+                time.sleep(0.02)
+    finally:
+        for _, proc, _ in running:
+            proc.kill()
+            proc.wait()
+
+
+def backfill_series(
+    signals: FleetSignals, selection: Selection, workdir: Path, data_dir: Path, *, progress: bool
+) -> int:
+    """Write the fleet's series as OpenMetrics and turn them into TSDB blocks in ``data_dir``."""
+    staging = workdir / "openmetrics"
+    families = [name for name in signals.builders if selection.family_wanted(name)]
+    with Progress("generating series", len(families), enabled=progress) as bar:
+
+        def counted() -> Iterator[Any]:
+            for family in signals.families(selection.family_wanted):
+                yield family
+                bar.advance()
+
+        paths, samples = write_blocks(counted(), staging, signals.timeline, selection)
+    log.info("series written samples=%d files=%d", samples, len(paths))
+    promtool = find_binary("promtool")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    commands = [
+        [promtool, "tsdb", "create-blocks-from", "openmetrics", "-q", str(p), str(data_dir)] for p in paths
+    ]
+    run_parallel(
+        commands,
+        "backfilling blocks",
+        progress=progress,
+        workdir=workdir,
+        on_done=lambda i: paths[i].unlink(),
+    )
+    shutil.rmtree(staging, ignore_errors=True)
+    return samples
+
+
+def backfill_records(
+    server: PrometheusServer, rules: RuleSet, start: float, end: float, workdir: Path, *, progress: bool
+) -> None:
+    """Record every recording rule over [start, end] at the rules' interval, then restart Prometheus
+    on the result. Each recorded name is computed from raw series by its expanded expression (see
+    ``expand``), so no layer reads another's backfilled output, which would lack staleness markers."""
+    expander = Expander(rules)
+    names = list(dict.fromkeys(r.name for r in rules.records))
+    times = grid(start, end, rules.interval)
+    files = BlockFiles(workdir / "records", Timeline(float(times[0]), rules.interval, times.size))
+    try:
+        with Progress("recording rules", len(names), enabled=progress) as bar:
+            for name in names:
+                matrix = range_matrix(server.api, expander.definition(name), times)
+                rows = [(label_text(labels), values) for labels, values in matrix.series.items()]
+                files.write(Family(name, "gauge", rows), Thinning(0, 0))
+                bar.advance()
+    finally:
+        paths = files.close()
+    blocks = workdir / "record-blocks"
+    promtool = find_binary("promtool")
+    commands = [
+        [promtool, "tsdb", "create-blocks-from", "openmetrics", "-q", str(p), str(blocks)] for p in paths
+    ]
+    run_parallel(commands, "backfilling records", progress=progress, workdir=workdir)
+    server.stop()
+    for block in blocks.iterdir():
+        block.rename(server.data_dir / block.name)
+    shutil.rmtree(workdir / "records", ignore_errors=True)
+    server.start(timeout=300)
+
+
+def start_prometheus(workdir: Path, data_dir: Path, interval: float) -> PrometheusServer:
+    config = {"global": {"scrape_interval": f"{int(interval)}s", "evaluation_interval": f"{int(interval)}s"}}
+    server = PrometheusServer(workdir / "prometheus", config, data_dir=data_dir, extra_args=PROMETHEUS_ARGS)
+    try:
+        server.start(timeout=300)
+    except ProcessError as exc:
+        server.stop()
+        raise BackfillError(f"Prometheus did not start on the backfilled data: {exc}") from None
+    return server
+
+
+@contextlib.contextmanager
+def backfilled_prometheus(
+    scenario_path: Path,
+    workdir: Path,
+    *,
+    rules_dir: Path | None = None,
+    seed: int | None = None,
+    record: bool = True,
+    progress: bool = False,
+) -> Iterator[BackfilledFleet]:
+    """Yield a started Prometheus whose TSDB holds the scenario's fleet history.
+
+    ``scenario_path``: a fleet scenario (``bench/scenarios/README.md``); ``seed`` overrides its seed.
+    ``workdir``: an existing or new directory for the TSDB, logs and staging files; the caller owns it
+    (a ``tempfile.TemporaryDirectory`` is typical).
+    ``rules_dir``: Prometheus rule files. Only the series their selectors can read are written
+    (plus identity series: ``up``, ``gpuhealth_gpu_info``, ``gpuhealth_gpu_up``,
+    ``gpuhealth_gpus_expected``/``_visible``); without rules every exporter series is written. With
+    ``record`` (the default) every recording rule is also backfilled, so recorded names such as
+    ``gpuhealth:gpu_failure_risk:score`` can be queried over the whole period.
+
+    The yielded ``BackfilledFleet`` has ``.server`` (a ``PrometheusServer``; ``.server.api`` queries
+    it), ``.start``/``.end`` (the evaluated period, unix seconds), ``.data_start`` (warm-up start) and
+    ``.scenario`` (ground truth: ``.failures``, ``.noise``). Prometheus is stopped on exit, whatever
+    happens, Ctrl-C included; the caller removes ``workdir``.
+    """
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    scenario = load_scenario(Path(scenario_path), seed=seed)
+    rules = load_rules(Path(rules_dir)) if rules_dir is not None else None
+    signals = FleetSignals(scenario)
+    selection = Selection.for_rules(rules, scenario.step)
+    data_dir = workdir / "data"
+    samples = backfill_series(signals, selection, workdir, data_dir, progress=progress)
+    server = start_prometheus(workdir, data_dir, rules.interval if rules else 60.0)
+    try:
+        if rules is not None and record and rules.records:
+            backfill_records(server, rules, scenario.data_start, scenario.end, workdir, progress=progress)
+        yield BackfilledFleet(server, scenario, signals, rules, samples)
+    finally:
+        server.stop()
