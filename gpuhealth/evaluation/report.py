@@ -125,7 +125,8 @@ def _minutes(seconds: float | None) -> str:
 
 def table(result: dict[str, Any]) -> str:
     lines = [
-        f"scenario {result['scenario']} (seed {result['seed']}): {result['nodes']} nodes, {result['gpus']} GPUs, "
+        f"scenario {result['scenario']} (seed {result['seed']}): {result['nodes']} nodes, "
+        f"{result['gpus']} GPUs, "
         f"{result['days']} days, {result['failures']} failures, {result['noise_events']} benign events, "
         f"evaluated every {result['evaluation_step_seconds']:g}s",
         "",
@@ -135,7 +136,8 @@ def table(result: dict[str, Any]) -> str:
         f"  false alarms per day       {result['false_alarms_per_day']:.3f} per 64 nodes "
         f"({result['false_alarms']} episodes)",
         "",
-        f"  {'fault kind':<20} {'failures':>8} {'predicted':>9} {'detected':>8} {'missed':>6} {'median lead':>12}",
+        f"  {'fault kind':<20} {'failures':>8} {'predicted':>9} {'detected':>8} {'missed':>6} "
+        f"{'median lead':>12}",
     ]
     for kind, row in result["per_kind"].items():
         lines.append(
