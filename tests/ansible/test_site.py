@@ -142,6 +142,25 @@ def test_healthcheck_leaves_a_healthy_node_alone(site, exporter):
     assert result.stdout == ""
 
 
+def test_healthcheck_drains_on_hard_faults(site, tmp_path):
+    script = site[0].path("/usr/local/sbin/gpuhealth-healthcheck")
+    exposition = tmp_path / "metrics"
+    exposition.write_text("\n".join([
+        "gpuhealth_gpus_expected 8.0", "gpuhealth_gpus_visible 7.0",
+        'gpuhealth_gpu_up{gpu="0"} 1.0', 'gpuhealth_gpu_up{gpu="3"} 0.0',
+        'gpuhealth_gpu_fallen_off_bus_total{gpu="unknown"} 0.0',
+        'gpuhealth_gpu_remap_failure{gpu="5"} 1.0',
+        'gpuhealth_gpu_recovery_action{action="none",gpu="6"} 0.0',
+        'gpuhealth_gpu_recovery_action{action="node_reboot",gpu="6"} 1.0', ""]))
+    result = subprocess.run([script, "--node", NODE, "--url", exposition.as_uri(), "--dry-run"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.split(" ", 3)[1:3] == ["update", f"NodeName={NODE}"]
+    assert result.stdout.strip().endswith(
+        "State=DRAIN Reason=gpuhealth-healthcheck: gpu 3 lost; gpu 5 row remap failure; "
+        "gpu 6 recovery action node_reboot; 7 of 8 GPUs visible")
+
+
 def test_prometheus_scrapes_the_exporter_with_its_node_label(site, exporter, webhook, tmp_path):
     deployment = site[0]
     merged = yaml.safe_load(deployment.path("/etc/prometheus/prometheus.yml").read_text())
