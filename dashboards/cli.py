@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from gpuhealth.dashboards.fleet_sample import RULES_DIR, backfilled_fleet
 from gpuhealth.dashboards.generate import GENERATED_DIR, render, stale, write
 from gpuhealth.dashboards.queries import Window, riskiest_gpu, variable_values
 from gpuhealth.dashboards.remediation import UID as REMEDIATION_UID
@@ -53,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     preview.add_argument("--since", type=float, default=6.0,
                          help="with --url: hours before now to show (default: 6)")
     preview.add_argument("--seed", type=int, help="with --scenario: random seed of the simulated fleet")
+    preview.add_argument("--rules", type=Path, default=RULES_DIR,
+                         help="with --scenario: folder of Prometheus rule files whose recording rules are "
+                              "backfilled (default: the generated gpuhealth rules)")
     preview.add_argument("--out", type=Path, default=PREVIEW_DIR,
                          help="output folder (default: the package's previews/ folder, shown in its README)")
     preview.set_defaults(func=run_preview)
@@ -81,10 +85,8 @@ def _prometheus(args: argparse.Namespace) -> Iterator[tuple[PrometheusAPI, float
         end = time.time()
         yield PrometheusAPI(args.url), end - args.since * 3600, end
         return
-    from gpuhealth.evaluation.fleet import backfilled_prometheus
-
     with tempfile.TemporaryDirectory(prefix="gpuhealth-preview-") as workdir, \
-            backfilled_prometheus(args.scenario, Path(workdir), seed=args.seed) as fleet:
+            backfilled_fleet(args.scenario, Path(workdir), rules_dir=args.rules, seed=args.seed) as fleet:
         yield fleet.server.api, fleet.start, fleet.end
 
 
@@ -96,7 +98,7 @@ def run_preview(args: argparse.Namespace) -> int:
         return 2
     try:
         return _preview(args, Previewer)
-    except (LookupError, OSError, RuntimeError) as exc:
+    except (LookupError, OSError, RuntimeError, ValueError) as exc:
         print(f"error: cannot draw previews: {exc}", file=sys.stderr)
         return 1
 
