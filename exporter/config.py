@@ -89,8 +89,9 @@ def build_settings(file_values: dict[str, Any], flag_values: dict[str, Any], col
     problems = list(problems or [])
     settings = Settings()
     merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
-    collectors = dict(file_values.get("collectors") or {})
-    collectors.update(flag_values.get("collectors") or {})
+    collectors = file_values.get("collectors") or {}
+    if isinstance(collectors, dict):
+        collectors = {**collectors, **(flag_values.get("collectors") or {})}
     merged["collectors"] = collectors
     for key, value in merged.items():
         try:
@@ -115,6 +116,13 @@ def build_settings(file_values: dict[str, Any], flag_values: dict[str, Any], col
 
 
 def _check(s: Settings, collector_names: list[str], problems: list[str]) -> None:
+    for key in ("backend", "listen", "log_level"):
+        if not isinstance(getattr(s, key), str):
+            problems.append(f"{key}: expected a string, got {getattr(s, key)!r}")
+            setattr(s, key, getattr(Settings(), key))
+    if not isinstance(s.collectors, dict):
+        problems.append("collectors: expected a mapping of collector name: true/false")
+        s.collectors = {}
     if s.backend not in BACKENDS:
         problems.append(f"backend: {s.backend!r} is not one of {', '.join(BACKENDS)}")
     if s.sim_scenario is not None and s.backend != "sim":

@@ -55,6 +55,8 @@ class GpuCollector:
         self.workers: dict[int, GuardedWorker] = {}
         self.tracks: dict[int, GpuTrack] = {}
         self.expected = ctx.gpus_expected
+        self.node_worker = GuardedWorker("nvml-node")
+        self.count = 0
 
     def _worker(self, index: int) -> GuardedWorker:
         if index not in self.workers:
@@ -70,7 +72,12 @@ class GpuCollector:
 
     def collect(self) -> Iterator[Metric]:
         nvml, ctx = self.ctx.nvml, self.ctx
-        count = nvml.nvmlDeviceGetCount()
+        try:
+            self.count = GuardedWorker.result(self.node_worker.submit(nvml.nvmlDeviceGetCount),
+                                              ctx.nvml_timeout_seconds)
+        except (DeadlineExceeded, nvml.NVMLError) as exc:  # keep sampling the GPUs known so far
+            log.warning("gpu count failed error=%s", error_label(exc))
+        count = self.count
         if self.expected is None:
             self.expected = count
         indices = sorted(set(range(count)) | set(ctx.inventory.gpus) | set(self.tracks))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gpuhealth.exporter.collector import Context, register
 from gpuhealth.exporter.dedup import XidDeduplicator
+from gpuhealth.exporter.guard import DeadlineExceeded, GuardedWorker
 from gpuhealth.exporter.kmsg import KmsgFollower, parse_line
 from gpuhealth.exporter.metrics import KMSG_RESULTS, RECOVERY_ACTIONS, Families
 from prometheus_client.core import Metric
@@ -41,6 +42,7 @@ class XidCollector:
             state = ctx.state_dir / "kmsg.seq" if ctx.state_dir else None
             self.follower = KmsgFollower(ctx.kmsg_path, state, _boot_id(ctx.procfs))
         self.event_set = None
+        self.nvml_worker = GuardedWorker("nvml-events")
         self.xids: collections.Counter = collections.Counter()          # (gpu, xid)
         self.sxids: collections.Counter = collections.Counter()         # (device, sxid, severity)
         self.aer: collections.Counter = collections.Counter()           # (pci_bus_id, severity, gpu)
@@ -50,7 +52,14 @@ class XidCollector:
 
     def collect(self) -> Iterator[Metric]:
         if self.ctx.nvml is not None:
-            self._drain_nvml_events()
+            try:
+                events = GuardedWorker.result(self.nvml_worker.submit(self._nvml_events),
+                                              self.ctx.nvml_timeout_seconds)
+            except DeadlineExceeded:  # a hung driver: try again next run, count nothing twice
+                log.warning("NVML event drain timed out")
+                events = []
+            for gpu, xid in events:
+                self._count_xid("nvml", gpu, xid)
         kmsg_error = None
         if self.follower is not None:
             try:
@@ -71,21 +80,24 @@ class XidCollector:
             except nvml.NVMLError as exc:
                 log.info("no NVML XID events gpu=%d error=%s", index, exc)
 
-    def _drain_nvml_events(self) -> None:
+    def _nvml_events(self) -> list[tuple[str, int]]:
+        """Pending critical-XID events as (gpu, xid); runs on the guarded worker."""
         nvml = self.ctx.nvml
         if self.event_set is None:
             self._register_events()
+        events: list[tuple[str, int]] = []
         for _ in range(MAX_EVENTS_PER_RUN):
             try:
                 event = nvml.nvmlEventSetWait(self.event_set, 0)
                 gpu = str(nvml.nvmlDeviceGetIndex(event.device))
             except nvml.NVMLError_Timeout:
-                return
+                break
             except nvml.NVMLError as exc:
                 log.warning("NVML event wait failed error=%s", exc)
-                return
+                break
             if event.eventType == nvml.nvmlEventTypeXidCriticalError:
-                self._count_xid("nvml", gpu, int(event.eventData))
+                events.append((gpu, int(event.eventData)))
+        return events
 
     def _count_xid(self, source: str, gpu: str, xid: int) -> None:
         if self.dedup.is_new(source, gpu, xid, self.ctx.clock()):
