@@ -85,7 +85,7 @@ async def post_alerts(request: web.Request) -> web.Response:
     journal = request.app[JOURNAL]
     decisions = decide(notification, request.app[CONFIG])
     try:
-        result = await journal.call(journal.sync.record, notification, decisions)
+        result = await journal.record(notification, decisions)
     except (sqlite3.Error, OSError) as exc:
         metrics.notifications.labels("journal_error").inc()
         log.error("event=journal_write_failed error=%r", exc)

@@ -175,9 +175,12 @@ class Engine:
 
     async def _check_breaker(self, a: Action) -> Verdict | None:
         g = self.config.guardrails
-        ours = await self.drained_by_us()
         fleet = await self.backend.fleet_size()
         cap = min(g.breaker_max_nodes, max(1, math.floor(g.breaker_max_fraction * fleet)))
+        recorded = set(await self.journal.call(self.db.drained))
+        if len(recorded - {a.node}) + 1 <= cap:
+            return None  # within the cap even before pruning stale records: no cluster calls needed
+        ours = await self.drained_by_us()
         would_be = len(ours - {a.node}) + 1
         if would_be <= cap:
             return None

@@ -9,6 +9,8 @@ connection is never shared between threads.
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import json
 import sqlite3
 import time
@@ -39,6 +41,8 @@ CREATE TABLE IF NOT EXISTS actions (
     progress TEXT NOT NULL DEFAULT '{}', received_at REAL NOT NULL, started_at REAL, finished_at REAL,
     updated_at REAL NOT NULL, UNIQUE (fingerprint, starts_at, kind));
 CREATE INDEX IF NOT EXISTS actions_state ON actions (state, next_at);
+CREATE INDEX IF NOT EXISTS actions_active ON actions (id) WHERE state IN ('pending', 'running');
+CREATE INDEX IF NOT EXISTS actions_started ON actions (started_at);
 CREATE INDEX IF NOT EXISTS actions_node ON actions (node, state);
 CREATE TABLE IF NOT EXISTS transitions (
     id INTEGER PRIMARY KEY, action_id INTEGER NOT NULL, at REAL NOT NULL, state TEXT NOT NULL,
@@ -65,8 +69,7 @@ def _holds(table: str = "") -> str:
     return f"({table}state NOT IN ('cancelled', 'skipped') OR {table}reason = 'already_drained')"
 
 
-class JournalError(RuntimeError):
-    """The journal cannot be written; the notification must be retried by Alertmanager."""
+_ACTIVE = "state IN ('pending', 'running')"  # the worker's queue; matches the partial index
 
 
 @dataclass
@@ -132,12 +135,14 @@ def _action(row: sqlite3.Row) -> Action:
 class Journal:
     """Synchronous journal operations; use ``AsyncJournal`` from the event loop."""
 
-    def __init__(self, path: Path, busy_timeout: float = 5.0) -> None:
+    def __init__(self, path: Path, busy_timeout: float = 5.0, power_safe: bool = True) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")  # a commit survives power loss, not only a crash
+        # FULL: a commit survives power loss. NORMAL (WAL): it survives a crash of this process, and
+        # the next FULL commit makes it power-safe too, since the WAL is synced in order.
+        self.db.execute(f"PRAGMA synchronous={'FULL' if power_safe else 'NORMAL'}")
         self.db.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
         self.db.executescript(SCHEMA)
 
@@ -169,27 +174,30 @@ class Journal:
         self._transition(cur.lastrowid, state, reason, "", now)
         return cur.lastrowid
 
-    def record(self, notification: Notification, decisions: dict[tuple[str, str], Decision],
-               now: float | None = None) -> RecordResult:
-        """Journal a notification and the actions its new alerts call for, in one transaction."""
-        now = time.time() if now is None else now
+    def record(self, batch: list[tuple[Notification, dict[tuple[str, str], Decision]]]) -> list[RecordResult]:
+        """Journal notifications and the actions their new alerts call for, all in one transaction.
 
-        def run() -> RecordResult:
-            cur = self.db.execute(
-                "INSERT INTO notifications (received_at, receiver, group_key, status, alerts, new_alerts) "
-                "VALUES (?,?,?,?,?,0)", (now, notification.receiver, notification.group_key,
-                                        notification.status, len(notification.alerts)))
-            result = RecordResult(cur.lastrowid)
-            for alert in notification.alerts:
-                if alert.status == "firing":
-                    self._record_firing(alert, decisions.get(alert.key), now, result)
-                else:
-                    self._record_resolved(alert, now, result)
-            self.db.execute("UPDATE notifications SET new_alerts = ? WHERE id = ?",
-                            (len(notification.alerts) - result.duplicates, result.notification_id))
-            return result
+        Notifications that arrive together share one commit (and one fsync): group commit is what
+        lets a storm be journaled faster than the disk can sync once per request.
+        """
+        now = time.time()
+        return self._tx(lambda: [self._record_one(n, d, now) for n, d in batch])
 
-        return self._tx(run)
+    def _record_one(self, notification: Notification, decisions: dict[tuple[str, str], Decision],
+                    now: float) -> RecordResult:
+        cur = self.db.execute(
+            "INSERT INTO notifications (received_at, receiver, group_key, status, alerts, new_alerts) "
+            "VALUES (?,?,?,?,?,0)", (now, notification.receiver, notification.group_key,
+                                    notification.status, len(notification.alerts)))
+        result = RecordResult(cur.lastrowid)
+        for alert in notification.alerts:
+            if alert.status == "firing":
+                self._record_firing(alert, decisions.get(alert.key), now, result)
+            else:
+                self._record_resolved(alert, now, result)
+        self.db.execute("UPDATE notifications SET new_alerts = ? WHERE id = ?",
+                        (len(notification.alerts) - result.duplicates, result.notification_id))
+        return result
 
     def _insert_alert(self, alert: Alert, status: str, now: float, notification_id: int) -> bool:
         cur = self.db.execute(
@@ -324,13 +332,23 @@ class Journal:
         return [_action(r) for r in rows]
 
     def due(self, now: float, busy_nodes: Iterable[str], limit: int) -> list[Action]:
-        """Runnable actions: per node only the oldest active one (node order is FIFO), and only when due."""
-        busy = set(busy_nodes)
-        rows = self.db.execute(
-            "SELECT a.* FROM actions a JOIN (SELECT node, MIN(id) AS id FROM actions "
-            "WHERE state IN (?, ?) GROUP BY node) h ON a.id = h.id WHERE a.next_at <= ? ORDER BY a.id",
-            (PENDING, RUNNING, now))
-        return [a for a in map(_action, rows) if a.node not in busy][:limit]
+        """Runnable actions: per node only the oldest active one (node order is FIFO), and only when due.
+
+        Walks active actions oldest first and stops once ``limit`` are found, so a deep backlog
+        costs only the rows in front of it.
+        """
+        seen = set(busy_nodes)
+        due: list[Action] = []
+        rows = self.db.execute(f"SELECT * FROM actions WHERE {_ACTIVE} ORDER BY id")
+        for row in rows:
+            if row["node"] in seen:
+                continue
+            seen.add(row["node"])
+            if row["next_at"] <= now:
+                due.append(_action(row))
+                if len(due) >= limit:
+                    break
+        return due
 
     def next_due_at(self) -> float | None:
         row = self.db.execute("SELECT MIN(next_at) FROM actions WHERE state IN (?, ?)",
@@ -405,16 +423,59 @@ class Journal:
 
 
 class AsyncJournal:
-    """Runs ``Journal`` calls on its own thread, one at a time, so the event loop never blocks."""
+    """Runs ``Journal`` calls on journal threads, so the event loop never blocks on the disk.
+
+    Two connections, each on its own thread: intake (``record``) commits power-safe and never
+    queues behind the worker's many small progress updates; everything else shares the other one,
+    crash-safe, which is what exactly-once across a SIGKILL needs (a step lost to a power cut is
+    sent again, and backends are idempotent).
+    """
 
     def __init__(self, path: Path, busy_timeout: float = 5.0) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal")
-        self.sync = self._executor.submit(Journal, path, busy_timeout).result()
+        self._intake_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal-intake")
+        self._intake = self._intake_executor.submit(Journal, path, busy_timeout).result()
+        self.sync = self._executor.submit(Journal, path, busy_timeout, False).result()
+        self._waiting: collections.deque[tuple[Notification, dict[tuple[str, str], Decision],
+                                               concurrent.futures.Future[RecordResult]]] = collections.deque()
+
+    async def record(self, notification: Notification,
+                     decisions: dict[tuple[str, str], Decision]) -> RecordResult:
+        """Journal one notification, committed together with any others waiting at the same time.
+
+        The commit happens on the journal thread whatever becomes of the caller, so a request
+        cancelled mid-way is journaled all the same (and deduplicated when Alertmanager retries).
+        """
+        done: concurrent.futures.Future[RecordResult] = concurrent.futures.Future()
+        self._waiting.append((notification, decisions, done))
+        self._intake_executor.submit(self._commit_waiting)
+        return await asyncio.wrap_future(done)
+
+    def _commit_waiting(self) -> None:
+        batch = []
+        while self._waiting:
+            batch.append(self._waiting.popleft())
+        if not batch:
+            return  # an earlier call committed this one's notification already
+        live = [done.set_running_or_notify_cancel() for _, _, done in batch]
+        try:
+            results = self._intake.record([(n, d) for n, d, _ in batch])
+        except Exception as exc:
+            for (_, _, done), waiting in zip(batch, live, strict=True):
+                if waiting:
+                    done.set_exception(exc)
+            return
+        for (_, _, done), waiting, result in zip(batch, live, results, strict=True):
+            if waiting:
+                done.set_result(result)
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
 
     async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._intake_executor, self._intake.close)
         await self.call(self.sync.close)
+        self._intake_executor.shutdown(wait=True)
         self._executor.shutdown(wait=True)

@@ -1,0 +1,146 @@
+"""Webhook intake benchmark: alerts per second accepted and journaled, and request latency.
+
+Runs the real ``gpuhealth-webhook`` as a separate process on loopback (simulated 1,000-node cluster,
+its worker acting while the load runs) and drives it with concurrent Alertmanager-style POSTs:
+  1. notifications of 1 alert (the common case), then of 10 alerts, side by side;
+  2. one notification carrying 10,000 alerts, then checks that every alert became exactly one
+     journaled action and that the worker finished them all.
+Targets (issue 4): >= 1,000 alerts/s and p99 < 50 ms on 2 cores.
+
+    .venv/bin/python bench/webhook.py [--notifications 3000] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from gpuhealth.local.process import ManagedProcess, free_port, http_ok
+
+TOKEN = "bench-token"
+NODES = 1000
+_fingerprints = itertools.count(1)
+
+
+def _alert(i: int) -> dict[str, Any]:
+    node = f"gpu{i % NODES + 1:04d}"
+    return {
+        "status": "firing",
+        "labels": {"alertname": "GPUHealthXidFatal", "node": node, "gpu": str(i % 8), "severity": "critical",
+                   "action": "drain", "instance": f"{node}:9835", "job": "gpuhealth"},
+        "annotations": {"summary": "XID 79: GPU has fallen off the bus", "description": "bench",
+                        "runbook_url": "https://example.invalid/runbook"},
+        "startsAt": "2026-11-30T05:00:00.123Z", "endsAt": "0001-01-01T00:00:00Z",
+        "generatorURL": "http://prometheus:9090/graph", "fingerprint": f"{next(_fingerprints):016x}",
+    }
+
+
+def _notification(size: int) -> dict[str, Any]:
+    alerts = [_alert(next(_fingerprints)) for _ in range(size)]
+    return {"version": "4", "groupKey": "{}:{}", "truncatedAlerts": 0, "status": "firing",
+            "receiver": "gpuhealth", "groupLabels": {}, "commonLabels": {}, "commonAnnotations": {},
+            "externalURL": "http://alertmanager:9093", "alerts": alerts}
+
+
+async def _load(url: str, bodies: list[dict[str, Any]], concurrency: int) -> tuple[float, list[float]]:
+    """POST every body with ``concurrency`` clients; wall time and per-request latencies."""
+    queue = list(reversed(bodies))
+    latencies: list[float] = []
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        while queue:
+            body = queue.pop()
+            started = time.perf_counter()
+            async with session.post(f"{url}/alerts", json=body, headers=headers) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"POST /alerts answered {resp.status}: {await resp.text()}")
+            latencies.append(time.perf_counter() - started)
+
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        started = time.perf_counter()
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+        return time.perf_counter() - started, latencies
+
+
+def _p(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=1000)[int(q * 1000) - 1] if len(values) > 1 else values[0]
+
+
+def _report(name: str, alerts: int, wall: float, latencies: list[float]) -> None:
+    print(f"{name:<28} {alerts:>7} alerts {wall:7.2f} s {alerts / wall:9.0f} alerts/s  "
+          f"p50 {_p(latencies, 0.5) * 1000:6.1f} ms  p99 {_p(latencies, 0.99) * 1000:6.1f} ms")
+
+
+def _journal_counts(path: Path) -> tuple[int, int]:
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        total = db.execute("SELECT COUNT(*) FROM actions").fetchone()[0]
+        open_ = db.execute("SELECT COUNT(*) FROM actions WHERE state IN ('pending', 'running')").fetchone()[0]
+    return total, open_
+
+
+async def run(workdir: Path, notifications: int, concurrency: int) -> int:
+    port = free_port()
+    config = workdir / "webhook.yaml"
+    (workdir / "token").write_text(TOKEN)
+    config.write_text(yaml.safe_dump({
+        "listen": f"127.0.0.1:{port}", "state_dir": "state", "auth": {"token_file": "token"},
+        "max_body_bytes": 64 * 1024 * 1024,
+        "backend": {"type": "simulated", "nodes": [f"gpu[0001-{NODES:04d}]"]},
+        "guardrails": {"breaker_max_nodes": NODES, "breaker_max_fraction": 1.0, "node_cooldown_seconds": 0,
+                       "rate_limit_actions": 1_000_000},
+    }))
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "gpuhealth.webhook.main", "--config", str(config)]
+    with ManagedProcess("webhook", argv, workdir / "webhook.log") as proc:
+        proc.start()
+        proc.wait_ready(lambda: http_ok(f"{url}/healthz"), timeout=30)
+        await _load(url, [_notification(1) for _ in range(100)], concurrency)  # warm-up
+        sent = 100
+        print(f"{'case':<28} {'':>7}        {'wall':>9} {'rate':>9}")
+        for size in (1, 10):
+            count = notifications // size
+            wall, latencies = await _load(url, [_notification(size) for _ in range(count)], concurrency)
+            _report(f"{size}-alert notifications", count * size, wall, latencies)
+            sent += count * size
+        big = _notification(10_000)
+        wall, latencies = await _load(url, [big], 1)
+        _report("one 10,000-alert notif.", 10_000, wall, latencies)
+        sent += 10_000
+        journal = workdir / "state" / "journal.sqlite3"
+        total, _ = _journal_counts(journal)
+        started = time.perf_counter()
+        while _journal_counts(journal)[1]:
+            time.sleep(0.2)
+        drained = time.perf_counter() - started
+        verdict = "no loss" if total == sent else "LOSS"
+        print(f"journaled actions: {total} for {sent} alerts sent ({verdict}); "
+              f"worker finished the backlog {drained:.1f} s after the last POST")
+        return 0 if total == sent else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--notifications", type=int, default=3000, help="alerts per intake case")
+    parser.add_argument("--concurrency", type=int, default=8, help="concurrent senders")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="gpuhealth-bench-") as tmp:
+        return asyncio.run(run(Path(tmp), args.notifications, args.concurrency))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
