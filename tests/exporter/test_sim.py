@@ -1,0 +1,100 @@
+"""The NVML simulator: pynvml's exceptions, noise kinds, reload semantics and its kernel log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pynvml
+import pytest
+from conftest import FakeClock
+from gpuhealth.exporter.sim.nvml import SimulatedNvml
+from gpuhealth.exporter.sim.scenario import parse_scenario
+
+
+def sim(scenario: dict, clock: FakeClock, kmsg: Path | None = None) -> SimulatedNvml:
+    nvml = SimulatedNvml(parse_scenario(scenario), kmsg, clock=clock)
+    nvml.nvmlInit()
+    return nvml
+
+
+def test_errors_are_pynvmls_own_classes(clock: FakeClock) -> None:
+    nvml = sim({"gpus": 2, "faults": [{"kind": "fell_off_bus", "gpu": 1, "start": 1}]}, clock)
+    handle = nvml.nvmlDeviceGetHandleByIndex(1)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetRetiredPages(handle, 0)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetNvLinkState(handle, 18)
+    clock.advance(2)
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        nvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        nvml.nvmlDeviceGetHandleByIndex(5)
+    assert nvml.NVMLError_Timeout is pynvml.NVMLError_Timeout
+    with pytest.raises(AttributeError, match="does not implement"):
+        nvml.nvmlDeviceGetBAR1MemoryInfo  # noqa: B018
+
+
+def test_noise_kinds(clock: FakeClock) -> None:
+    nvml = sim({"gpus": 3, "faults": [
+        {"kind": "sbe_burst", "gpu": 0, "start": 0, "duration": 10, "count": 100},
+        {"kind": "power_cap", "gpu": 1, "watts": 300, "duration": 100},
+        {"kind": "boot_replay_burst", "gpu": 2, "count": 50, "duration": 5}]}, clock)
+    gpu0, gpu1, gpu2 = (nvml.nvmlDeviceGetHandleByIndex(i) for i in range(3))
+    clock.advance(20)
+    corrected = (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC)
+    assert nvml.nvmlDeviceGetTotalEccErrors(gpu0, *corrected) == 100
+    assert nvml.nvmlDeviceGetPcieReplayCounter(gpu2) == 50
+    assert nvml.nvmlDeviceGetEnforcedPowerLimit(gpu1) == 300_000
+    assert nvml.nvmlDeviceGetCurrentClocksEventReasons(gpu1) & pynvml.nvmlClocksEventReasonSwPowerCap
+    assert nvml.nvmlDeviceGetPowerUsage(gpu1) <= 300_000
+    assert nvml.nvmlDeviceGetClockInfo(gpu1, pynvml.NVML_CLOCK_SM) < nvml.nvmlDeviceGetClockInfo(
+        gpu0, pynvml.NVML_CLOCK_SM)
+    clock.advance(100)  # every noise item is over: the burst stopped, the cap was lifted
+    assert nvml.nvmlDeviceGetTotalEccErrors(gpu0, *corrected) == 100
+    assert nvml.nvmlDeviceGetEnforcedPowerLimit(gpu1) == 700_000
+    assert not nvml.nvmlDeviceGetCurrentClocksEventReasons(gpu1) & pynvml.nvmlClocksEventReasonSwPowerCap
+
+
+def test_idle_node_and_job_loop(clock: FakeClock) -> None:
+    nvml = sim({"gpus": 1, "workload": {"period_seconds": 10, "idle_fraction": 0.5}}, clock)
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    clock.now = 1002.0  # 2 s into a period: idle phase (the simulator started at 1000)
+    assert nvml.nvmlDeviceGetUtilizationRates(handle).gpu == 0
+    clock.now = 1007.0
+    assert nvml.nvmlDeviceGetUtilizationRates(handle).gpu > 80
+    idle = sim({"gpus": 2, "faults": [{"kind": "idle_node", "start": 5, "duration": 10}]}, clock)
+    handle = idle.nvmlDeviceGetHandleByIndex(1)
+    assert idle.nvmlDeviceGetUtilizationRates(handle).gpu > 80
+    clock.advance(6)
+    assert idle.nvmlDeviceGetUtilizationRates(handle).gpu == 0
+    assert idle.nvmlDeviceGetPowerUsage(handle) < 100_000
+    assert idle.nvmlDeviceGetCurrentClocksEventReasons(handle) & pynvml.nvmlClocksEventReasonGpuIdle
+
+
+def test_reload_restarts_faults_keeps_aggregate_counters(tmp_path: Path, clock: FakeClock) -> None:
+    kmsg = tmp_path / "kmsg"
+    nvml = sim({"gpus": 2, "faults": [{"kind": "hbm_degradation", "gpu": 0, "precursor": 10}]}, clock, kmsg)
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    clock.advance(11)
+    aggregate = nvml.nvmlDeviceGetTotalEccErrors(handle, 0, pynvml.NVML_AGGREGATE_ECC)
+    assert nvml.nvmlDeviceGetRemappedRows(handle)[2] == 1  # remap pending
+    nvml.reload(parse_scenario({"gpus": 2}))
+    assert nvml.nvmlDeviceGetTotalEccErrors(handle, 0, pynvml.NVML_AGGREGATE_ECC) == aggregate
+    assert nvml.nvmlDeviceGetTotalEccErrors(handle, 0, pynvml.NVML_VOLATILE_ECC) == 0
+    assert nvml.nvmlDeviceGetRemappedRows(handle)[2] == 0  # as after a reset
+    with pytest.raises(ValueError, match="GPU count"):
+        nvml.reload(parse_scenario({"gpus": 4}))
+    lines = kmsg.read_text().splitlines()
+    assert [int(line.split(",")[1]) for line in lines] == list(range(len(lines)))
+    assert sum("): 63," in line for line in lines) == 64 and "): 95," in lines[-2] and "): 154," in lines[-1]
+
+
+def test_kmsg_sequence_continues_across_restarts(tmp_path: Path, clock: FakeClock) -> None:
+    kmsg = tmp_path / "kmsg"
+    for _ in range(2):
+        nvml = sim({"gpus": 1, "faults": [{"kind": "fell_off_bus", "gpu": 0}]}, clock, kmsg)
+        nvml.nvmlDeviceGetCount()
+        with pytest.raises(pynvml.NVMLError_GpuIsLost):
+            nvml.nvmlDeviceGetHandleByIndex(0)
+    seqs = [int(line.split(",")[1]) for line in kmsg.read_text().splitlines()]
+    assert seqs == [0, 1, 2, 3]
