@@ -1,0 +1,182 @@
+"""small.yaml end to end: real promtool backfill, real Prometheus, a small rule set with a recording
+rule, ``for:``, an XID alert, a node alert, an informational alert and an ALERTS-reading alert."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpuhealth.cli import main
+from gpuhealth.evaluation.fleet import backfilled_prometheus
+
+SMALL = Path(__file__).resolve().parents[2] / "bench" / "scenarios" / "small.yaml"
+
+ECC = 'gpuhealth_gpu_ecc_errors_total{type="corrected", counter="volatile"}'
+XID = 'gpuhealth_xid_events_total{xid=~"48|64|79|94|95"}'
+NFS = 'sum by (node) (rate(gpuhealth_nfs_rpc_{}_seconds_total{{op="WRITE"}}[5m]))'
+RULES = {
+    "groups": [
+        {
+            "name": "evidence",
+            "interval": "1m",
+            "rules": [
+                {
+                    "record": "test:gpu_evidence:ecc",
+                    "expr": f"clamp_max(sum by (node, gpu) (rate({ECC}[30m])) * 60 / 5, 1)",
+                },
+                {
+                    "record": "gpuhealth:gpu_failure_risk:score",
+                    "expr": "test:gpu_evidence:ecc",
+                    "labels": {"source": "test"},
+                },
+            ],
+        },
+        {
+            "name": "alerts",
+            "interval": "1m",
+            "rules": [
+                {
+                    "alert": "TestRisk",
+                    "for": "10m",
+                    "labels": {"severity": "warning", "action": "drain"},
+                    "expr": "gpuhealth:gpu_failure_risk:score > 0.5 "
+                    "and on (node, gpu) max_over_time(test:gpu_evidence:ecc[10m]) > 0.5",
+                },
+                {
+                    "alert": "TestXid",
+                    "labels": {"severity": "critical", "action": "drain_reset_gpu"},
+                    "expr": f"(sum by (node, gpu, xid) (increase({XID}[1h])) > 0) "
+                    f"or (sum by (node, gpu, xid) ({XID}) unless sum by (node, gpu, xid) ({XID} offset 1h))",
+                },
+                {
+                    "alert": "TestGpusMissing",
+                    "labels": {"severity": "critical", "action": "drain_reboot"},
+                    "expr": "max by (node) (gpuhealth_gpus_expected - gpuhealth_gpus_visible) > 0",
+                },
+                {
+                    "alert": "TestNfsQueueing",
+                    "for": "10m",
+                    "labels": {"severity": "warning", "action": "none"},
+                    "expr": f"{NFS.format('queue')} / {NFS.format('execute')} > 0.5",
+                },
+            ],
+        },
+        {
+            "name": "lemon",
+            "interval": "1m",
+            "rules": [
+                {
+                    "alert": "TestLemon",
+                    "labels": {"severity": "warning", "action": "replace"},
+                    "expr": 'count by (node) (ALERTS{alertstate="firing", action=~"drain.*"}) >= 2',
+                },
+            ],
+        },
+    ]
+}
+
+
+@pytest.fixture
+def rules_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "rules"
+    directory.mkdir()
+    (directory / "test.yml").write_text(yaml.safe_dump(RULES))
+    return directory
+
+
+def processes_using(path: Path) -> list[int]:
+    """Processes whose command line names ``path`` (other tests' Prometheus servers do not)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(path).encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+def test_eval_on_small_scenario(tmp_path: Path, rules_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, png, keep = tmp_path / "result.json", tmp_path / "timeline.png", tmp_path / "tsdb"
+    assert (
+        main(
+            [
+                "eval",
+                "--scenario",
+                str(SMALL),
+                "--rules",
+                str(rules_dir),
+                "--json",
+                str(out),
+                "--plot",
+                str(png),
+                "--keep",
+                str(keep),
+            ]
+        )
+        == 0
+    )
+    result = json.loads(out.read_text())
+    for key in (
+        "recall",
+        "predicted_fraction",
+        "median_lead_seconds",
+        "false_alarms_per_day",
+        "per_kind",
+        "per_alert",
+    ):
+        assert key in result
+    details = {d["kind"]: d for d in result["failures_detail"]}
+    # the HBM degradation ramps corrected ECC errors up for hours: the risk alert sees it coming
+    assert details["hbm_degradation"]["status"] == "predicted"
+    assert "TestRisk" in details["hbm_degradation"]["alerts"]
+    assert details["hbm_degradation"]["lead_seconds"] > 3600
+    # a GPU falling off the bus gives no warning: it is only detected, by the node's missing GPU
+    assert details["fell_off_bus"]["status"] == "detected"
+    assert set(details["fell_off_bus"]["alerts"]) & {"TestGpusMissing", "TestXid"}
+    assert result["recall"] == 1.0 and result["predicted_fraction"] == 0.5
+    assert result["per_kind"]["hbm_degradation"]["predicted"] == 1
+    # the isolated SBE burst on gpu-000 GPU 2 trips the naive ECC rule: a false alarm, blamed on the burst
+    alarms = result["false_alarm_episodes"]
+    assert any(
+        a["alert"] == "TestRisk"
+        and a["node"] == "gpu-000"
+        and a["gpu"] == "2"
+        and a["near_noise"] == "sbe_burst"
+        for a in alarms
+    )
+    assert result["false_alarms_per_day"] == pytest.approx(len(alarms) * 64 / 4, rel=0.01)
+    # checkpoint queueing is informational: counted apart, never a false alarm
+    assert result["per_alert"]["TestNfsQueueing"]["informational"] >= 1
+    assert result["per_alert"]["TestNfsQueueing"]["false_alarms"] == 0
+    # the ALERTS-reading rule ran on the backfilled ALERTS: gpu-001 had two drain alerts at its failure
+    assert result["per_alert"]["TestLemon"]["error"] is None
+    assert result["per_alert"]["TestLemon"]["detected"] == 1
+    assert png.stat().st_size > 10_000
+    assert "recall" in capsys.readouterr().out
+    assert processes_using(keep) == []
+
+
+@pytest.mark.slow
+def test_backfilled_prometheus_serves_raw_and_recorded_series(tmp_path: Path, rules_dir: Path) -> None:
+    with backfilled_prometheus(SMALL, tmp_path, rules_dir=rules_dir) as fleet:
+        api = fleet.server.api
+        at = fleet.start + 13 * 3600  # an hour before the HBM failure on gpu-001 GPU 3
+        gpus = api.query("count(gpuhealth_gpu_up)", time=at)
+        assert float(gpus[0]["value"][1]) == 32
+        info = api.query('gpuhealth_gpu_info{node="gpu-001", gpu="3"}', time=at)
+        assert info[0]["metric"]["model"] == "NVIDIA H100 80GB HBM3"
+        assert info[0]["metric"]["job"] == "gpuhealth-exporter"
+        risk = api.query('gpuhealth:gpu_failure_risk:score{node="gpu-001", gpu="3"}', time=at)
+        assert risk[0]["metric"]["source"] == "test"
+        assert float(risk[0]["value"][1]) == 1.0
+        quiet = api.query('gpuhealth:gpu_failure_risk:score{node="gpu-003"}', time=at)
+        assert len(quiet) == 8 and all(float(r["value"][1]) < 0.5 for r in quiet)
+        lost = api.query('gpuhealth_gpus_visible{node="gpu-002"}', time=fleet.start + 19 * 3600)
+        assert float(lost[0]["value"][1]) == 7
+        assert processes_using(tmp_path)
+    assert processes_using(tmp_path) == []
