@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 import subprocess
 import sys
 import urllib.request
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import alert, notification
+from fake_kube import make_pki
 from gpuhealth.webhook.config import ConfigError, load_config, parse_config
 from gpuhealth.webhook.main import main
 
@@ -120,3 +122,43 @@ def test_example_config_starts_as_it_is_with_dry_run(tmp_path):
         assert f"{series} 1.0" in metrics
         assert "_created" not in metrics
     assert (tmp_path / "state" / "token").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.slow
+def test_tls_with_client_certificates(tmp_path):
+    pki = make_pki(tmp_path / "pki")
+    port = free_port()
+    (tmp_path / "token").write_text("tls-token")
+    config = tmp_path / "webhook.yaml"
+    config.write_text(yaml.safe_dump({
+        "listen": f"127.0.0.1:{port}", "state_dir": "state", "auth": {"token_file": "token"},
+        "backend": {"type": "simulated", "nodes": ["gpu01"]},
+        "tls": {"cert_file": str(pki.server_cert), "key_file": str(pki.server_key),
+                "client_ca_file": str(pki.ca)}}))
+    client = ssl.create_default_context(cafile=str(pki.ca))
+    client.load_cert_chain(pki.client_cert, pki.client_key)
+    anonymous = ssl.create_default_context(cafile=str(pki.ca))
+    url = f"https://127.0.0.1:{port}"
+
+    def post(context: ssl.SSLContext) -> int:
+        body = json.dumps(notification(alert("gpu01"))).encode()
+        request = urllib.request.Request(f"{url}/alerts", data=body,
+                                         headers={"Authorization": "Bearer tls-token"})
+        with urllib.request.urlopen(request, timeout=10, context=context) as resp:
+            return resp.status
+
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=2, context=client) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    argv = [sys.executable, "-m", "gpuhealth.webhook.main", "--config", str(config)]
+    with ManagedProcess("webhook", argv, tmp_path / "webhook.log") as proc:
+        proc.start()
+        proc.wait_ready(ready, timeout=30)
+        assert post(client) == 200
+        with pytest.raises(OSError):  # the handshake fails without a client certificate
+            post(anonymous)
+        assert not http_ok(f"http://127.0.0.1:{port}/healthz")
