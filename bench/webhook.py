@@ -125,7 +125,7 @@ async def run(workdir: Path, notifications: int, concurrency: int) -> int:
         total, _ = _journal_counts(journal)
         started = time.perf_counter()
         while _journal_counts(journal)[1]:
-            time.sleep(0.2)
+            await asyncio.sleep(0.2)
         drained = time.perf_counter() - started
         verdict = "no loss" if total == sent else "LOSS"
         print(f"journaled actions: {total} for {sent} alerts sent ({verdict}); "

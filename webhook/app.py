@@ -82,6 +82,10 @@ async def post_alerts(request: web.Request) -> web.Response:
         message = str(exc) if isinstance(exc, PayloadError) else f"body is not valid JSON: {exc}"
         log.warning("event=notification_rejected remote=%s error=%r", request.remote, message[:300])
         raise _json_error(web.HTTPBadRequest, message) from None
+    if notification.truncated_alerts:
+        log.warning("event=notification_truncated receiver=%s dropped_alerts=%d (raise max_alerts in the "
+                    "Alertmanager receiver or group alerts more finely)", notification.receiver,
+                    notification.truncated_alerts)
     journal = request.app[JOURNAL]
     decisions = decide(notification, request.app[CONFIG])
     try:
