@@ -45,7 +45,7 @@ def calls(tmp_path: Path) -> list[dict]:
 
 async def test_placeholders_are_filled_verbatim_never_through_a_shell(tmp_path, recorder):
     backend = make(tmp_path, recorder, {"drain": ["--node={node}", "{reason}"]})
-    reason = "gpuhealth: GPUHealthXidFatal: XID 79 $(touch pwned); `id` > x && echo {gpu}"
+    reason = "gpuhealth: GPUHealthXidResetGpu: XID 79 $(touch pwned); `id` > x && echo {gpu}"
     await backend.drain("gpu07", reason)
     [call] = calls(tmp_path)
     assert call["argv"] == ["--node=gpu07", reason]
@@ -53,7 +53,7 @@ async def test_placeholders_are_filled_verbatim_never_through_a_shell(tmp_path, 
     assert call["env"]["GPUHEALTH_OPERATION"] == "drain"
     assert call["env"]["GPUHEALTH_NODE"] == "gpu07"
     assert call["env"]["GPUHEALTH_REASON"] == reason
-    assert call["env"]["GPUHEALTH_ALERTNAME"] == "GPUHealthXidFatal"
+    assert call["env"]["GPUHEALTH_ALERTNAME"] == "GPUHealthXidResetGpu"
 
 
 async def test_every_operation_passes_its_fields(tmp_path, recorder):

@@ -15,7 +15,7 @@ from gpuhealth.local.slurm import SlurmCluster
 
 pytestmark = pytest.mark.slow
 
-REASON = "gpuhealth: GPUHealthXidFatal: XID 79: GPU has fallen off the bus"
+REASON = "gpuhealth: GPUHealthXidResetGpu: XID 48 on gpu01 GPU 3: reset the GPU"
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +201,7 @@ async def test_reset_gpu_runs_the_site_command(slurm, tmp_path):
         "slurm_conf": str(slurm.conf_path),
         "reset_gpu_command": [sys.executable, str(script), str(out), "{node}", "{gpu}"]})
     await backend.reset_gpu("gpu01", "5", REASON)
-    assert out.read_text() == f"gpu01 5 GPUHealthXidFatal {slurm.conf_path}"
+    assert out.read_text() == f"gpu01 5 GPUHealthXidResetGpu {slurm.conf_path}"
 
 
 async def test_errors_carry_slurms_message(backend):
