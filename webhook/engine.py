@@ -11,6 +11,7 @@ import asyncio
 import fnmatch
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 
 BREAKER = "breaker"  # journal meta key: {"open": bool, "since": float, "reason": str}
 ACTING_DRAINS = (*DRAINING_KINDS, "replace")
+# One node name: Slurm reads "gpu[01-64]", "a,b" or "ALL" as many nodes, and a label must never widen
+# what one alert acts on.
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 FINAL_STATE = {Outcome.DONE: DONE, Outcome.DRY_RUN: DONE, Outcome.FAILED: FAILED,
                Outcome.CANCELLED: CANCELLED}  # anything else ends SKIPPED
 
@@ -114,6 +118,9 @@ class Engine:
             return Verdict(Outcome.DONE, Reason.RECORD_ONLY, "recorded only (action none)")
         if not a.node:
             return Verdict(Outcome.SKIPPED, Reason.NO_NODE, "the alert has no node label")
+        if not NODE_NAME.fullmatch(a.node):
+            return Verdict(Outcome.SKIPPED, Reason.INVALID_NODE,
+                           f"node label {a.node[:80]!r} is not one node name")
         verdict = await (self._admit_undrain(a) if a.kind == UNDRAIN else self._admit_action(a))
         if verdict is not None:
             return verdict

@@ -23,6 +23,7 @@ class Reason(StrEnum):
     ALREADY_RESUMED = "already_resumed"  # undrain found the node back in service
     DRY_RUN = "dry_run"
     NO_NODE = "no_node"  # the alert has no node label
+    INVALID_NODE = "invalid_node"  # a label a scheduler would read as many nodes ("gpu[01-64]", "ALL,x")
     NOT_ALLOWED = "not_allowed"  # not on the allow list
     DENIED = "denied"  # on the deny list
     UNKNOWN_NODE = "unknown_node"
@@ -44,10 +45,10 @@ class Reason(StrEnum):
 VALID: dict[Outcome, tuple[Reason, ...]] = {
     Outcome.DONE: (Reason.OK, Reason.RECORD_ONLY, Reason.ALREADY_RESUMED),
     Outcome.DRY_RUN: (Reason.DRY_RUN,),
-    Outcome.SKIPPED: (Reason.NO_NODE, Reason.NOT_ALLOWED, Reason.DENIED, Reason.UNKNOWN_NODE,
-                      Reason.DRAINED_BY_OTHER, Reason.ALREADY_DRAINED, Reason.COOLDOWN, Reason.BREAKER_OPEN,
-                      Reason.NOT_DRAINED_BY_US, Reason.STILL_FIRING, Reason.LEFT_FOR_HUMAN,
-                      Reason.HEALTH_CHECK_FAILED),
+    Outcome.SKIPPED: (Reason.NO_NODE, Reason.INVALID_NODE, Reason.NOT_ALLOWED, Reason.DENIED,
+                      Reason.UNKNOWN_NODE, Reason.DRAINED_BY_OTHER, Reason.ALREADY_DRAINED, Reason.COOLDOWN,
+                      Reason.BREAKER_OPEN, Reason.NOT_DRAINED_BY_US, Reason.STILL_FIRING,
+                      Reason.LEFT_FOR_HUMAN, Reason.HEALTH_CHECK_FAILED),
     Outcome.DEFERRED: (Reason.RATE_LIMITED, Reason.JOB_RETRY_INTERVAL, Reason.BACKEND_ERROR,
                        Reason.HEALTH_CHECK_FAILED),
     Outcome.FAILED: (Reason.BACKEND_ERROR,),

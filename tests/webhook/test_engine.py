@@ -242,11 +242,13 @@ async def test_allow_and_deny_lists(webhook):
     assert [a["reason"] for a in actions] == ["ok", "denied", "not_allowed", "no_node", "not_allowed"]
 
 
-async def test_unknown_node_is_skipped(webhook):
+async def test_unknown_or_multi_node_labels_are_skipped(webhook):
     hook = await webhook()
-    await hook.post(alert("gpu99", action="drain"))
-    [action] = await hook.settle()
-    assert (action["state"], action["reason"]) == ("skipped", "unknown_node")
+    await hook.post(alert("gpu99", action="drain"), alert("gpu[01-16]", action="drain"),
+                    alert("ALL,gpu01", action="drain"), alert("-h", action="drain"))
+    actions = await hook.settle()
+    assert [a["reason"] for a in actions] == ["unknown_node", "invalid_node", "invalid_node", "invalid_node"]
+    assert hook.backend.history == []
 
 
 async def test_policy_rules_override_the_action_label(webhook):
