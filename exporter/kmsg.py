@@ -152,7 +152,8 @@ class KmsgFollower:
             records = []
             while len(records) < max_records:
                 try:
-                    records.append(os.read(self._fd, 8192).rstrip(b"\n"))
+                    # one record per read: the message line, then " KEY=value" dictionary lines
+                    records.append(os.read(self._fd, 8192).split(b"\n", 1)[0])
                 except BlockingIOError:
                     break
                 except OSError as exc:

@@ -24,9 +24,6 @@ CLOCK_EVENT_REASONS = {  # label -> pynvml constant suffix
     "hw_power_brake_slowdown": "HwPowerBrakeSlowdown",
     "display_clock_setting": "DisplayClockSetting",
 }
-_NVLINK_COUNTERS = {"crc_flit": "CRC_FLIT", "crc_data": "CRC_DATA", "replay": "REPLAY",
-                    "recovery": "RECOVERY"}
-assert tuple(_NVLINK_COUNTERS) == NVLINK_ERROR_TYPES
 
 
 @dataclass
@@ -126,9 +123,9 @@ class NvmlReader:
 
     def _clock_events(self, handle: Any, r: GpuReading) -> None:
         nvml = self.nvml
-        fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            nvml.nvmlDeviceGetCurrentClocksThrottleReasons  # drivers before 535
-        mask = self.optional(fn, handle)
+        mask = self.optional(nvml.nvmlDeviceGetCurrentClocksEventReasons, handle)
+        if mask is None:  # drivers before 535 know only the older name
+            mask = self.optional(nvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
         if mask is None:
             return
         for label, bit in self._reasons.items():
@@ -185,8 +182,8 @@ class NvmlReader:
             if state is None:
                 continue
             r.add("gpuhealth_gpu_nvlink_up", int(state == nvml.NVML_FEATURE_ENABLED), str(link))
-            for type_label, suffix in _NVLINK_COUNTERS.items():
-                counter = getattr(nvml, f"NVML_NVLINK_ERROR_DL_{suffix}")
+            for type_label in NVLINK_ERROR_TYPES:  # crc_flit -> NVML_NVLINK_ERROR_DL_CRC_FLIT, ...
+                counter = getattr(nvml, f"NVML_NVLINK_ERROR_DL_{type_label.upper()}")
                 r.add("gpuhealth_gpu_nvlink_errors_total",
                       self.optional(nvml.nvmlDeviceGetNvLinkErrorCounter, handle, link, counter),
                       str(link), type_label)

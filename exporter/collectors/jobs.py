@@ -20,10 +20,11 @@ _CGROUP_JOB = re.compile(r"/job_(\d+)(?:/|$)")
 def slurm_job_of(procfs: Path, pid: int) -> str | None:
     """The Slurm job id of ``pid``: its cgroup path (``.../job_<id>/...``), else ``SLURM_JOB_ID``."""
     try:
-        if match := _CGROUP_JOB.search((procfs / str(pid) / "cgroup").read_text()):
-            return match.group(1)
-    except OSError:
-        pass  # the process ended, or it is in another pid namespace: try its environment
+        cgroup = (procfs / str(pid) / "cgroup").read_text()
+    except OSError:  # the process ended, or it is in another pid namespace: try its environment
+        cgroup = ""
+    if match := _CGROUP_JOB.search(cgroup):
+        return match.group(1)
     try:
         environ = (procfs / str(pid) / "environ").read_bytes().split(b"\0")
     except OSError:

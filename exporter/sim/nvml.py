@@ -197,6 +197,8 @@ class SimulatedNvml:
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: SimHandle) -> int:
         return self._gpu(handle).reasons
 
+    nvmlDeviceGetCurrentClocksThrottleReasons = nvmlDeviceGetCurrentClocksEventReasons
+
     def nvmlDeviceGetUtilizationRates(self, handle: SimHandle) -> pynvml.c_nvmlUtilization_t:
         gpu = self._gpu(handle)
         rates = pynvml.c_nvmlUtilization_t()
