@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,14 +12,11 @@ import numpy as np
 
 from gpuhealth.evaluation import plot, report
 from gpuhealth.evaluation.alerts import AlertEvaluator, AlertRun, reads_alerts
-from gpuhealth.evaluation.fleet import BackfilledFleet, backfilled_prometheus, run_parallel
+from gpuhealth.evaluation.fleet import add_series, backfilled_prometheus
 from gpuhealth.evaluation.matching import score
-from gpuhealth.evaluation.openmetrics import BlockFiles, Thinning
 from gpuhealth.evaluation.progress import Progress
 from gpuhealth.evaluation.ranges import label_text
 from gpuhealth.evaluation.signals import Family
-from gpuhealth.evaluation.workload import Timeline
-from gpuhealth.local.prometheus import find_binary
 
 log = logging.getLogger(__name__)
 
@@ -36,34 +32,14 @@ class Options:
     progress: bool = True
 
 
-def backfill_alerts(fleet: BackfilledFleet, run: AlertRun, workdir: Path, *, progress: bool) -> None:
-    """Write ALERTS{alertstate=...} as Prometheus would have, for rules that read it; restart."""
-    step = float(run.times[1] - run.times[0]) if run.times.size > 1 else 60.0
-    files = BlockFiles(workdir / "alerts", Timeline(float(run.times[0]), step, run.times.size))
+def alerts_family(run: AlertRun) -> Family:
+    """ALERTS{alertstate=...} as Prometheus would have written them, for rules that read ALERTS."""
     rows = []
     for state, table in (("firing", run.firing), ("pending", run.pending)):
         for series in table.values():
             for labels, mask in series.items():
-                text = label_text((*labels, ("alertstate", state)))
-                rows.append((text, np.where(mask, 1.0, np.nan)))
-    try:
-        files.write(Family("ALERTS", "gauge", rows), Thinning(0, 0))
-    finally:
-        paths = files.close()
-    blocks = workdir / "alert-blocks"
-    promtool = find_binary("promtool")
-    run_parallel(
-        [[promtool, "tsdb", "create-blocks-from", "openmetrics", "-q", str(p), str(blocks)] for p in paths],
-        "backfilling ALERTS",
-        progress=progress,
-        workdir=workdir,
-    )
-    fleet.server.stop()
-    if blocks.exists():
-        for block in blocks.iterdir():
-            block.rename(fleet.server.data_dir / block.name)
-    shutil.rmtree(workdir / "alerts", ignore_errors=True)
-    fleet.server.start(timeout=300)
+                rows.append((label_text((*labels, ("alertstate", state))), np.where(mask, 1.0, np.nan)))
+    return Family("ALERTS", "gauge", rows)
 
 
 def evaluate(options: Options) -> dict[str, Any]:
@@ -88,7 +64,14 @@ def evaluate(options: Options) -> dict[str, Any]:
         with Progress("evaluating alerts", len(direct), enabled=options.progress) as bar:
             evaluator.evaluate_all(direct, bar.advance)
         if second:
-            backfill_alerts(fleet, evaluator.run, options.workdir, progress=options.progress)
+            add_series(
+                fleet.server,
+                [alerts_family(evaluator.run)],
+                evaluator.times,
+                options.workdir,
+                "backfilling ALERTS",
+                progress=options.progress,
+            )
             with Progress("evaluating ALERTS rules", len(second), enabled=options.progress) as bar:
                 evaluator.evaluate_all(second, bar.advance)
         episodes = [e for e in evaluator.run.episodes() if e.start >= fleet.start]

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gpuhealth.evaluation.expand import Expander
 from gpuhealth.evaluation.openmetrics import BlockFiles, Thinning, write_blocks
 from gpuhealth.evaluation.progress import Progress
@@ -130,52 +132,65 @@ def backfill_series(
 
         paths, samples = write_blocks(counted(), staging, signals.timeline, selection)
     log.info("series written samples=%d files=%d", samples, len(paths))
-    promtool = find_binary("promtool")
-    data_dir.mkdir(parents=True, exist_ok=True)
-    commands = [
-        [promtool, "tsdb", "create-blocks-from", "openmetrics", "-q", str(p), str(data_dir)] for p in paths
-    ]
-    run_parallel(
-        commands,
-        "backfilling blocks",
-        progress=progress,
-        workdir=workdir,
-        on_done=lambda i: paths[i].unlink(),
-    )
+    promtool_blocks(paths, data_dir, "backfilling blocks", progress=progress, workdir=workdir)
     shutil.rmtree(staging, ignore_errors=True)
     return samples
+
+
+def promtool_blocks(paths: list[Path], out: Path, label: str, *, progress: bool, workdir: Path) -> None:
+    """Turn OpenMetrics files into TSDB blocks in ``out``, removing each file once it is in."""
+    promtool = find_binary("promtool")
+    out.mkdir(parents=True, exist_ok=True)
+    commands = [
+        [promtool, "tsdb", "create-blocks-from", "openmetrics", "-q", str(p), str(out)] for p in paths
+    ]
+    run_parallel(commands, label, progress=progress, workdir=workdir, on_done=lambda i: paths[i].unlink())
+
+
+def add_series(
+    server: PrometheusServer,
+    families: list[Family],
+    times: np.ndarray,
+    workdir: Path,
+    label: str,
+    *,
+    progress: bool,
+) -> None:
+    """Add series sampled at ``times`` to a running Prometheus: backfill them beside the TSDB, then
+    restart Prometheus on its data directory with the new blocks in place."""
+    staging = workdir / "staging"
+    step = float(times[1] - times[0]) if times.size > 1 else 60.0
+    files = BlockFiles(staging, Timeline(float(times[0]), step, times.size))
+    try:
+        for family in families:
+            files.write(family, Thinning(0, 0))
+    finally:
+        paths = files.close()
+    blocks = staging / "blocks"
+    promtool_blocks(paths, blocks, label, progress=progress, workdir=workdir)
+    server.stop()
+    for block in blocks.iterdir():
+        block.rename(server.data_dir / block.name)
+    shutil.rmtree(staging, ignore_errors=True)
+    server.start(timeout=300)
 
 
 def backfill_records(
     server: PrometheusServer, rules: RuleSet, start: float, end: float, workdir: Path, *, progress: bool
 ) -> None:
-    """Record every recording rule over [start, end] at the rules' interval, then restart Prometheus
-    on the result. Each recorded name is computed from raw series by its expanded expression (see
-    ``expand``), so no layer reads another's backfilled output, which would lack staleness markers."""
+    """Record every recording rule over [start, end] at the rules' interval. Each recorded name is
+    computed from raw series by its expanded expression (see ``expand``), so no rule reads another's
+    backfilled output, which would lack the staleness markers rule evaluation writes."""
     expander = Expander(rules)
     names = list(dict.fromkeys(r.name for r in rules.records))
     times = grid(start, end, rules.interval)
-    files = BlockFiles(workdir / "records", Timeline(float(times[0]), rules.interval, times.size))
-    try:
-        with Progress("recording rules", len(names), enabled=progress) as bar:
-            for name in names:
-                matrix = range_matrix(server.api, expander.definition(name), times)
-                rows = [(label_text(labels), values) for labels, values in matrix.series.items()]
-                files.write(Family(name, "gauge", rows), Thinning(0, 0))
-                bar.advance()
-    finally:
-        paths = files.close()
-    blocks = workdir / "record-blocks"
-    promtool = find_binary("promtool")
-    commands = [
-        [promtool, "tsdb", "create-blocks-from", "openmetrics", "-q", str(p), str(blocks)] for p in paths
-    ]
-    run_parallel(commands, "backfilling records", progress=progress, workdir=workdir)
-    server.stop()
-    for block in blocks.iterdir():
-        block.rename(server.data_dir / block.name)
-    shutil.rmtree(workdir / "records", ignore_errors=True)
-    server.start(timeout=300)
+    families = []
+    with Progress("recording rules", len(names), enabled=progress) as bar:
+        for name in names:
+            matrix = range_matrix(server.api, expander.definition(name), times)
+            families.append(Family(name, "gauge", [(label_text(k), v) for k, v in matrix.series.items()]))
+            bar.advance()
+    add_series(server, families, times, workdir, "backfilling records", progress=progress)
 
 
 def start_prometheus(workdir: Path, data_dir: Path, interval: float) -> PrometheusServer:
