@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -145,12 +144,7 @@ class AlertEvaluator:
             if (present & ~on).any():
                 pending[key] = present & ~on
 
-    def evaluate_all(self, rules: list[Rule], advance: Callable[[], None], workers: int = 2) -> None:
-        """Alerts in parallel (Prometheus runs each range query on one core)."""
-        pool = ThreadPoolExecutor(max_workers=workers)
-        try:
-            for future in [pool.submit(self.evaluate, rule) for rule in rules]:
-                future.result()
-                advance()
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+    def evaluate_all(self, rules: list[Rule], advance: Callable[[], None]) -> None:
+        for rule in rules:
+            self.evaluate(rule)
+            advance()

@@ -5,6 +5,8 @@ Prometheus answers at most 11,000 points per series, so long periods are asked f
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +15,7 @@ from gpuhealth.local.prometheus import PrometheusAPI
 
 MAX_POINTS = 10000
 QUERY_TIMEOUT = 1800.0
+PARALLEL = max(1, os.cpu_count() or 1)
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -29,12 +32,26 @@ def grid(start: float, end: float, step: float) -> np.ndarray:
     return first + step * np.arange(int((end - first) // step) + 1)
 
 
-def range_matrix(api: PrometheusAPI, expr: str, times: np.ndarray) -> Matrix:
+def range_matrix(api: PrometheusAPI, expr: str, times: np.ndarray, workers: int = PARALLEL) -> Matrix:
+    """``expr`` at every instant of ``times`` (a regular grid), in chunks answered in parallel:
+    Prometheus evaluates one range query on one core."""
     step = float(times[1] - times[0]) if times.size > 1 else 60.0
+    chunks = max(workers, -(-times.size // MAX_POINTS))
+    bounds = np.linspace(0, times.size, min(chunks, times.size) + 1).astype(int)
+    pieces = list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True))
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        answers = list(
+            pool.map(
+                lambda p: api.query_range(expr, times[p[0]], times[p[1] - 1], step, timeout=QUERY_TIMEOUT),
+                pieces,
+            )
+        )
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     series: dict[Labels, np.ndarray] = {}
-    for first in range(0, times.size, MAX_POINTS):
-        last = min(first + MAX_POINTS, times.size) - 1
-        for item in api.query_range(expr, times[first], times[last], step, timeout=QUERY_TIMEOUT):
+    for answer in answers:
+        for item in answer:
             key = tuple(sorted(item["metric"].items()))
             values = series.setdefault(key, np.full(times.size, np.nan))
             points = np.array(item["values"], dtype=float)
