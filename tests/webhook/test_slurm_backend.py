@@ -205,6 +205,19 @@ async def test_reset_gpu_runs_the_site_command(slurm, tmp_path):
     assert out.read_text() == f"gpu01 5 GPUHealthXidResetGpu {slurm.conf_path}"
 
 
+async def test_scontrol_can_run_through_a_wrapper(slurm, tmp_path):
+    calls = tmp_path / "calls"
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text("import os, sys\n"
+                       f"open({str(calls)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+                       "os.execvp(sys.argv[1], sys.argv[1:])\n")
+    backend = SlurmBackend.from_config({"slurm_conf": str(slurm.conf_path),
+                                        "scontrol": [sys.executable, str(wrapper), "scontrol"]})
+    await backend.drain("gpu01", REASON)
+    assert (await backend.node_state("gpu01")).reason == REASON
+    assert f"scontrol update NodeName=gpu01 State=DRAIN Reason={REASON}" in calls.read_text().splitlines()
+
+
 async def test_errors_carry_slurms_message(backend):
     with pytest.raises(BackendError) as err:
         await backend.drain("gpu99", REASON)

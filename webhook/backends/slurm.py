@@ -53,8 +53,8 @@ _KEYS = {"scontrol", "squeue", "slurm_conf", "timeout_seconds", "partition", "re
 
 @dataclass(frozen=True)
 class SlurmSettings:
-    scontrol: str = "scontrol"
-    squeue: str = "squeue"
+    scontrol: tuple[str, ...] = ("scontrol",)  # an argv prefix: ("sudo", "-n", "/usr/bin/scontrol") works
+    squeue: tuple[str, ...] = ("squeue",)
     slurm_conf: str | None = None
     timeout_seconds: float = 30.0
     partition: str | None = None
@@ -63,12 +63,22 @@ class SlurmSettings:
     reboot_next_state: str = "RESUME"
 
 
+def _argv(value: Any, name: str, errors: list[str]) -> tuple[str, ...]:
+    """A program as a path or an argv prefix (a wrapper such as sudo); never a shell line."""
+    argv = [value] if isinstance(value, str) else value
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and a for a in argv):
+        errors.append(f"{name}: a program, or an argv list such as [sudo, -n, /usr/bin/scontrol]")
+        return ()
+    return tuple(argv)
+
+
 def _settings(section: Mapping[str, Any]) -> SlurmSettings:
     errors = [f"backend.{key}: unknown key" for key in sorted(set(section) - _KEYS)]
-    for key in ("scontrol", "squeue", "slurm_conf", "partition"):
+    for key in ("slurm_conf", "partition"):
         value = section.get(key)
         if value is not None and (not isinstance(value, str) or not value):
             errors.append(f"backend.{key}: a non-empty string")
+    tools = {key: _argv(section.get(key, key), f"backend.{key}", errors) for key in ("scontrol", "squeue")}
     timeout = section.get("timeout_seconds", 30.0)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
         errors.append("backend.timeout_seconds: a number > 0")
@@ -84,11 +94,9 @@ def _settings(section: Mapping[str, Any]) -> SlurmSettings:
         errors.append("backend.reboot_next_state: RESUME (back in service after the reboot) or DOWN")
     if errors:
         raise ValueError("slurm backend:\n  " + "\n  ".join(errors))
-    defaults = SlurmSettings()
     return SlurmSettings(
-        scontrol=section.get("scontrol") or defaults.scontrol,
-        squeue=section.get("squeue") or defaults.squeue,
-        slurm_conf=section.get("slurm_conf"), timeout_seconds=float(timeout),
+        scontrol=tools["scontrol"], squeue=tools["squeue"], slurm_conf=section.get("slurm_conf"),
+        timeout_seconds=float(timeout),
         partition=section.get("partition"), reset_gpu_command=list(command) if command else None,
         reset_gpu_fallback=fallback, reboot_next_state=next_state)
 
@@ -128,8 +136,8 @@ class SlurmBackend:
         """Build from the ``backend:`` section; raises ``ValueError`` listing every problem."""
         return cls(_settings(section))
 
-    async def _run(self, tool: str, *args: str) -> str:
-        argv = [tool, *args]
+    async def _run(self, tool: tuple[str, ...], *args: str) -> str:
+        argv = [*tool, *args]
         try:
             return await run_argv(argv, env=self._env, timeout=self.settings.timeout_seconds)
         except BackendError as exc:
