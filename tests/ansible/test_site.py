@@ -31,10 +31,10 @@ SITE_VARS = {
 }
 
 
-def fresh_deployment(tmp_path_factory, wheelhouse, name: str) -> Deployment:
+def fresh_deployment(tmp_path_factory, wheelhouse, name: str, **overrides: object) -> Deployment:
     prefix = tmp_path_factory.mktemp(name)
     seed_existing_monitoring(prefix)
-    return write_inventory(prefix, wheelhouse, free_port(), free_port(), **SITE_VARS)
+    return write_inventory(prefix, wheelhouse, free_port(), free_port(), **SITE_VARS, **overrides)
 
 
 def tree(root: Path) -> list[Path]:
@@ -44,7 +44,9 @@ def tree(root: Path) -> list[Path]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, ansible_env, wheelhouse) -> dict:
     """A real run, the same again, and --check on another fresh prefix alongside the first."""
-    deployment = fresh_deployment(tmp_path_factory, wheelhouse, "root")
+    # The real runs use the wheelhouse in place (copying it costs seconds); --check takes the copy path.
+    in_place = {f"gpuhealth_{role}_wheelhouse_remote_src": True for role in ("exporter", "webhook")}
+    deployment = fresh_deployment(tmp_path_factory, wheelhouse, "root", **in_place)
     checked = fresh_deployment(tmp_path_factory, wheelhouse, "check-root")
     checked_before = tree(checked.prefix)
     check = start_playbook(ansible_env, checked.inventory, "--check")
