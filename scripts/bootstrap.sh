@@ -19,6 +19,7 @@ declare -A NEEDED=(
   [scontrol]=slurm-client
   [munged]=munge
   [chromium]=chromium
+  [systemd-analyze]=systemd
 )
 
 missing_packages() {
