@@ -109,18 +109,23 @@ def test_first_run_installs_everything(site):
 
 def test_units_are_hardened_but_reach_the_gpus(site):
     deployment = site[0]
-    exporter = deployment.path("/etc/systemd/system/gpuhealth-exporter.service").read_text()
+    units = {name: deployment.path(f"/etc/systemd/system/gpuhealth-{name}.service")
+             for name in ("exporter", "webhook")}
+    exporter = units["exporter"].read_text().splitlines()
     for line in ("NoNewPrivileges=true", "ProtectSystem=strict", "DevicePolicy=closed",
                  "DeviceAllow=char-nvidia-frontend rw", "DeviceAllow=/dev/kmsg r",
                  "AmbientCapabilities=CAP_SYSLOG", "CapabilityBoundingSet=CAP_SYSLOG",
                  "ProtectKernelLogs=false",
                  f'ReadWritePaths="{deployment.path("/var/lib/gpuhealth-exporter")}"'):
-        assert line in exporter.splitlines(), line
+        assert line in exporter, line
     assert "PrivateDevices=true" not in exporter
-    webhook = deployment.path("/etc/systemd/system/gpuhealth-webhook.service").read_text()
+    webhook = units["webhook"].read_text().splitlines()
     for line in ("NoNewPrivileges=true", "PrivateDevices=true", "CapabilityBoundingSet=",
                  f'ReadWritePaths="{deployment.path("/var/lib/gpuhealth-webhook")}"'):
-        assert line in webhook.splitlines(), line
+        assert line in webhook, line
+    verify = subprocess.run(["systemd-analyze", "verify", "--man=no", *units.values()], capture_output=True,
+                            text=True, timeout=60)
+    assert (verify.returncode, verify.stdout + verify.stderr) == (0, ""), "systemd-analyze found problems"
 
 
 def test_second_run_changes_nothing(site):
