@@ -135,3 +135,31 @@ def test_managed_header_is_optional():
     text = render("gpuhealth_exporter", "exporter.yml.j2", {"gpuhealth_managed_header": header})
     assert text.startswith(header + "\n")
     assert not render("gpuhealth_exporter", "exporter.yml.j2", {}).startswith(header)
+
+
+def test_webhook_kubeconfig_becomes_the_kubernetes_backends(tmp_path: Path):
+    kubeconfig = yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fleet",
+        "clusters": [{"name": "fleet", "cluster": {"server": "https://127.0.0.1:6443",
+                                                   "insecure-skip-tls-verify": True}}],
+        "users": [{"name": "gpuhealth", "user": {"token": "sa-token"}}],
+        "contexts": [{"name": "fleet", "context": {"cluster": "fleet", "user": "gpuhealth"}}]})
+    variables = {"gpuhealth_webhook_root_prefix": str(tmp_path), "gpuhealth_webhook_kubeconfig": kubeconfig,
+                 "gpuhealth_webhook_backend": {"type": "kubernetes"}}
+    config = render_to(tmp_path / "etc/gpuhealth/webhook.yml", "gpuhealth_webhook", "webhook.yml.j2",
+                       variables)
+    kubeconfig_file = tmp_path / "etc/gpuhealth/webhook.kubeconfig"
+    kubeconfig_file.write_text(kubeconfig)
+    (tmp_path / "etc/gpuhealth/webhook.token").write_text("0123456789abcdef0123\n")
+    (tmp_path / "var/lib/gpuhealth-webhook").mkdir(parents=True)
+
+    assert yaml.safe_load(config.read_text())["backend"] == {"type": "kubernetes",
+                                                             "kubeconfig": str(kubeconfig_file)}
+    check = run(str(BIN / "gpuhealth-webhook"), "--config", str(config), "--check-config")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "backend kubernetes" in check.stdout
+
+    own = {"type": "kubernetes", "kubeconfig": "/etc/k8s/admin.conf"}
+    named = {**variables, "gpuhealth_webhook_backend": own}
+    rendered = yaml.safe_load(render("gpuhealth_webhook", "webhook.yml.j2", named))
+    assert rendered["backend"]["kubeconfig"] == "/etc/k8s/admin.conf"
