@@ -106,7 +106,7 @@ class NvmlReader:
             r.add("gpuhealth_gpu_memory_used_bytes", memory.used)
             r.add("gpuhealth_gpu_memory_total_bytes", memory.total)
         self._memory_errors(handle, r)
-        self._pcie(handle, r)
+        self._pcie(handle, r, busy=util is None or util.gpu > 0)
         self._nvlink(index, handle, r)
         procs = opt(nvml.nvmlDeviceGetComputeRunningProcesses, handle)
         if procs is not None:
@@ -158,7 +158,7 @@ class NvmlReader:
             for label in REMAP_AVAILABILITY:
                 r.add("gpuhealth_gpu_row_remap_availability_banks", getattr(histogram, label), label)
 
-    def _pcie(self, handle: Any, r: GpuReading) -> None:
+    def _pcie(self, handle: Any, r: GpuReading, busy: bool) -> None:
         nvml, opt = self.nvml, self.optional
         r.add("gpuhealth_gpu_pcie_replays_total", opt(nvml.nvmlDeviceGetPcieReplayCounter, handle))
         gen = opt(nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle)
@@ -170,7 +170,9 @@ class NvmlReader:
         r.add("gpuhealth_gpu_pcie_link_width_lanes", width)
         r.add("gpuhealth_gpu_pcie_link_width_max_lanes", width_max)
         if None not in (gen, gen_max, width, width_max):
-            r.add("gpuhealth_gpu_pcie_link_downgraded", int(gen < gen_max or width < width_max))
+            # an idle GPU lowers its link generation to save power: only a busy one is downgraded
+            downgraded = width < width_max or (busy and gen < gen_max)
+            r.add("gpuhealth_gpu_pcie_link_downgraded", int(downgraded))
 
     def _nvlink(self, index: int, handle: Any, r: GpuReading) -> None:
         nvml = self.nvml

@@ -232,6 +232,7 @@ class FaultRun:
 
 def _idle(gpu: GpuState) -> None:
     gpu.utilization = gpu.memory_utilization = 0.0
+    gpu.pcie_gen = 1  # link power saving, as real GPUs do at idle
     gpu.power_watts = IDLE_POWER_W
     gpu.temperature = IDLE_TEMP_C
     gpu.memory_temperature = IDLE_TEMP_C + 2

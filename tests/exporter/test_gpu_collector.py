@@ -43,6 +43,8 @@ def test_small_volta_node_golden(clock: FakeClock) -> None:
     promtool_check(text)
     assert value(text, "gpuhealth_gpu_retired_pages", gpu="0", cause="double_bit") == 0
     assert value(text, "gpuhealth_gpu_clock_event_active", gpu="1", reason="gpu_idle") == 1
+    assert value(text, "gpuhealth_gpu_pcie_link_generation", gpu="0") == 1  # idle link power saving
+    assert value(text, "gpuhealth_gpu_pcie_link_downgraded", gpu="0") == 0  # is not a downgrade
 
 
 def test_not_supported_leaves_series_out(clock: FakeClock) -> None:
@@ -160,10 +162,10 @@ def test_gsp_precursor_shows_as_nvml_latency() -> None:
     """Slow answers before the GSP timeout: measured with the real clock, the sleep is real."""
     import time
 
-    ctx = sim_context({"gpus": 2, "faults": [{"kind": "gsp_timeout", "gpu": 0, "precursor": 0.5}]},
+    ctx = sim_context({"gpus": 2, "faults": [{"kind": "gsp_timeout", "gpu": 0, "precursor": 2}]},
                       time.monotonic)
     collector = make_collector("gpu", ctx)
-    time.sleep(0.3)
+    time.sleep(1.5)  # three quarters into the precursor: answers take about 190 ms
     text = scrape(collector)
     slow, fast = (value(text, "gpuhealth_gpu_nvml_latency_seconds", gpu=g) for g in ("0", "1"))
-    assert slow > 0.1 > fast
+    assert slow >= 0.15 and fast < slow / 2
