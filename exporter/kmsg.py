@@ -25,7 +25,7 @@ _RECOVERY = re.compile(r"recovery action changed from (?:0x)?[0-9a-fA-F]+(?: \([
                        r"to (?:0x)?([0-9a-fA-F]+)")
 _FALLEN = re.compile(r"NVRM: The NVIDIA GPU " + _PCI + r" .*has fallen off the bus")
 _SXID = re.compile(r"(nvidia-nvswitch\d+): SXid \(" + _PCI + r"\): (\d+), (Non-fatal|Fatal)", re.IGNORECASE)
-_AER = re.compile(r"^\S+ " + _PCI + r": AER: PCIe Bus Error: severity=(Corrected|Uncorrected \(Non-Fatal\)|"
+_AER = re.compile(r"\S+ " + _PCI + r": AER: PCIe Bus Error: severity=(Corrected|Uncorrected \(Non-Fatal\)|"
                   r"Uncorrected \(Fatal\))")
 _AER_SEVERITY = {"Corrected": "corrected", "Uncorrected (Non-Fatal)": "uncorrected_non_fatal",
                  "Uncorrected (Fatal)": "uncorrected_fatal"}

@@ -34,6 +34,11 @@ CASES = [
     ("nvidia 0000:3b:00.0: AER: PCIe Bus Error: severity=Uncorrected (Fatal), type=Transaction Layer, "
      "(Receiver ID)", Event("aer", "00000000:3B:00.0", severity="uncorrected_fatal")),
     ("pcieport 0000:00:01.0: AER: Corrected error received: 0000:3b:00.0", Event("ignored")),
+    # the same lines as syslog or journalctl print them
+    ("Nov 30 05:22:20 gpu-a17 kernel: [ 1234.5678] NVRM: Xid (PCI:0000:3b:00): 48, pid=9, DBE (0x1,0x2)",
+     Event("xid", "00000000:3B:00.0", code=48)),
+    ("Nov 30 05:22:21 gpu-a17 kernel: nvidia 0000:3b:00.0: AER: PCIe Bus Error: severity=Corrected, "
+     "type=Data Link Layer, (Transmitter ID)", Event("aer", "00000000:3B:00.0", severity="corrected")),
     ("EXT4-fs (nvme0n1p1): mounted filesystem with ordered data mode", Event("ignored")),
     (" SUBSYSTEM=pci", Event("ignored")),
     ("", Event("ignored")),
