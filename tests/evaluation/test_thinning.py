@@ -7,15 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpuhealth.evaluation.fleet import promtool_blocks, start_prometheus
-from gpuhealth.evaluation.openmetrics import BlockFiles, Thinning
+from gpuhealth.evaluation.openmetrics import Thinning
 from gpuhealth.evaluation.ranges import grid, range_matrix
 from gpuhealth.evaluation.rulefiles import RuleSet, load_rules
 from gpuhealth.evaluation.selection import Selection
 from gpuhealth.evaluation.signals import Family
-from gpuhealth.evaluation.workload import Timeline
 
-START, STEP, COUNT = 1_767_571_200.0, 60.0, 600
+from .tsdb import COUNT, START, STEP, prometheus_on
+
 QUERIES = {
     "rate": "rate({}[10m])",
     "increase": "increase({}[30m])",
@@ -50,21 +49,14 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory):
         )
     )
     selection = Selection.for_rules(load_rules(rules), STEP)
-    files = BlockFiles(workdir / "om", Timeline(START, STEP, COUNT))
-    thinned = {}
+    families = []
     for name, values in history().items():
-        files.write(Family(f"full_{name}", "gauge", [('node="n1"', values)]), Thinning(0, 0))
-        before = files.samples
-        files.write(
-            Family(f"thin_{name}", "gauge", [('node="n1"', values)]), selection.thinning(f"thin_{name}")
+        families.append((Family(f"full_{name}", "gauge", [('node="n1"', values)]), Thinning(0, 0)))
+        families.append(
+            (Family(f"thin_{name}", "gauge", [('node="n1"', values)]), selection.thinning(f"thin_{name}"))
         )
-        thinned[name] = files.samples - before
-    promtool_blocks(files.close(), workdir / "data", "test", progress=False, workdir=workdir)
-    server = start_prometheus(workdir, workdir / "data", STEP)
-    try:
-        yield server, thinned
-    finally:
-        server.stop()
+    with prometheus_on(workdir, families) as (server, written):
+        yield server, dict(zip(history(), written[1::2], strict=True))
 
 
 def test_thinning_drops_samples(prometheus) -> None:
