@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -68,7 +69,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM unwinds like Ctrl-C, so Prometheus is stopped and the temporary TSDB removed."""
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _terminated)
     if not args.rules.exists():
         print(
             f"gpuhealth eval: rules {args.rules} not found (generate them with 'gpuhealth rules generate', "
