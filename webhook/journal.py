@@ -360,16 +360,18 @@ class Journal:
         return {state: 0 for state in STATES} | {r[0]: r[1] for r in rows}
 
     def last_acted_at(self, node: str, exclude_id: int) -> float | None:
-        """When an action last acted on ``node`` (for the cooldown); dry runs and skips do not count."""
+        """When an action last started acting on ``node`` (for the cooldown).
+
+        Only admitted actions have a start time: dry runs and skips never count.
+        """
         row = self.db.execute("SELECT MAX(started_at) FROM actions WHERE node = ? AND id != ? AND kind "
-                              "NOT IN ('none', ?) AND outcome IN ('', 'done', 'failed') AND started_at "
-                              "IS NOT NULL", (node, exclude_id, UNDRAIN)).fetchone()
+                              "NOT IN ('none', ?)", (node, exclude_id, UNDRAIN)).fetchone()
         return row[0]
 
     def started_since(self, since: float) -> list[float]:
         """Start times of acting actions since ``since`` (for the global rate limit), oldest first."""
         rows = self.db.execute("SELECT started_at FROM actions WHERE started_at >= ? AND kind != 'none' "
-                               "AND outcome IN ('', 'done', 'failed') ORDER BY started_at", (since,))
+                               "ORDER BY started_at", (since,))
         return [r[0] for r in rows]
 
     def firing_drains(self, node: str, exclude: tuple[str, str]) -> int:

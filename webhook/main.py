@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import sqlite3
 import ssl
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from gpuhealth.webhook.app import create_app
 from gpuhealth.webhook.auth import Authenticator, AuthSetupError
 from gpuhealth.webhook.backends import Backend, create_backend
 from gpuhealth.webhook.config import Config, ConfigError, TLSConfig, load_config, parse_listen
+from gpuhealth.webhook.journal import Journal
 
 log = logging.getLogger("gpuhealth.webhook")
 
@@ -90,17 +92,15 @@ def main(argv: list[str] | None = None) -> int:
                         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
     try:
         config, backend = load(args)
-        Authenticator.from_config(config)
         context = _ssl_context(config.tls) if config.tls else None
-    except ConfigError as exc:
+        if args.check_config:
+            print(f"configuration OK (backend {backend.name}, dry_run {config.dry_run})")
+            return 0
+        Authenticator.from_config(config)  # creates the default token on first start
+        Journal(config.journal_path, config.journal_busy_timeout_seconds).close()
+    except (ConfigError, AuthSetupError, OSError, ssl.SSLError, sqlite3.Error) as exc:
         print(f"gpuhealth-webhook: {exc}", file=sys.stderr)
         return 2
-    except (AuthSetupError, OSError, ssl.SSLError) as exc:
-        print(f"gpuhealth-webhook: {exc}", file=sys.stderr)
-        return 2
-    if args.check_config:
-        print(f"configuration OK (backend {backend.name}, dry_run {config.dry_run})")
-        return 0
     app = create_app(config, backend=backend)
     log.info("event=listening host=%s port=%d tls=%s", config.listen_host, config.listen_port,
              context is not None)

@@ -82,6 +82,15 @@ def test_missing_token_file_is_a_clear_error(tmp_path, capsys):
     assert "absent.token: cannot read" in capsys.readouterr().err
 
 
+def test_unusable_state_dir_is_a_clear_error(tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"backend": {"type": "simulated", "nodes": ["n1"]}}))
+    (tmp_path / "occupied").write_text("a file where the state directory should be")
+    assert main(["--config", str(path), "--state-dir", str(tmp_path / "occupied" / "state")]) == 2
+    err = capsys.readouterr().err
+    assert "occupied" in err and "Traceback" not in err
+
+
 def test_help_names_every_flag():
     out = subprocess.run([sys.executable, "-m", "gpuhealth.webhook.main", "--help"], capture_output=True,
                          text=True, check=True).stdout
