@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pynvml
 from gpuhealth.exporter.sim.scenario import Fault, Scenario
 
 # H100 SXM figures: thresholds, clocks (MHz), limits, HBM row-remap banks.
@@ -22,9 +23,11 @@ MEMORY_TOTAL = 80 * 1024**3
 REMAP_BANKS = 8192
 PCIE_GEN, PCIE_WIDTH = 5, 16
 
-# Clock event reason bits, as NVML defines them.
-REASON_GPU_IDLE, REASON_SW_POWER_CAP, REASON_SW_THERMAL, REASON_HW_THERMAL = 0x1, 0x4, 0x20, 0x40
-REASON_HW_SLOWDOWN = 0x8
+REASON_GPU_IDLE = pynvml.nvmlClocksEventReasonGpuIdle
+REASON_SW_POWER_CAP = pynvml.nvmlClocksEventReasonSwPowerCap
+REASON_SW_THERMAL = pynvml.nvmlClocksEventReasonSwThermalSlowdown
+REASON_HW_THERMAL = pynvml.nvmlClocksEventReasonHwThermalSlowdown
+REASON_HW_SLOWDOWN = pynvml.nvmlClocksEventReasonHwSlowdown
 
 Emit = Callable[[int, str, int | None], None]  # (gpu index, kernel log text, NVML XID event or None)
 
