@@ -36,7 +36,7 @@ T = TypeVar("T")
 SBIN_PATH = "/usr/sbin:/usr/bin"
 TOOLS = ("scontrol", "squeue", "sbatch", "sinfo", "scancel")
 _STATE = re.compile(r"(?:^|\s)State=(\S+)")
-_REASON = re.compile(r"\sReason=(.*)$")
+_REASON = re.compile(r"\sReason=(.*?)(?=\s(?:Comment|Extra)=|$)")  # Slurm prints Comment, Extra after it
 _JOB_FIELDS = re.compile(r"(?:^|\s)(JobState|NodeList|ExcNodeList|Reason|Restarts)=(\S*)")
 
 
@@ -46,7 +46,8 @@ class SlurmError(RuntimeError):
 
 @dataclass(frozen=True)
 class NodeInfo:
-    """A node as ``scontrol show node`` prints it: ``state`` with its flags (``IDLE+DRAIN``), raw reason."""
+    """A node as ``scontrol show node`` prints it: ``state`` with its flags (``IDLE+DRAIN``), and its
+    reason as printed, Slurm's ``[user@time]`` included."""
 
     name: str
     state: str

@@ -9,7 +9,7 @@ import pytest
 from conftest import recorded
 from gpuhealth.webhook.backends import create_backend
 from gpuhealth.webhook.backends.base import BackendError, NodeState
-from gpuhealth.webhook.backends.slurm import MAX_REASON_CHARS, SlurmBackend
+from gpuhealth.webhook.backends.slurm import MAX_REASON_CHARS, SlurmBackend, parse_node
 
 from gpuhealth.local.process import free_port
 from gpuhealth.local.slurm import SlurmCluster
@@ -84,10 +84,23 @@ async def test_drain_sets_drain_with_our_reason_once(slurm, backend):
 
 
 async def test_a_foreign_drain_is_visible_as_not_ours(slurm, backend):
+    slurm.scontrol("update", "NodeName=gpu02", "Comment=rack B7", "Extra=owner=ops team")
     slurm.scontrol("update", "NodeName=gpu02", "State=DRAIN", "Reason=hardware maintenance, ticket 123")
     state = await backend.node_state("gpu02")
     assert state.drained and state.reason == "hardware maintenance, ticket 123"
     assert not state.reason.startswith("gpuhealth:")
+
+
+@pytest.mark.parametrize(("tail", "reason"), [
+    (" Reason=gpuhealth: A: b [root@2026-11-30T05:56:21]", "gpuhealth: A: b"),
+    (" Reason=gpuhealth: A: b [root@2026-11-30T05:56:21] Comment=rack B7 Extra=x=y z", "gpuhealth: A: b"),
+    (" Reason=Not responding [slurm@2026-11-30T05:56:21] Extra=1", "Not responding"),
+    (" Reason=set in slurm.conf", "set in slurm.conf"),
+    (" Comment=rack B7", ""),
+])
+def test_reason_parsing(tail, reason):
+    line = "NodeName=gpu01 OS=Linux 6.1 #1 SMP @0  State=IDLE+DRAIN ThreadsPerCore=1" + tail
+    assert parse_node("gpu01", line) == NodeState("gpu01", exists=True, drained=True, reason=reason)
 
 
 async def test_long_reasons_become_one_bounded_line(slurm, backend):

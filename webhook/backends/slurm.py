@@ -3,7 +3,8 @@
 Slurm's own clients are the interface, so the webhook needs no REST daemon or database, and every
 change shows in ``scontrol show node`` with our reason (``gpuhealth: <alertname>: <summary>``) for
 operators to see. Each call is an asyncio subprocess with a timeout; a failure becomes a
-``BackendError`` with the client's stderr, retryable unless Slurm said the node or job does not exist.
+``BackendError`` with the client's stderr, retryable unless Slurm's answer cannot change (an unknown
+node or job, missing rights).
 
 Requeueing a job away from a node is three steps that Slurm 22.05 accepts in this order: hold the job
 as it is requeued (``requeuehold``, so it cannot start again before the exclusion is in place), merge
@@ -39,12 +40,12 @@ REBOOT_FLAGS = {"REBOOT_REQUESTED", "REBOOT_ISSUED"}
 ACTIVE_STATES = "RUNNING,CONFIGURING"
 RESTARTABLE = {"RUNNING", "CONFIGURING", "SUSPENDED", "FAILED", "NODE_FAIL", "PREEMPTED"}
 OUR_HOLD = "job_requeued_in_held_state"  # the Reason scontrol requeuehold leaves on the job
-# Slurm's answers for a name or id that does not exist: retrying cannot help.
+# Slurm's answers that a retry cannot change: unknown names or ids, missing rights, refused operations.
 PERMANENT = re.compile(r"Invalid (node name|job id)|not found|Invalid node state|Requested operation is "
                        r"presently disabled|Access/permission denied|Only batch jobs", re.IGNORECASE)
 _STATE = re.compile(r"(?:^|\s)State=(\S+)")
-_REASON = re.compile(r"\sReason=(.*)$")
-_REASON_STAMP = re.compile(r"\s*\[[^\[\]]*@[^\[\]]*\]\s*$")  # Slurm appends " [user@time]"
+# The Reason runs up to the " [user@time]" Slurm appends, and up to the Comment/Extra it prints after.
+_REASON = re.compile(r"\sReason=(.*?)(?:\s\[[^\[\]]*@[^\[\]]*\])?(?=\s(?:Comment|Extra)=|$)")
 _JOB_FIELD = re.compile(r"(?:^|\s)(JobState|ExcNodeList|Reason)=(\S*)")
 JOB_ID = re.compile(r"\d+(_\d+)?")  # one job (or array task), never a list
 _KEYS = {"scontrol", "squeue", "slurm_conf", "timeout_seconds", "partition", "reset_gpu_command",
@@ -108,11 +109,10 @@ def slurm_reason(reason: str) -> str:
 
 
 def parse_node(node: str, line: str) -> NodeState:
-    """``scontrol show node -o``: ``State=IDLE+DRAIN`` flags; the Reason runs to the end of the line."""
+    """``scontrol show node -o``: ``State=IDLE+DRAIN`` flags, and the Reason without Slurm's additions."""
     flags = _flags(line)
     reason = _REASON.search(line)
-    text = _REASON_STAMP.sub("", reason[1]) if reason else ""
-    return NodeState(node, exists=True, drained=bool(flags & DRAIN_FLAGS), reason=text)
+    return NodeState(node, exists=True, drained=bool(flags & DRAIN_FLAGS), reason=reason[1] if reason else "")
 
 
 def _flags(line: str) -> set[str]:
