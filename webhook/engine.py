@@ -335,20 +335,23 @@ class Engine:
             verdict = Verdict(Outcome.DEFERRED, Reason.BACKEND_ERROR, error, time.time() + delay)
         else:
             verdict = Verdict(Outcome.FAILED, Reason.BACKEND_ERROR, error)
-        await self._conclude(current or a, verdict, attempts=attempts)
+        await self._conclude(a, verdict, attempts=attempts)
 
     async def _conclude(self, a: Action, v: Verdict, **extra: Any) -> None:
+        """Journal the verdict, provided ``a`` is still in the state the worker found it in."""
         fields = {"outcome": v.outcome.value, "reason": v.reason.value, "detail": v.detail, **extra}
         if v.outcome is Outcome.DEFERRED:
-            current = await self.journal.call(self.db.get, a.id)
-            state = current.state if current else a.state
-            await self.journal.call(self.db.update, a.id, state, next_at=v.retry_at, **fields)
+            fields |= {"next_at": v.retry_at}
+            state = a.state
         else:
+            fields |= {"drop_drained": a.node if v.drop_drained else None}
             state = FINAL_STATE.get(v.outcome, SKIPPED)
-            drop = a.node if v.drop_drained else None
-            await self.journal.call(self.db.update, a.id, state, drop_drained=drop, **fields)
-            if v.outcome is Outcome.DONE and a.kind != "none":
-                self.metrics.latency.observe(max(0.0, time.time() - a.received_at))
+        if not await self.journal.call(self.db.update, a.id, state, expect=a.state, **fields):
+            log.info("event=action_changed_meanwhile id=%s kind=%s node=%s verdict=%s", a.id, a.kind, a.node,
+                     v.reason.value)
+            return
+        if v.outcome is Outcome.DONE and a.kind != "none":
+            self.metrics.latency.observe(max(0.0, time.time() - a.received_at))
         self.metrics.action(a.kind, v.outcome, v.reason)
         level = logging.WARNING if v.outcome in (Outcome.FAILED, Outcome.SKIPPED) else logging.INFO
         log.log(level, "event=action_%s id=%s kind=%s node=%s gpu=%s alertname=%s reason=%s detail=%r",

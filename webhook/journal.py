@@ -253,18 +253,26 @@ class Journal:
         self.db.execute(f"UPDATE actions SET {assignments} WHERE id = ?", (*columns.values(), action_id))
         self._transition(action_id, state, reason, detail, now)
 
-    def update(self, action_id: int, state: str, *, outcome: str = "", reason: str = "", detail: str = "",
-               drop_drained: str | None = None, **extra: Any) -> None:
-        """Move an action to ``state`` and journal the transition (``extra``: other columns)."""
+    def update(self, action_id: int, state: str, *, expect: str, outcome: str = "", reason: str = "",
+               detail: str = "", drop_drained: str | None = None, **extra: Any) -> bool:
+        """Move an action from ``expect`` to ``state`` and journal the transition (``extra``: other columns).
+
+        False, changing nothing, when the action is no longer in ``expect`` (an operator cancelled
+        it while the worker was deciding).
+        """
         if "progress" in extra:
             extra["progress"] = json.dumps(extra["progress"])
 
-        def run() -> None:
+        def run() -> bool:
+            row = self.db.execute("SELECT state FROM actions WHERE id = ?", (action_id,)).fetchone()
+            if row is None or row["state"] != expect:
+                return False
             self._set_state(action_id, state, outcome, reason, detail, time.time(), **extra)
             if drop_drained is not None:
                 self.remove_drained(drop_drained)
+            return True
 
-        self._tx(run)
+        return self._tx(run)
 
     def start(self, action_id: int, reserve: tuple[str, str, bool] | None) -> bool:
         """Pending -> running, reserving the node as drained by us (node, reason, keep) in the same commit.

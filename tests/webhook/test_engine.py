@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from conftest import alert, recorded, resolved
@@ -323,3 +324,32 @@ async def test_action_list_filters(webhook):
     assert await hook.actions(since="2999-01-01T00:00:00Z") == []
     for bad in ({"state": "bogus"}, {"since": "yesterday"}, {"limit": "0"}):
         assert (await hook.client.get("/actions", params=bad)).status == 400
+
+
+async def test_cancel_while_the_worker_decides_wins(webhook):
+    class Slow(SimulatedBackend):
+        """Holds node_state until released, so that the operator's cancel lands mid-admission."""
+
+        def __init__(self, nodes):
+            super().__init__(nodes)
+            self.asked, self.release = asyncio.Event(), asyncio.Event()
+
+        async def node_state(self, node):
+            self.asked.set()
+            await self.release.wait()
+            return await super().node_state(node)
+
+    sim = Slow(["gpu01", "gpu02"])
+    await sim.drain("gpu02", "maintenance by a human")
+    hook = await webhook(backend=sim)
+    for node in ("gpu01", "gpu02"):  # admitted to run / to be skipped, each cancelled meanwhile
+        [action_id] = (await hook.post(alert(node, action="drain")))["new_actions"]
+        await asyncio.wait_for(sim.asked.wait(), 10)
+        await hook.call("POST", f"/actions/{action_id}/cancel")
+        sim.asked.clear()
+        sim.release.set()
+        await hook.settle()
+        sim.release.clear()
+    actions = await hook.actions()
+    assert [(a["state"], a["reason"]) for a in actions] == [("cancelled", "operator")] * 2
+    assert hook.drained == {"gpu02": "maintenance by a human"}
