@@ -324,7 +324,9 @@ class SlurmCluster:
         return NodeInfo(name, state[1] if state else "", reason[1] if reason else "")
 
     def job(self, job_id: str) -> JobInfo:
-        fields = dict(_JOB_FIELDS.findall(self.scontrol("show", "job", job_id, "-o")))
+        fields: dict[str, str] = {}
+        for key, value in _JOB_FIELDS.findall(self.scontrol("show", "job", job_id, "-o")):
+            fields.setdefault(key, value)  # the job's own, not look-alikes in a Comment printed later
         return JobInfo(job_id, fields.get("JobState", ""), self.hostnames(fields.get("NodeList", "")),
                        self.hostnames(fields.get("ExcNodeList", "")), fields.get("Reason", ""),
                        int(fields.get("Restarts", "0")))

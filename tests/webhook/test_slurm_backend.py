@@ -133,7 +133,8 @@ async def test_jobs_on_node_lists_running_jobs(slurm, backend):
 
 
 async def test_requeue_moves_a_two_node_job_off_the_excluded_node(slurm, backend):
-    job = slurm.sbatch("--requeue", "--nodes=2", "--exclude=gpu04", "--wrap", "sleep 600")
+    job = slurm.sbatch("--requeue", "--nodes=2", "--exclude=gpu04", "--comment=x JobState=PENDING Reason=y",
+                       "--wrap", "sleep 600")
     info = slurm.wait_job(job, lambda j: j.state == "RUNNING")
     bad = info.nodes[0]
     await backend.drain(bad, REASON)

@@ -195,7 +195,12 @@ class SlurmBackend:
         return out.split()
 
     async def _job(self, job_id: str) -> dict[str, str]:
-        return dict(_JOB_FIELD.findall(await self._scontrol("show", "job", job_id, "-o")))
+        """The job's own fields: the first of each, as a Comment or Command printed later may hold text
+        that looks like one."""
+        fields: dict[str, str] = {}
+        for key, value in _JOB_FIELD.findall(await self._scontrol("show", "job", job_id, "-o")):
+            fields.setdefault(key, value)
+        return fields
 
     async def _hostnames(self, hostlist: str) -> list[str]:
         if hostlist in ("", "(null)"):
