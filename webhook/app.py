@@ -275,7 +275,7 @@ async def _runtime(app: web.Application):
     config = app[CONFIG]
     journal = AsyncJournal(config.journal_path, config.journal_busy_timeout_seconds)
     engine = Engine(config, app[BACKEND], journal, app[METRICS])
-    worker = Worker(engine, journal)
+    worker = Worker(engine, journal, config.journal_retention_days * 86400)
     app[JOURNAL], app[ENGINE], app[WORKER] = journal, engine, worker
     breaker = await engine.breaker()
     app[METRICS].breaker_open.set(int(breaker["open"]))

@@ -424,6 +424,27 @@ class Journal:
         rows = self.db.execute("SELECT job_id FROM jobs WHERE exhausted = 1 ORDER BY last_at DESC LIMIT 100")
         return [job for r in rows if (job := self.job(r[0])) is not None]
 
+    def prune(self, before: float) -> dict[str, int]:
+        """Forget history finished before ``before``; rows the webhook still needs are kept.
+
+        Kept whatever their age: unfinished actions, alerts still firing (their identity is what
+        makes Alertmanager's re-deliveries duplicates) and the actions of those alerts (a later
+        resolution looks them up to undrain).
+        """
+        finished = "state IN ('done', 'skipped', 'failed', 'cancelled')"
+        alert_firing = ("EXISTS (SELECT 1 FROM alerts al WHERE al.fingerprint = actions.fingerprint AND "
+                        "al.starts_at = actions.starts_at AND al.status = 'firing')")
+        statements = {
+            "actions": f"DELETE FROM actions WHERE {finished} AND finished_at < ? AND NOT {alert_firing}",
+            "transitions": "DELETE FROM transitions WHERE at < ? AND action_id NOT IN "
+                           "(SELECT id FROM actions)",
+            "alerts": "DELETE FROM alerts WHERE status = 'resolved' AND resolved_at < ?",
+            "notifications": "DELETE FROM notifications WHERE received_at < ?",
+            "jobs": "DELETE FROM jobs WHERE last_at < ?",
+        }
+        return self._tx(lambda: {table: self.db.execute(sql, (before,)).rowcount
+                                 for table, sql in statements.items()})
+
     def get_meta(self, key: str) -> Any:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else json.loads(row[0])

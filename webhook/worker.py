@@ -20,13 +20,17 @@ log = logging.getLogger(__name__)
 
 CONCURRENCY = 8
 IDLE_POLL_SECONDS = 5.0  # re-read the journal at least this often (clock jumps, manual edits)
+PRUNE_EVERY_SECONDS = 3600.0
 
 
 class Worker:
-    def __init__(self, engine: Engine, journal: AsyncJournal, concurrency: int = CONCURRENCY) -> None:
+    def __init__(self, engine: Engine, journal: AsyncJournal, retention_seconds: float,
+                 concurrency: int = CONCURRENCY) -> None:
         self.engine = engine
         self.journal = journal
+        self.retention_seconds = retention_seconds
         self.concurrency = concurrency
+        self._pruned_at = 0.0
         self._wake = asyncio.Event()
         self._busy: dict[str, asyncio.Task[None]] = {}
         self._loop_task: asyncio.Task[None] | None = None
@@ -68,6 +72,11 @@ class Worker:
     async def _dispatch(self) -> float:
         """Start what is due; return how long to sleep unless woken."""
         db = self.journal.sync
+        if time.monotonic() - self._pruned_at > PRUNE_EVERY_SECONDS or not self._pruned_at:
+            self._pruned_at = time.monotonic()
+            pruned = await self.journal.call(db.prune, time.time() - self.retention_seconds)
+            if any(pruned.values()):
+                log.info("event=journal_pruned %s", " ".join(f"{k}={v}" for k, v in pruned.items()))
         free = self.concurrency - len(self._busy)
         if free > 0:
             for action in await self.journal.call(db.due, time.time(), self._busy, free):
