@@ -1,0 +1,126 @@
+"""Scale benchmark of the generated rules: a synthetic fleet scraped by a real Prometheus.
+
+Renders the rules from the built-in catalogue (gpuhealth source), serves one exporter target per node
+from a synthetic fleet, lets Prometheus scrape and evaluate for a few minutes, then prints each rule
+group's evaluation time (prometheus_rule_group_last_duration_seconds, last and max) and the recorded
+series per GPU. Targets: every group under 1 s on 2 cores; at most 60 recorded series per GPU.
+
+    .venv/bin/python bench/rules.py                 # 2,048 nodes x 8 GPUs, 4 minutes
+    .venv/bin/python bench/rules.py --nodes 64 --minutes 2
+
+Range windows only hold the minutes the benchmark ran, so rules over long windows (ECC growth over
+6 h, remapped rows over 24 h, lemon nodes over 7 d) read fewer samples than in production.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from gpuhealth.rules.catalogue import load
+from gpuhealth.rules.fleet import SyntheticFleet
+from gpuhealth.rules.render import render_all
+
+from gpuhealth.local.process import free_port, wait_until
+from gpuhealth.local.prometheus import PrometheusServer
+
+log = logging.getLogger("bench.rules")
+
+
+def _value(api, expr: str) -> float:
+    result = api.query(expr)
+    return float(result[0]["value"][1]) if result else float("nan")
+
+
+def run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="gpuhealth-bench-rules-") as tmp:
+        workdir = Path(tmp)
+        rule_files = []
+        for name, text in render_all(load(), ("gpuhealth",)).items():
+            if name.endswith(".yml") and name.startswith("gpuhealth/"):
+                path = workdir / "rules" / name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+                rule_files.append(str(path))
+        fleet = SyntheticFleet(args.nodes, gpus=args.gpus, nvlinks=args.nvlinks).start()
+        port = free_port()
+        config = {
+            "global": {"scrape_interval": args.scrape_interval, "evaluation_interval": "1m"},
+            "rule_files": rule_files,
+            "scrape_configs": [
+                fleet.scrape_config(args.scrape_interval),
+                {"job_name": "prometheus", "scrape_interval": "5s",
+                 "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]},
+            ],
+        }
+        prometheus = PrometheusServer(workdir / "prometheus", config, port=port,
+                                      extra_args=["--storage.tsdb.retention.time=1d"])
+        try:
+            prometheus.start(timeout=120)
+            api = prometheus.api
+            started = time.monotonic()
+            wait_until(lambda: _value(api, 'count(up{job="gpuhealth-exporter"} == 1)') >= args.nodes,
+                       timeout=300, interval=2, what="every synthetic node scraped")
+            print(f"all {args.nodes} targets up after {time.monotonic() - started:.0f}s; "
+                  f"running {args.minutes} min", flush=True)
+            time.sleep(args.minutes * 60)
+            return report(api, args, fleet.gpus)
+        finally:
+            prometheus.stop()
+            fleet.stop()
+
+
+def report(api, args: argparse.Namespace, gpus: int) -> int:
+    window = f"{int(args.minutes * 60)}s"
+    last = {r["metric"]["rule_group"].split(";")[-1]: float(r["value"][1])
+            for r in api.query("prometheus_rule_group_last_duration_seconds")}
+    worst = {r["metric"]["rule_group"].split(";")[-1]: float(r["value"][1])
+             for r in api.query(f"max_over_time(prometheus_rule_group_last_duration_seconds[{window}])")}
+    samples = {r["metric"]["rule_group"].split(";")[-1]: float(r["value"][1])
+               for r in api.query("prometheus_rule_group_last_evaluation_samples")}
+    recorded = {r["metric"]["__name__"]: float(r["value"][1])
+                for r in api.query('count by (__name__) ({__name__=~"gpuhealth:.+"})')}
+    head = _value(api, "prometheus_tsdb_head_series")
+    rss = _value(api, 'process_resident_memory_bytes{job="prometheus"}')
+    print(f"\nfleet: {args.nodes} nodes x {args.gpus} GPUs = {gpus} GPUs, {args.nvlinks} NVLinks per GPU, "
+          f"scrape {args.scrape_interval}; head series {head:,.0f}; Prometheus RSS {rss / 2**30:.2f} GiB")
+    print(f"\n{'rule group':<28}{'last eval s':>12}{'max eval s':>12}{'samples':>10}")
+    for name in sorted(last):
+        print(f"{name:<28}{last[name]:>12.3f}{worst.get(name, float('nan')):>12.3f}"
+              f"{samples.get(name, 0):>10.0f}")
+    total = sum(recorded.values())
+    print(f"\nrecorded series: {total:,.0f} = {total / gpus:.1f} per GPU (target <= 60)")
+    for name, count in sorted(recorded.items()):
+        print(f"  {name:<58}{count:>8.0f}")
+    rules = [(float(r.get("evaluationTime", 0)), r.get("name", ""), r.get("lastError", ""))
+             for g in api.rule_groups() for r in g["rules"]]
+    print("\nslowest rules (last evaluation):")
+    for seconds, name, _ in sorted(rules, reverse=True)[:args.top]:
+        print(f"  {seconds:8.3f} s  {name}")
+    errors = [(name, error) for _, name, error in rules if error]
+    for name, error in errors:
+        print(f"ERROR {name}: {error}")
+    slowest = max(worst.values(), default=float("nan"))
+    print(f"\nslowest group: {slowest:.3f} s (target < 1 s)")
+    return 1 if errors else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=2048, help="synthetic nodes (default 2048)")
+    parser.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
+    parser.add_argument("--nvlinks", type=int, default=4, help="NVLinks per GPU exposed (default 4)")
+    parser.add_argument("--minutes", type=float, default=4, help="minutes of scraping and evaluation")
+    parser.add_argument("--scrape-interval", default="15s", help="scrape interval (default 15s)")
+    parser.add_argument("--top", type=int, default=8, help="slowest rules to list (default 8)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

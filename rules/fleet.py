@@ -1,0 +1,151 @@
+"""A synthetic fleet of gpuhealth-exporter targets on one loopback HTTP server, for load tests.
+
+Prometheus scrapes ``/metrics?node=<name>`` once per node, with the scheduler's node name set as the
+``node`` target label exactly as the documented scrape config does, so the generated rules see the
+label shapes of a real fleet. A few GPUs carry precursors so fusion has work to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from gpuhealth.local.process import free_port
+
+log = logging.getLogger(__name__)
+
+MODEL = "NVIDIA H100 80GB HBM3"
+GAUGE, COUNTER = 0, 1
+CLOCK_REASONS = ("sw_power_cap", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_slowdown",
+                 "hw_power_brake_slowdown")
+NVLINK_TYPES = ("crc_flit", "crc_data", "replay", "recovery")
+
+
+@dataclass(frozen=True)
+class Series:
+    text: str      # name{labels}
+    kind: int      # GAUGE: value; COUNTER: value + rate * seconds since start
+    value: float
+    rate: float = 0.0
+
+
+def _gpu_series(node: str, gpu: int, nvlinks: int, sick: bool) -> list[Series]:
+    g = f'gpu="{gpu}"'
+    out = [
+        Series(f'gpuhealth_gpu_info{{{g},uuid="GPU-{node}-{gpu}",model="{MODEL}"}}', GAUGE, 1),
+        Series(f"gpuhealth_gpu_up{{{g}}}", GAUGE, 1),
+        Series(f"gpuhealth_gpu_temperature_celsius{{{g}}}", GAUGE, 72 if sick else 60 + gpu % 3),
+        Series(f"gpuhealth_gpu_utilization_ratio{{{g}}}", GAUGE, 0.95),
+        Series(f"gpuhealth_gpu_nvml_latency_seconds{{{g}}}", GAUGE, 0.05),
+        Series(f'gpuhealth_gpu_ecc_errors_total{{{g},type="corrected",counter="volatile"}}', COUNTER, 0,
+               0.5 if sick else 0),
+        Series(f'gpuhealth_gpu_ecc_errors_total{{{g},type="uncorrected",counter="volatile"}}', COUNTER, 0),
+        Series(f'gpuhealth_gpu_remapped_rows{{{g},type="correctable"}}', GAUGE, 3 if sick else 0),
+        Series(f'gpuhealth_gpu_remapped_rows{{{g},type="uncorrectable"}}', GAUGE, 0),
+        Series(f"gpuhealth_gpu_remap_pending{{{g}}}", GAUGE, 0),
+        Series(f"gpuhealth_gpu_remap_failure{{{g}}}", GAUGE, 0),
+        Series(f"gpuhealth_gpu_retired_pages_pending{{{g}}}", GAUGE, 0),
+        Series(f"gpuhealth_gpu_pcie_replays_total{{{g}}}", COUNTER, 0, 1.0 if sick else 0),
+        Series(f"gpuhealth_gpu_pcie_link_width_lanes{{{g}}}", GAUGE, 16),
+        Series(f"gpuhealth_gpu_pcie_link_width_max_lanes{{{g}}}", GAUGE, 16),
+        Series(f"gpuhealth_gpu_pcie_link_generation{{{g}}}", GAUGE, 5),
+        Series(f"gpuhealth_gpu_pcie_link_generation_max{{{g}}}", GAUGE, 5),
+        Series(f"gpuhealth_gpu_fallen_off_bus_total{{{g}}}", COUNTER, 0),
+        Series(f'gpuhealth_xid_events_total{{{g},xid="13"}}', COUNTER, 0),
+    ]
+    out += [Series(f'gpuhealth_gpu_clock_event_seconds_total{{{g},reason="{r}"}}', COUNTER, 0,
+                   0.3 if sick and r == "hw_thermal_slowdown" else 0) for r in CLOCK_REASONS]
+    out += [Series(f'gpuhealth_gpu_nvlink_errors_total{{{g},link="{link}",type="{t}"}}', COUNTER, 0)
+            for link in range(nvlinks) for t in NVLINK_TYPES]
+    return out
+
+
+def _node_series(collapsed: bool) -> list[Series]:
+    return [
+        Series("gpuhealth_gpus_expected", GAUGE, 8),
+        Series("gpuhealth_gpus_visible", GAUGE, 8),
+        Series('gpuhealth_collector_success{collector="nvml"}', GAUGE, 1),
+        Series("gpuhealth_host_interrupts_total", COUNTER, 0, 1500 if collapsed else 10_000),
+        Series("gpuhealth_host_procs_running", GAUGE, 2 if collapsed else 40),
+        Series("gpuhealth_host_page_outs_total", COUNTER, 0, 100),
+        *(Series(f'gpuhealth_nfs_rpc_{m}{{mount="/ckpt",op="{op}"}}', COUNTER, 0, r)
+          for op in ("WRITE", "GETATTR")
+          for m, r in (("operations_total", 20), ("queue_seconds_total", 0.1),
+                       ("execute_seconds_total", 0.2))),
+    ]
+
+
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: tuple[str, int]) -> None:
+        """A scrape Prometheus gave up on (timeout) is expected under load, not a traceback."""
+        log.debug("event=scrape_aborted client=%s:%d", *client_address)
+
+
+class SyntheticFleet:
+    """``nodes`` nodes of ``gpus`` GPUs each; one GPU in ``sick_every`` carries precursors."""
+
+    def __init__(self, nodes: int, gpus: int = 8, nvlinks: int = 4, sick_every: int = 97) -> None:
+        self.names = [f"node{i:04d}" for i in range(nodes)]
+        self.series: dict[str, list[Series]] = {}
+        for index, name in enumerate(self.names):
+            per_node = _node_series(collapsed=index % sick_every == 1)
+            for gpu in range(gpus):
+                per_node += _gpu_series(name, gpu, nvlinks, sick=(index * gpus + gpu) % sick_every == 0)
+            self.series[name] = per_node
+        self.gpus = nodes * gpus
+        self.started = time.monotonic()
+        self.port = free_port()
+        self._server: ThreadingHTTPServer | None = None
+
+    def exposition(self, node: str) -> bytes:
+        elapsed = time.monotonic() - self.started
+        lines = [f"{s.text} {s.value + s.rate * elapsed if s.kind == COUNTER else s.value:g}"
+                 for s in self.series[node]]
+        return ("\n".join(lines) + "\n").encode()
+
+    def start(self) -> SyntheticFleet:
+        fleet = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                node = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query).get("node", [""])[0]
+                if node not in fleet.series:
+                    self.send_error(404, "unknown node")
+                    return
+                body = fleet.exposition(node)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                """Scrapes are not worth a log line each."""
+
+        self._server = _QuietServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self._server.serve_forever, name="synthetic-fleet", daemon=True).start()
+        log.info("event=fleet_started nodes=%d gpus=%d port=%d", len(self.names), self.gpus, self.port)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def scrape_config(self, interval: str) -> dict:
+        """One scrape job with a target per node; ``node`` is a target label, as in production."""
+        return {
+            "job_name": "gpuhealth-exporter",
+            "scrape_interval": interval,
+            "scrape_timeout": interval,
+            "static_configs": [{"targets": [f"127.0.0.1:{self.port}"], "labels": {"node": name}}
+                               for name in self.names],
+            "relabel_configs": [{"source_labels": ["node"], "target_label": "__param_node"}],
+        }
