@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import sqlite3
+import time
 
 import pytest
-from conftest import FIXTURES, alert, notification, recorded
+from conftest import FIXTURES, TOKEN, alert, notification, recorded
 from gpuhealth.webhook.models import PayloadError, parse_notification
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -151,3 +153,20 @@ async def test_fuzzed_payloads_through_the_app_are_never_5xx(webhook):
         assert resp.status in (200, 400), await resp.text()
     assert (await hook.client.get("/healthz")).status == 200
     await hook.settle()
+
+
+async def test_a_sender_hanging_up_mid_request_does_not_lose_the_notification(webhook):
+    hook = await webhook()
+    body = json.dumps(notification(alert("gpu05", action="restart_job"))).encode()
+    _, writer = await asyncio.open_connection(hook.client.host, hook.client.port)
+    writer.write(b"POST /alerts HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    await writer.drain()
+    writer.close()  # gone before the answer, as Alertmanager is when its timeout fires
+    await writer.wait_closed()
+    deadline = time.monotonic() + 10
+    while not await hook.actions():
+        assert time.monotonic() < deadline, "the notification was lost"
+        await asyncio.sleep(0.02)
+    [action] = await hook.settle()
+    assert (action["node"], action["state"]) == ("gpu05", "done")
