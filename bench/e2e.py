@@ -26,7 +26,8 @@ from gpuhealth.local.process import wait_until
 TARGET_SECONDS = 30.0
 
 
-def one_run(precursor: float) -> dict[str, float | None]:
+def one_run(precursor: float) -> tuple[dict[str, float | None], int]:
+    """One fresh stack: the run's latencies, and how many healthy nodes were drained."""
     options = StackOptions(nodes=6, jobs=2, job_nodes=2, breaker_max_nodes=3)
     with ClosedLoopStack(options) as stack:
         stack.start()
@@ -50,8 +51,7 @@ def one_run(precursor: float) -> dict[str, float | None]:
             "precursor_drain_before_failure_seconds": (
                 None if latencies[slow]["drain_from_hard_failure_seconds"] is None
                 else -latencies[slow]["drain_from_hard_failure_seconds"]),
-            "healthy_nodes_drained": float(len(observer.healthy_nodes_touched())),
-        }
+        }, len(observer.healthy_nodes_touched())
 
 
 def describe(values: list[float]) -> str:
@@ -70,10 +70,12 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write every run's figures here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    runs = []
+    runs, healthy_drained = [], 0
     for index in range(args.runs):
         started = time.time()
-        runs.append(one_run(args.precursor))
+        latencies, touched = one_run(args.precursor)
+        runs.append(latencies)
+        healthy_drained += touched
         print(f"run {index + 1}/{args.runs} ({time.time() - started:.0f}s): "
               + ", ".join(f"{k}={'-' if v is None else f'{v:.1f}'}" for k, v in runs[-1].items()),
               file=sys.stderr, flush=True)
@@ -82,6 +84,7 @@ def main() -> int:
         values = [r[key] for r in runs if r[key] is not None]
         missing = sum(r[key] is None for r in runs)
         print(f"  {key:42s} {describe(values)}" + (f" (missing in {missing} runs)" if missing else ""))
+    print(f"  healthy nodes drained (all runs)           {healthy_drained}")
     hard = [r["hard_requeue_seconds"] for r in runs]
     met = sum(v is not None and v <= TARGET_SECONDS for v in hard)
     print(f"  hard XID -> drained and requeued within {TARGET_SECONDS:.0f}s: {met}/{len(runs)} runs")
