@@ -285,3 +285,4 @@ async def _runtime(app: web.Application):
     yield
     await worker.stop()
     await journal.close()
+    log.info("event=stopped (unfinished actions resume on the next start)")
