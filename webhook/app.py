@@ -202,10 +202,12 @@ async def _status(app: web.Application) -> dict[str, Any]:
     jobs = await journal.call(db.exhausted_jobs)
     return {
         "dry_run": app[CONFIG].dry_run,
+        "undrain_mode": app[CONFIG].undrain.mode,
         "backend": app[BACKEND].name,
         "breaker": breaker,
         "drained_by_us": [{"node": n, "since": e["since"], "reason": e["reason"], "action_id": e["action_id"],
-                           "left_for_human": bool(e["keep"])} for n, e in drained.items()],
+                           "left_for_human": bool(e["keep"]) or app[CONFIG].undrain.mode == "manual"}
+                          for n, e in drained.items()],
         "queue": counts,
         "jobs_out_of_retries": [{"job_id": j.job_id, "attempts": j.attempts, "nodes": j.excluded,
                                  "last_at": j.last_at} for j in jobs],
