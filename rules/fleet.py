@@ -55,8 +55,9 @@ def _gpu_series(node: str, gpu: int, nvlinks: int, sick: bool) -> list[Series]:
         Series(f"gpuhealth_gpu_pcie_link_generation{{{g}}}", GAUGE, 5),
         Series(f"gpuhealth_gpu_pcie_link_generation_max{{{g}}}", GAUGE, 5),
         Series(f"gpuhealth_gpu_fallen_off_bus_total{{{g}}}", COUNTER, 0),
-        Series(f'gpuhealth_xid_events_total{{{g},xid="13"}}', COUNTER, 0),
     ]
+    if sick:   # the exporter creates an XID counter at the GPU's first XID, so few GPUs have one
+        out.append(Series(f'gpuhealth_xid_events_total{{{g},xid="13"}}', COUNTER, 1))
     out += [Series(f'gpuhealth_gpu_clock_event_seconds_total{{{g},reason="{r}"}}', COUNTER, 0,
                    0.3 if sick and r == "hw_thermal_slowdown" else 0) for r in CLOCK_REASONS]
     out += [Series(f'gpuhealth_gpu_nvlink_errors_total{{{g},link="{link}",type="{t}"}}', COUNTER, 0)
