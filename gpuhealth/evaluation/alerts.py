@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpuhealth.evaluation.expand import Expander
-from gpuhealth.evaluation.ranges import Labels, Matrix, grid, range_matrix
+from gpuhealth.evaluation.ranges import Labels, grid, range_matrix
 from gpuhealth.evaluation.rulefiles import Rule, RuleSet, selectors
 from gpuhealth.local.prometheus import PrometheusAPI
 
@@ -94,50 +94,69 @@ def reads_alerts(rule: Rule) -> bool:
 
 
 class AlertEvaluator:
-    """Evaluates alert rules against one Prometheus on the grid [start, end] at ``step``."""
+    """Evaluates alert rules against one Prometheus over [start, end].
 
-    def __init__(self, api: PrometheusAPI, rules: RuleSet, start: float, end: float, step: float) -> None:
+    Alerts are evaluated every ``step`` (the rules' interval). Alerts that read recording rules make
+    Prometheus compute the whole chain of records at every instant, which dominates the cost on big
+    fleets; ``fused_step`` (default ``step``) evaluates those less often, their state holding between
+    evaluations as it does in Prometheus.
+    """
+
+    def __init__(
+        self,
+        api: PrometheusAPI,
+        rules: RuleSet,
+        start: float,
+        end: float,
+        step: float,
+        fused_step: float | None = None,
+    ) -> None:
         self.api = api
         self.rules = rules
         self.step = step
+        self.fused_step = fused_step or step
+        self.start, self.end = start, end
         self.expander = Expander(rules)
         self.times = grid(start, end, step)
-        self.probe_times = grid(start, end, max(PROBE_STEP, step))
         self.run = AlertRun(self.times)
+        self._probed: set[str] = set()
 
-    def _query(self, expr: str) -> Matrix:
-        return range_matrix(self.api, expr, self.times)
+    def step_for(self, rule: Rule) -> float:
+        return self.fused_step if self.expander.records_used(rule.expr) else self.step
 
     def _find_broken_records(self, rule: Rule) -> None:
-        """Probe the records ``rule`` reads, dependencies first; mark those Prometheus rejects."""
+        """Probe the records ``rule`` reads, dependencies first, on an hourly grid over the period;
+        mark those Prometheus rejects (in Prometheus they would record nothing)."""
+        probe_times = grid(self.start, self.end, max(PROBE_STEP, self.step))
         for name in self.expander.records_used(rule.expr):
-            if name in self.expander.broken:
+            if name in self._probed:
                 continue
+            self._probed.add(name)
             try:
-                range_matrix(self.api, self.expander.definition(name), self.probe_times)
+                range_matrix(self.api, self.expander.definition(name), probe_times)
             except RuntimeError as exc:
                 log.warning("recording rule fails name=%s error=%r", name, str(exc))
                 self.expander.mark_broken(name, str(exc))
                 self.run.errors[name] = str(exc)
 
     def evaluate(self, rule: Rule) -> None:
+        self._find_broken_records(rule)
+        step = self.step_for(rule)
+        times = grid(self.start, self.end, step)
         try:
-            matrix = self._query(self.expander.expand(rule.expr))
+            matrix = range_matrix(self.api, self.expander.expand(rule.expr), times)
         except RuntimeError as exc:
-            self._find_broken_records(rule)
-            try:
-                matrix = self._query(self.expander.expand(rule.expr))
-            except RuntimeError:
-                log.warning("alert rule fails name=%s error=%r", rule.name, str(exc))
-                self.run.errors[rule.name] = str(exc)
-                return
-        firing, pending = (
-            self.run.firing.setdefault(rule.name, {}),
-            self.run.pending.setdefault(rule.name, {}),
-        )
+            log.warning("alert rule fails name=%s error=%r", rule.name, str(exc))
+            self.run.errors[rule.name] = str(exc)
+            return
+        # each instant of the evaluation grid takes the state of the last evaluation at or before it
+        latest = np.searchsorted(times, self.times, side="right") - 1
+        firing = self.run.firing.setdefault(rule.name, {})
+        pending = self.run.pending.setdefault(rule.name, {})
         for labels, values in matrix.series.items():
             present = ~np.isnan(values)
-            on = fires(present, rule.for_seconds, self.step)
+            on = fires(present, rule.for_seconds, step)
+            present, on = (np.where(latest >= 0, x[np.maximum(latest, 0)], False) for x in (present, on))
             key = alert_labels(rule, labels)
             if on.any():
                 firing[key] = firing[key] | on if key in firing else on

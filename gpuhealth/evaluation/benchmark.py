@@ -28,6 +28,7 @@ class Options:
     workdir: Path
     seed: int | None = None
     step: float | None = None
+    fused_step: float | None = None
     plot: Path | None = None
     progress: bool = True
 
@@ -54,10 +55,16 @@ def evaluate(options: Options) -> dict[str, Any]:
     ) as fleet:
         rules = fleet.rules
         assert rules is not None
-        step = options.step or fleet.scenario.evaluation_step or rules.interval
+        step = options.step or rules.interval
+        fused_step = options.fused_step or fleet.scenario.fused_step or step
         longest_for = max((r.for_seconds for r in rules.alerts), default=0.0)
         evaluator = AlertEvaluator(
-            fleet.server.api, rules, max(fleet.data_start, fleet.start - longest_for), fleet.end, step
+            fleet.server.api,
+            rules,
+            max(fleet.data_start, fleet.start - longest_for),
+            fleet.end,
+            step,
+            fused_step,
         )
         direct = [r for r in rules.alerts if not reads_alerts(r)]
         second = [r for r in rules.alerts if reads_alerts(r)]
@@ -88,5 +95,11 @@ def evaluate(options: Options) -> dict[str, Any]:
             )
             log.info("plot written path=%s failure=%s", options.plot, shown.failure if shown else None)
         return report.summary(
-            result, evaluator.run, fleet.scenario, rules, step, fleet.samples, time.monotonic() - began
+            result,
+            evaluator.run,
+            fleet.scenario,
+            rules,
+            (step, fused_step),
+            fleet.samples,
+            time.monotonic() - began,
         )

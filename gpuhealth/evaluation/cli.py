@@ -57,8 +57,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--step",
         type=_duration,
         metavar="DURATION",
-        help="alert evaluation step (default: the scenario's evaluation_step, else the rules' "
-        "group interval)",
+        help="alert evaluation step (default: the rules' group interval)",
+    )
+    parser.add_argument(
+        "--fused-step",
+        type=_duration,
+        metavar="DURATION",
+        help="evaluation step of the alerts that read recording rules, the costly ones on big fleets "
+        "(default: the scenario's fused_step, else --step)",
     )
     parser.add_argument(
         "--keep",
@@ -93,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
                     workdir=workdir,
                     seed=args.seed,
                     step=args.step,
+                    fused_step=args.fused_step,
                     plot=args.plot,
                     progress=True,
                 )

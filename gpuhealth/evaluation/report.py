@@ -26,7 +26,7 @@ def summary(
     run: AlertRun,
     scenario: Scenario,
     rules: RuleSet,
-    step: float,
+    steps: tuple[float, float],
     samples: int,
     wall_seconds: float,
 ) -> dict[str, Any]:
@@ -66,7 +66,8 @@ def summary(
         "days": _round(score.days, 2),
         "failures": len(score.outcomes),
         "noise_events": len(scenario.noise),
-        "evaluation_step_seconds": step,
+        "evaluation_step_seconds": steps[0],
+        "fused_alert_step_seconds": steps[1],
         "recall": _round(score.recall),
         "predicted_fraction": _round(score.predicted_fraction),
         "detected_fraction": _round(
@@ -128,7 +129,8 @@ def table(result: dict[str, Any]) -> str:
         f"scenario {result['scenario']} (seed {result['seed']}): {result['nodes']} nodes, "
         f"{result['gpus']} GPUs, "
         f"{result['days']} days, {result['failures']} failures, {result['noise_events']} benign events, "
-        f"evaluated every {result['evaluation_step_seconds']:g}s",
+        f"alerts evaluated every {result['evaluation_step_seconds']:g}s "
+        f"(alerts on recording rules every {result['fused_alert_step_seconds']:g}s)",
         "",
         f"  recall                     {_pct(result['recall'])}",
         f"  predicted before failure   {_pct(result['predicted_fraction'])}",

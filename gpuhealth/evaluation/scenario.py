@@ -138,7 +138,7 @@ class Scenario:
     workload: Workload
     failures: tuple[Failure, ...] = field(default_factory=tuple)
     noise: tuple[Noise, ...] = field(default_factory=tuple)
-    evaluation_step: float | None = None  # alert evaluation step; None: the rules' own interval
+    fused_step: float | None = None  # evaluation step of alerts reading recording rules; None: theirs
 
     @property
     def end(self) -> float:
@@ -289,9 +289,7 @@ def parse_scenario(data: Any, source: str = "scenario", seed: int | None = None)
     if step < 1 or step != int(step):
         check.problems.append(f"scenario.step: must be a whole number of seconds >= 1, got {step:g}s")
 
-    evaluation_step = (
-        check.duration(data, "evaluation_step", "scenario") if "evaluation_step" in data else None
-    )
+    fused_step = check.duration(data, "fused_step", "scenario") if "fused_step" in data else None
     raw_fleet = check.mapping(data.get("fleet"), "fleet")
     check.unknown(raw_fleet, {"nodes", "gpus_per_node", "model", "nvlinks", "node_name"}, "fleet")
     node_name = str(raw_fleet.get("node_name", "gpu-{index:03d}"))
@@ -355,7 +353,7 @@ def parse_scenario(data: Any, source: str = "scenario", seed: int | None = None)
         duration=duration,
         warmup=warmup,
         step=step,
-        evaluation_step=evaluation_step,
+        fused_step=fused_step,
         fleet=fleet,
         workload=workload,
         failures=tuple(f for f in failures if f is not None),

@@ -116,6 +116,8 @@ def test_eval_on_small_scenario(tmp_path: Path, rules_dir: Path, capsys: pytest.
                 str(png),
                 "--keep",
                 str(keep),
+                "--fused-step",
+                "5m",
             ]
         )
         == 0
@@ -139,6 +141,7 @@ def test_eval_on_small_scenario(tmp_path: Path, rules_dir: Path, capsys: pytest.
     assert details["fell_off_bus"]["status"] == "detected"
     assert set(details["fell_off_bus"]["alerts"]) & {"TestGpusMissing", "TestXid"}
     assert result["recall"] == 1.0 and result["predicted_fraction"] == 0.5
+    assert (result["evaluation_step_seconds"], result["fused_alert_step_seconds"]) == (60, 300)
     assert result["per_kind"]["hbm_degradation"]["predicted"] == 1
     # the isolated SBE burst on gpu-000 GPU 2 trips the naive ECC rule: a false alarm, blamed on the burst
     alarms = result["false_alarm_episodes"]
