@@ -170,12 +170,13 @@ class Engine:
                                                              f"(cooldown {g.node_cooldown_seconds:.0f}s)")
         if self.config.dry_run:
             return None
-        starts = await self.journal.call(self.db.started_since, now - g.rate_limit_window_seconds)
-        if len(starts) >= g.rate_limit_actions:
-            retry_at = starts[len(starts) - g.rate_limit_actions] + g.rate_limit_window_seconds
+        window = g.rate_limit_window_seconds
+        retry_at = await self.journal.call(self.db.rate_limited_until, now - window, g.rate_limit_actions,
+                                           window)
+        if retry_at is not None:
             return Verdict(Outcome.DEFERRED, Reason.RATE_LIMITED,
-                           f"{len(starts)} actions in the last {g.rate_limit_window_seconds:.0f}s "
-                           f"(limit {g.rate_limit_actions})", retry_at)
+                           f"{g.rate_limit_actions} actions started in the last {window:.0f}s (the limit)",
+                           retry_at)
         if a.kind in ACTING_DRAINS and not drained_by_us:
             return await self._check_breaker(a)
         return None

@@ -376,11 +376,15 @@ class Journal:
                               "NOT IN ('none', ?)", (node, exclude_id, UNDRAIN)).fetchone()
         return row[0]
 
-    def started_since(self, since: float) -> list[float]:
-        """Start times of acting actions since ``since`` (for the global rate limit), oldest first."""
-        rows = self.db.execute("SELECT started_at FROM actions WHERE started_at >= ? AND kind != 'none' "
-                               "ORDER BY started_at", (since,))
-        return [r[0] for r in rows]
+    def rate_limited_until(self, since: float, limit: int, window: float) -> float | None:
+        """None while fewer than ``limit`` actions started since ``since``; else when the next slot frees."""
+        where = "FROM actions WHERE started_at >= ? AND kind != 'none'"
+        count = self.db.execute(f"SELECT COUNT(*) {where}", (since,)).fetchone()[0]
+        if count < limit:
+            return None
+        row = self.db.execute(f"SELECT started_at {where} ORDER BY started_at LIMIT 1 OFFSET ?",
+                              (since, count - limit)).fetchone()
+        return row[0] + window
 
     def firing_drains(self, node: str, exclude: tuple[str, str]) -> int:
         """Alerts still firing on ``node`` whose action drains it: the node must stay drained."""
