@@ -63,9 +63,14 @@ ACTIVE_STATES = (PENDING, AWAITING_APPROVAL, RUNNING)
 STATES = (*ACTIVE_STATES, DONE, SKIPPED, FAILED, CANCELLED)
 UNDRAIN = "undrain"  # the action kind created when a drain's alert resolves
 DRAINING_KINDS = ("drain", "drain_reset_gpu", "drain_reboot")  # followed by an undrain on resolve
-# An action "holds" its node drained unless it never acted; one skipped because an earlier alert had
-# already drained the node holds it too, so the node stays out until every such alert resolved.
+
+
 def _holds(table: str = "") -> str:
+    """SQL: the action keeps its node drained until its alert resolves.
+
+    Every action that was not cancelled or skipped does; so does one skipped because an earlier
+    alert had already drained the node, so that the node stays out until every such alert resolved.
+    """
     return f"({table}state NOT IN ('cancelled', 'skipped') OR {table}reason = 'already_drained')"
 
 
@@ -95,7 +100,7 @@ class Action:
     updated_at: float
 
     def as_json(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items()}
+        return dict(self.__dict__)
 
 
 @dataclass
