@@ -20,6 +20,7 @@ from gpuhealth.webhook.backends.base import Backend, BackendError, NodeState
 from gpuhealth.webhook.config import Config
 from gpuhealth.webhook.journal import (
     ACTIVE_STATES,
+    BREAKER,
     CANCELLED,
     DONE,
     DRAINING_KINDS,
@@ -38,7 +39,6 @@ from gpuhealth.webhook.policy import STEPS, drain_reason, is_ours
 
 log = logging.getLogger(__name__)
 
-BREAKER = "breaker"  # journal meta key: {"open": bool, "since": float, "reason": str}
 ACTING_DRAINS = (*DRAINING_KINDS, "replace")
 # One node name: Slurm reads "gpu[01-64]", "a,b" or "ALL" as many nodes, and a label must never widen
 # what one alert acts on.
@@ -83,10 +83,11 @@ class Engine:
         return await self.journal.call(self.db.get_meta, BREAKER) or {"open": False}
 
     async def reset_breaker(self, by: str) -> dict[str, Any]:
+        """Close the breaker; undrains it skipped run again, since their nodes are still out."""
         state = {"open": False, "since": time.time(), "reason": f"reset by {by}"}
-        await self.journal.call(self.db.set_meta, BREAKER, state)
+        rearmed = await self.journal.call(self.db.reset_breaker, state, by)
         self.metrics.breaker_open.set(0)
-        log.warning("event=breaker_reset by=%s", by)
+        log.warning("event=breaker_reset by=%s undrains_rearmed=%d", by, len(rearmed))
         return state
 
     async def run(self, action: Action) -> None:

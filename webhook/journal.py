@@ -62,6 +62,7 @@ DONE, SKIPPED, FAILED, CANCELLED = "done", "skipped", "failed", "cancelled"
 ACTIVE_STATES = (PENDING, AWAITING_APPROVAL, RUNNING)
 STATES = (*ACTIVE_STATES, DONE, SKIPPED, FAILED, CANCELLED)
 UNDRAIN = "undrain"  # the action kind created when a drain's alert resolves
+BREAKER = "breaker"  # meta key: {"open": bool, "since": float, "reason": str}
 DRAINING_KINDS = ("drain", "drain_reset_gpu", "drain_reboot")  # followed by an undrain on resolve
 
 
@@ -453,6 +454,20 @@ class Journal:
         }
         return self._tx(lambda: {table: self.db.execute(sql, (before,)).rowcount
                                  for table, sql in statements.items()})
+
+    def reset_breaker(self, state: dict[str, Any], by: str) -> list[int]:
+        """Close the breaker and re-arm the undrains it held back, in one commit; their ids."""
+        def run() -> list[int]:
+            self.set_meta(BREAKER, state)
+            held = [r[0] for r in self.db.execute("SELECT id FROM actions WHERE kind = ? AND state = ? AND "
+                                                  "reason = 'breaker_open'", (UNDRAIN, SKIPPED))]
+            now = time.time()
+            for action_id in held:
+                self._set_state(action_id, PENDING, "", "", f"re-armed by the breaker reset ({by})", now,
+                                next_at=now, finished_at=None)
+            return held
+
+        return self._tx(run)
 
     def get_meta(self, key: str) -> Any:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

@@ -118,7 +118,8 @@ async def test_resolution_before_the_action_started_cancels_it(webhook):
 
 async def test_storm_over_half_the_fleet_trips_the_breaker_at_the_cap(webhook):
     hook = await webhook(guardrails={"breaker_max_nodes": 3, "breaker_max_fraction": 0.5})
-    await hook.post(*[alert(f"gpu{i:02d}", action="drain") for i in range(1, 9)])
+    storm = [alert(f"gpu{i:02d}", action="drain") for i in range(1, 9)]
+    await hook.post(*storm)
     actions = await hook.settle()
     assert len(hook.drained) == 3
     assert sum(a["reason"] == "breaker_open" for a in actions) == 5
@@ -126,12 +127,18 @@ async def test_storm_over_half_the_fleet_trips_the_breaker_at_the_cap(webhook):
     assert status["breaker"]["open"] and "cap is 3" in status["breaker"]["reason"]
     assert await hook.metric("gpuhealth_webhook_breaker_open") == 1
     # Tripped: nothing acts any more, not even a job restart, until an operator resets it.
-    await hook.post(alert("gpu12", action="restart_job"))
-    assert (await hook.settle())[-1]["reason"] == "breaker_open"
+    await hook.post(alert("gpu12", action="restart_job"), resolved(storm[0]))
+    held = await hook.settle()
+    assert [(a["kind"], a["reason"]) for a in held[-2:]] == [("restart_job", "breaker_open"),
+                                                           ("undrain", "breaker_open")]
+    assert "gpu01" in hook.drained
     await hook.client.post("/breaker/reset")  # no credentials
     assert (await hook.call("GET", "/status"))["breaker"]["open"]
     await hook.call("POST", "/breaker/reset")
     assert not (await hook.call("GET", "/status"))["breaker"]["open"]
+    undrain = (await hook.settle())[-1]
+    assert (undrain["kind"], undrain["state"]) == ("undrain", "done")  # re-armed by the reset
+    assert "gpu01" not in hook.drained
     await hook.post(alert("gpu13", action="restart_job"))
     assert (await hook.settle())[-1]["reason"] == "ok"
 
