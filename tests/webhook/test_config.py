@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import ssl
-import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -91,9 +90,11 @@ def test_unusable_state_dir_is_a_clear_error(tmp_path, capsys):
     assert "occupied" in err and "Traceback" not in err
 
 
-def test_help_names_every_flag():
-    out = subprocess.run([sys.executable, "-m", "gpuhealth.webhook.main", "--help"], capture_output=True,
-                         text=True, check=True).stdout
+def test_help_names_every_flag(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
     for flag in ("--config", "--listen", "--dry-run", "--token-file", "--state-dir"):
         assert flag in out
 
