@@ -244,8 +244,9 @@ async def status_page(request: web.Request) -> web.Response:
     journal = request.app[JOURNAL]
     status = await _status(request.app)
     actions = await journal.call(journal.sync.list_actions, None, None, None, 50)
-    html = _TEMPLATES.get_template("status.html").render(status=status, actions=actions, when=_when,
-                                                          now=_when(time.time()))
+    waiting = await journal.call(journal.sync.list_actions, None, AWAITING_APPROVAL, None, 100)
+    html = _TEMPLATES.get_template("status.html").render(status=status, actions=actions, waiting=waiting,
+                                                          when=_when, now=_when(time.time()))
     return web.Response(text=html, content_type="text/html")
 
 

@@ -47,8 +47,9 @@ class _Tables(html.parser.HTMLParser):
 @pytest.mark.slow
 async def test_status_page_in_headless_chromium(webhook, tmp_path):
     assert CHROMIUM, "Debian package 'chromium' is needed (scripts/bootstrap.sh installs it)"
-    hook = await webhook(guardrails={"breaker_max_nodes": 2})
+    hook = await webhook(guardrails={"breaker_max_nodes": 2, "require_approval": ["replace"]})
     hostile = "<script>document.title='pwned'</script>"
+    await hook.post(alert("gpu09", action="replace"))
     await hook.post(*[alert(f"gpu{i:02d}", action="drain", summary=f"row remap failure {hostile}")
                       for i in (1, 2, 3)])
     await hook.settle()
@@ -73,7 +74,9 @@ async def test_status_page_in_headless_chromium(webhook, tmp_path):
     assert [row[0] for row in page.tables["drained"][1:]] == ["gpu01", "gpu02"]
     actions = page.tables["actions"][1:]
     assert [(row[3], row[6], row[7]) for row in actions] == [
-        ("gpu03", "skipped", "breaker_open"), ("gpu02", "done", "ok"), ("gpu01", "done", "ok")]
+        ("gpu03", "skipped", "breaker_open"), ("gpu02", "done", "ok"), ("gpu01", "done", "ok"),
+        ("gpu09", "awaiting_approval", "approval_required")]
+    assert [(row[2], row[3]) for row in page.tables["approvals"][1:]] == [("replace", "gpu09")]
     assert "<title>gpuhealth webhook</title>" in dom.decode()  # the alert's markup stayed text
     assert hostile in text
     assert shot.stat().st_size > 10_000
