@@ -149,6 +149,8 @@ def _check(s: Settings, collector_names: list[str], problems: list[str]) -> None
         problems.append(f"procfs: {s.procfs} does not look like procfs (no stat file)")
     if s.state_dir is not None and not (s.state_dir.is_dir() and os.access(s.state_dir, os.W_OK)):
         problems.append(f"state_dir: {s.state_dir} is not a writable directory")
+    if s.kmsg_path is not None and not s.kmsg_path.exists() and not s.kmsg_path.parent.is_dir():
+        problems.append(f"kmsg_path: {s.kmsg_path.parent} is not a directory")
     if s.nvml_timeout >= s.sampling_window:
         problems.append("nvml_timeout: must be shorter than sampling_window")
     if s.log_level.lower() not in ("debug", "info", "warning", "error"):

@@ -86,6 +86,9 @@ def _open_nvml(settings: Settings, kmsg_path: Path | None) -> Any:
         from gpuhealth.exporter.sim.nvml import SimulatedNvml
         from gpuhealth.exporter.sim.scenario import load_scenario
 
+        if kmsg_path is not None and kmsg_path.exists() and not kmsg_path.is_file():
+            log.info("simulated kernel lines are not written to a device path=%s", kmsg_path)
+            kmsg_path = None  # never inject fake XIDs into the real /dev/kmsg
         nvml: Any = SimulatedNvml(load_scenario(settings.sim_scenario), kmsg_path)
     else:
         import pynvml as nvml
@@ -123,6 +126,10 @@ def run(settings: Settings) -> int:
     except ScenarioError as exc:
         for problem in exc.problems:
             print(f"gpuhealth-exporter: {settings.sim_scenario}: {problem}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"gpuhealth-exporter: cannot use the kernel log {kmsg_path}: {exc.strerror or exc}",
+              file=sys.stderr)
         return 2
     ctx = Context(nvml=nvml, procfs=settings.procfs, kmsg_path=None if settings.no_kmsg else kmsg_path,
                   state_dir=settings.state_dir, gpus_expected=settings.gpus_expected,

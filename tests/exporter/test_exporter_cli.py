@@ -32,17 +32,18 @@ def test_help_lists_collector_flags(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bad_config_lists_every_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "exporter.yml"
     config.write_text(yaml.safe_dump({
-        "backend": "cuda", "sampling_interval": -1, "listen": "nowhere", "colour": "blue", "log_level": 7,
+        "backend": "cuda", "sampling_interval": -1, "kmsg_path": "/nonexistent/dir/kmsg",
+        "listen": "nowhere", "colour": "blue", "log_level": 7,
         "collectors": {"gpu": True, "smart": True}, "web": {"tls_cert_file": "/nonexistent.pem",
                                                                "basic_auth_users": {"ops": "plaintext"}},
     }))
     assert main(["--config", str(config), "--path.procfs", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     for needle in ("backend", "sampling_interval", "listen", "colour", "smart", "tls_cert_file",
-                   "tls_key_file", "web.basic_auth_users.ops", "procfs", "log_level"):
+                   "tls_key_file", "web.basic_auth_users.ops", "procfs", "log_level", "kmsg_path"):
         assert needle in err, needle
     assert "Traceback" not in err
-    assert len(err.strip().splitlines()) >= 10
+    assert len(err.strip().splitlines()) >= 11
 
 
 def test_wrongly_typed_collectors_block_is_a_problem_not_a_crash() -> None:
