@@ -66,11 +66,10 @@ def test_repetition_escalates(tmp_path, source):
                   "GPU 1 on n1 needs diagnostics (XID 13/31 repeated on this GPU)",
                   "GPU 1 of n1: XID 13/31 repeated on this GPU (3). Drain the node and run diagnostics "
                   "before it takes more jobs.", "warning", "drain")
-    replace_value = "2" if source == "gpuhealth" else "3"   # dcgm counts changes of the last-XID gauge
     replace = alert("GPUHealthXidReplaceGpu",
                     {"alertname": "GPUHealthXidReplaceGpu", "node": "n2", "gpu": "2"},
                     "GPU 2 on n2 keeps failing row remapping: replace it",
-                    f"GPU 2 of n2 reported a row-remap failure {replace_value} times in the repeat window; "
+                    "GPU 2 of n2 reported a row-remap failure 2 times in the repeat window; "
                     "resets no longer help. Take the node out of rotation and replace the GPU.",
                     "critical", "replace")
     bus = alert("GPUHealthNodeRepeatedFallOffBus",
