@@ -152,8 +152,11 @@ class KmsgFollower:
             records = []
             while len(records) < max_records:
                 try:
+                    record = os.read(self._fd, 8192)
+                    if not record:  # end of file: not /dev/kmsg after all (/dev/null, a pipe)
+                        break
                     # one record per read: the message line, then " KEY=value" dictionary lines
-                    records.append(os.read(self._fd, 8192).split(b"\n", 1)[0])
+                    records.append(record.split(b"\n", 1)[0])
                 except BlockingIOError:
                     break
                 except OSError as exc:

@@ -63,6 +63,12 @@ def test_state_from_another_boot_is_ignored(tmp_path: Path) -> None:
     assert follower.read_lines() == ["3,2,20,-;after start"]  # seq 2 < 500 still counts: new boot
 
 
+def test_a_device_at_end_of_file_yields_nothing() -> None:
+    follower = KmsgFollower(Path("/dev/null"))
+    assert follower.read_lines() == [] and follower.read_lines() == []
+    follower.close()
+
+
 def test_binary_garbage_does_not_stop_following(tmp_path: Path) -> None:
     log = tmp_path / "kmsg"
     follower = KmsgFollower(log)
