@@ -17,46 +17,40 @@ def _risk_alert(node: str, gpu: int, risk: str, contributions: str) -> dict:
                  f"Top contributions: {contributions}.", "warning", "drain")
 
 
+def _score(node: str, gpu: int, at: str, value: float) -> dict:
+    expr = f'gpuhealth:gpu_failure_risk:score{{node="{node}", gpu="{gpu}"}}'
+    return {"expr": expr, "eval_time": at, "exp_samples": [{"labels": expr, "value": value}]}
+
+
 @pytest.mark.parametrize("source", SOURCES)
 def test_several_weak_signals_raise_the_risk_alert(tmp_path, source):
-    minutes = 420
+    minutes = 250
     fleet = Fleet(source)
     for node in ("n1", "n2", "n3"):
         collapsed = node == "n2"
         fleet.node(node, minutes, interrupts_per_s=1500 if collapsed else 10_000,
                    procs=2 if collapsed else 40)
-    # HBM degradation on n1 GPU 0: corrected ECC keeps growing, then remapped rows step up at 6h.
-    fleet.add("ecc_corrected", "n1", 0, (0, 1, minutes))
-    fleet.add("rows_correctable", "n1", 0, (0, 0, 359), (10, 0, minutes - 360))
-    # n2 hangs in a collective (interrupts and runnable processes collapse); GPU 3's NVLink errs from 200 min.
-    fleet.add("nvlink_crc", "n2", 3, (0, 0, 199), (0, 60, minutes - 200))
-    # Thermal runaway on n3 GPU 6 from 300 min: hotter than its node mates and thermally slowed down.
-    fleet.add("temperature", "n3", 6, (60, 0, 299), (70, 0, minutes - 300))
-    fleet.add("thermal_seconds", "n3", 6, (0, 0, 299), (0, 30, minutes - 300))
-    hbm = _risk_alert("n1", 0, "0.75", "remapped_rows_growth=0.40, ecc_corrected_growth=0.35")
+    # n2 hangs in a collective (interrupts and runnable processes collapse); GPU 3's NVLink errs from 150 min.
+    fleet.add("nvlink_crc", "n2", 3, (0, 0, 149), (0, 60, minutes - 150))
+    # Thermal runaway on n3 GPU 6 from 200 min: hotter than its node mates and thermally slowed down.
+    fleet.add("temperature", "n3", 6, (60, 0, 199), (70, 0, minutes - 200))
+    fleet.add("thermal_seconds", "n3", 6, (0, 0, 199), (0, 30, minutes - 200))
     nvlink = _risk_alert("n2", 3, "0.95",
                          "nvlink_errors=0.45, interrupt_collapse=0.30, procs_running_collapse=0.20")
     thermal = _risk_alert("n3", 6, "0.85",
                           "temperature_peer=0.35, thermal_slowdown=0.30, temperature_baseline=0.20")
     checks = [
         # Each case: quiet while pending (the condition cannot hold before its onset + `for`), then firing.
-        {"eval_time": "230m", "alertname": RISK, "exp_alerts": []},
-        {"eval_time": "240m", "alertname": RISK, "exp_alerts": [nvlink]},
-        {"eval_time": "330m", "alertname": RISK, "exp_alerts": [nvlink]},
-        {"eval_time": "340m", "alertname": RISK, "exp_alerts": [nvlink, thermal]},
-        {"eval_time": "389m", "alertname": RISK, "exp_alerts": [nvlink, thermal]},
-        {"eval_time": "400m", "alertname": RISK, "exp_alerts": [hbm, nvlink, thermal]},
+        {"eval_time": "180m", "alertname": RISK, "exp_alerts": []},
+        {"eval_time": "190m", "alertname": RISK, "exp_alerts": [nvlink]},
+        {"eval_time": "230m", "alertname": RISK, "exp_alerts": [nvlink]},
+        {"eval_time": "240m", "alertname": RISK, "exp_alerts": [nvlink, thermal]},
     ]
     exprs = [
-        # Before the rows step, ECC growth alone (0.35) stays below the threshold.
-        {"expr": 'gpuhealth:gpu_failure_risk:score{node="n1", gpu="0"}', "eval_time": "350m",
-         "exp_samples": [{"labels": 'gpuhealth:gpu_failure_risk:score{node="n1", gpu="0"}', "value": 0.35}]},
         # Node evidence counts for every GPU of the node: n2's other GPUs carry the collapse alone.
-        {"expr": 'gpuhealth:gpu_failure_risk:score{node="n2", gpu="5"}', "eval_time": "400m",
-         "exp_samples": [{"labels": 'gpuhealth:gpu_failure_risk:score{node="n2", gpu="5"}', "value": 0.5}]},
+        _score("n2", 5, "240m", 0.5),
         # A healthy GPU without ECC, PCIe or NVLink series at all still scores 0.
-        {"expr": 'gpuhealth:gpu_failure_risk:score{node="n1", gpu="7"}', "eval_time": "400m",
-         "exp_samples": [{"labels": 'gpuhealth:gpu_failure_risk:score{node="n1", gpu="7"}', "value": 0}]},
+        _score("n1", 7, "240m", 0),
     ]
     run_promtool(tmp_path, source, GROUPS, [{"interval": "1m", "input_series": fleet.input_series(),
                                              "alert_rule_test": checks, "promql_expr_test": exprs}])
@@ -83,6 +77,10 @@ def test_memory_signals_and_an_isolated_sbe_burst(tmp_path, source):
     fleet.add("rows_correctable", "n1", 2, (0, 0, 299), (12, 0, minutes - 300))
     fleet.add("remap_pending", "n1", 3, (0, 0, 379), (1, 0, minutes - 380))
     fleet.add("remap_failure", "n1", 3, (0, 0, minutes))
+    # HBM degradation on GPU 5: corrected ECC keeps growing, then remapped rows step up at 6h.
+    fleet.add("ecc_corrected", "n1", 5, (0, 1, minutes))
+    fleet.add("rows_correctable", "n1", 5, (0, 0, 359), (10, 0, minutes - 360))
+    hbm = _risk_alert("n1", 5, "0.75", "remapped_rows_growth=0.40, ecc_corrected_growth=0.35")
     at = "390m"
     exprs = [
         _evidence("ecc_corrected_growth", "n1", 0, at, 0.99),
@@ -92,8 +90,11 @@ def test_memory_signals_and_an_isolated_sbe_burst(tmp_path, source):
         _evidence("remapped_rows_growth", "n1", 2, at, 0.99),
         _evidence("remap_pending", "n1", 3, at, 0.99),
         _evidence("remap_pending", "n1", 3, "370m"),
+        _score("n1", 5, "350m", 0.35),    # ECC growth alone stays below the threshold
     ]
-    checks = [{"eval_time": t, "alertname": RISK, "exp_alerts": []} for t in ("150m", "310m", at)]
+    # One memory signal alone never fires; ECC growth and the rows step together do, 30 min after the step.
+    checks = [{"eval_time": t, "alertname": RISK, "exp_alerts": []} for t in ("150m", "310m", "389m")]
+    checks.append({"eval_time": at, "alertname": RISK, "exp_alerts": [hbm]})
     run_promtool(tmp_path, source, GROUPS, [{"interval": "1m", "input_series": fleet.input_series(),
                                              "alert_rule_test": checks, "promql_expr_test": exprs}])
 
