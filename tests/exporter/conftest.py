@@ -1,33 +1,11 @@
-"""Shared fixtures for the exporter tests: fixture procfs, a controllable clock, golden files."""
+"""Fixtures for the exporter tests; the helpers live in exporter_helpers.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from gpuhealth.exporter.collector import Context, load_collectors
-from gpuhealth.exporter.sim.nvml import SimulatedNvml
-from gpuhealth.exporter.sim.scenario import parse_scenario
-
-HERE = Path(__file__).parent
-PROCFS = HERE / "fixtures" / "procfs"
-GOLDEN = HERE / "golden"
-REGEN = os.environ.get("GPUHEALTH_REGEN_GOLDEN") == "1"
-
-
-class FakeClock:
-    """Time that moves only when a test says so: NVML latency reads 0, windows are exact."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from exporter_helpers import PROCFS, FakeClock
 
 
 @pytest.fixture
@@ -38,34 +16,3 @@ def clock() -> FakeClock:
 @pytest.fixture
 def procfs() -> Path:
     return PROCFS
-
-
-def sim_context(scenario: dict, clock: FakeClock, kmsg_path: Path | None = None, **kwargs) -> Context:
-    """A Context on a simulated node driven by ``clock``, NVML initialised."""
-    nvml = SimulatedNvml(parse_scenario(scenario), kmsg_path, clock=clock)
-    nvml.nvmlInit()
-    ctx = Context(nvml=nvml, procfs=PROCFS, kmsg_path=kmsg_path, clock=clock, **kwargs)
-    ctx.inventory.driver_version = nvml.nvmlSystemGetDriverVersion()
-    return ctx
-
-
-def make_collector(name: str, ctx: Context):
-    return load_collectors()[name].factory(ctx)
-
-
-def assert_golden(name: str, text: str) -> None:
-    """Compare with ``golden/<name>.prom``; GPUHEALTH_REGEN_GOLDEN=1 rewrites it instead."""
-    path = GOLDEN / f"{name}.prom"
-    if REGEN:
-        path.write_text(text)
-        return
-    assert path.exists(), f"{path} missing: run with GPUHEALTH_REGEN_GOLDEN=1 to create it"
-    assert text == path.read_text(), f"exposition differs from {path} (GPUHEALTH_REGEN_GOLDEN=1 updates it)"
-
-
-def promtool_check(text: str) -> None:
-    """``promtool check metrics`` must accept the exposition without a single lint problem."""
-    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
-                            timeout=30)
-    assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), \
-        result.stdout + result.stderr

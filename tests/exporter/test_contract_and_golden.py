@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import GOLDEN, promtool_check
+from exporter_helpers import GOLDEN, promtool_check
 from gpuhealth.exporter.metrics import SPECS
 
 CONTRACT = Path(__file__).parents[2] / "docs" / "contract.md"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import promtool_check
+from exporter_helpers import promtool_check
 
 from gpuhealth.local.process import ManagedProcess, free_port, http_ok, wait_until
 from gpuhealth.local.prometheus import PrometheusServer

@@ -5,23 +5,16 @@ from __future__ import annotations
 import threading
 
 import pytest
-from conftest import FakeClock, assert_golden, make_collector, promtool_check, sim_context
-from gpuhealth.exporter.metrics import render
-from prometheus_client.parser import text_string_to_metric_families
-
-
-def scrape(collector) -> str:
-    return render(collector.collect()).decode()
-
-
-def samples(text: str, name: str) -> dict[tuple, float]:
-    """{sorted label items: value} for one metric name (counters by their _total sample name)."""
-    return {tuple(sorted(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples if s.name == name}
-
-
-def value(text: str, name: str, **labels: str) -> float | None:
-    return samples(text, name).get(tuple(sorted(labels.items())))
+from exporter_helpers import (
+    FakeClock,
+    assert_golden,
+    make_collector,
+    promtool_check,
+    samples,
+    scrape,
+    sim_context,
+    value,
+)
 
 
 def test_default_node_golden(clock: FakeClock) -> None:

@@ -5,11 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import FakeClock, assert_golden, make_collector, promtool_check, sim_context
+from exporter_helpers import (
+    FakeClock,
+    assert_golden,
+    make_collector,
+    promtool_check,
+    scrape,
+    sim_context,
+    value,
+)
 from gpuhealth.exporter.collector import Context
 from gpuhealth.exporter.collectors.jobs import slurm_job_of
 from gpuhealth.exporter.collectors.nfs import parse_mountstats
-from test_gpu_collector import scrape, value
 
 
 def test_host_golden(procfs: Path) -> None:

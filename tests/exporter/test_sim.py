@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from conftest import FakeClock
+from exporter_helpers import FakeClock
 from gpuhealth.exporter.sim.nvml import SimulatedNvml
 from gpuhealth.exporter.sim.scenario import parse_scenario
 

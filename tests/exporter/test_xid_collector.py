@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import FakeClock, assert_golden, make_collector, promtool_check, sim_context
+from exporter_helpers import (
+    FakeClock,
+    assert_golden,
+    make_collector,
+    promtool_check,
+    samples,
+    scrape,
+    sim_context,
+    value,
+)
 from gpuhealth.exporter.dedup import XidDeduplicator
-from test_gpu_collector import samples, scrape, value
 
 
 def kmsg_context(tmp_path: Path, clock: FakeClock, scenario: dict | None = None):
