@@ -182,14 +182,21 @@ def backfill_records(
     computed from raw series by its expanded expression (see ``expand``), so no rule reads another's
     backfilled output, which would lack the staleness markers rule evaluation writes."""
     expander = Expander(rules)
-    names = list(dict.fromkeys(r.name for r in rules.records))
+    every = " or ".join(dict.fromkeys(r.name for r in rules.records))
+    names = expander.records_used(every)  # dependencies first
     times = grid(start, end, rules.interval)
     families = []
     with Progress("recording rules", len(names), enabled=progress) as bar:
         for name in names:
-            matrix = range_matrix(server.api, expander.definition(name), times)
+            try:
+                matrix = range_matrix(server.api, expander.definition(name), times)
+            except RuntimeError as exc:  # Prometheus rejects the rule: it would record nothing either
+                log.warning("recording rule fails name=%s error=%r", name, str(exc))
+                expander.mark_broken(name, str(exc))
+                continue
+            finally:
+                bar.advance()
             families.append(Family(name, "gauge", [(label_text(k), v) for k, v in matrix.series.items()]))
-            bar.advance()
     add_series(server, families, times, workdir, "backfilling records", progress=progress)
 
 
