@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import base64
+import datetime
+import ipaddress
 import ssl
-import subprocess
 import threading
 import urllib.error
 import urllib.request
@@ -12,6 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from gpuhealth.exporter.collector import Context, load_collectors
 from gpuhealth.exporter.sampler import Sampler
 from gpuhealth.exporter.web import hash_password, make_server
@@ -61,6 +66,28 @@ def get(url: str, headers: dict[str, str] | None = None, context: ssl.SSLContext
         return exc.code, exc.read().decode()
 
 
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1, valid for a day, and its key, as PEM files."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                       critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
 def test_metrics_health_and_collector_isolation(sampler: Sampler) -> None:
     for address in serve(make_server("127.0.0.1", free_port(), sampler)):
         status, body = get(f"http://{address}/metrics")
@@ -85,10 +112,7 @@ def test_health_fails_when_sampling_stalls() -> None:
 
 
 def test_tls_and_basic_auth(tmp_path: Path, sampler: Sampler) -> None:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
-                    "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key),
-                    "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    cert, key = self_signed_certificate(tmp_path)
     users = {"prometheus": hash_password("scrape-me", iterations=1000)}
     server = make_server("127.0.0.1", free_port(), sampler, cert, key, users)
     context = ssl.create_default_context(cafile=str(cert))
