@@ -271,6 +271,7 @@ def parse_scenario(data: Any, source: str = "scenario", seed: int | None = None)
             "start",
             "duration",
             "warmup",
+            "fused_step",
             "step",
             "fleet",
             "workload",
