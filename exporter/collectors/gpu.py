@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from gpuhealth.exporter.collector import Context, register
 from gpuhealth.exporter.guard import DeadlineExceeded, GuardedWorker
+from gpuhealth.exporter.inventory import GpuIdentity
 from gpuhealth.exporter.metrics import Families
 from gpuhealth.exporter.nvml_reader import CLOCK_EVENT_REASONS, GpuReading, NvmlReader
 from prometheus_client.core import Metric
@@ -63,12 +64,12 @@ class GpuCollector:
             self.workers[index] = GuardedWorker(f"nvml-gpu{index}")
         return self.workers[index]
 
-    def _sample(self, index: int) -> tuple[GpuReading, float]:
+    def _sample(self, index: int, known: bool) -> tuple[GpuIdentity | None, GpuReading, float]:
+        """Runs on the GPU's worker; shared state is only updated by the sampling thread."""
         start = self.ctx.clock()
-        if index not in self.ctx.inventory.gpus:
-            self.ctx.inventory.add(self.reader.identity(index))
+        identity = None if known else self.reader.identity(index)
         reading = self.reader.read(index)
-        return reading, self.ctx.clock() - start
+        return identity, reading, self.ctx.clock() - start
 
     def collect(self) -> Iterator[Metric]:
         nvml, ctx = self.ctx.nvml, self.ctx
@@ -82,15 +83,18 @@ class GpuCollector:
             self.expected = count
         indices = sorted(set(range(count)) | set(ctx.inventory.gpus) | set(self.tracks))
         started = ctx.clock()
-        futures = {i: self._worker(i).submit(functools.partial(self._sample, i)) for i in indices}
+        futures = {i: self._worker(i).submit(functools.partial(self._sample, i, i in ctx.inventory.gpus))
+                   for i in indices}
         for index, future in futures.items():
             track = self.tracks.setdefault(index, GpuTrack())
             remaining = ctx.nvml_timeout_seconds - (ctx.clock() - started)
             try:
-                reading, latency = GuardedWorker.result(future, remaining)
+                identity, reading, latency = GuardedWorker.result(future, remaining)
             except (DeadlineExceeded, nvml.NVMLError) as exc:
                 self._down(index, track, exc, index < count)
                 continue
+            if identity is not None:
+                ctx.inventory.add(identity)
             self._up(index, track, reading, latency)
         yield from self._families(indices)
 
