@@ -29,7 +29,7 @@ def test_small_scenario_matches_the_issue() -> None:
 def test_reference_scenario_covers_every_kind() -> None:
     reference = load_scenario(SCENARIOS / "reference.yaml")
     assert reference.fleet.nodes == 64 and reference.fleet.gpus_per_node == 8
-    assert reference.duration == 14 * 86400
+    assert reference.duration == 14 * 86400 and reference.fused_step == 300
     assert len(reference.failures) >= 24 and {f.kind for f in reference.failures} == set(FAULT_KINDS)
     assert len(reference.noise) == 200 and {n.kind for n in reference.noise} == set(NOISE_KINDS)
     assert len({f.node for f in reference.failures}) == len(reference.failures)
