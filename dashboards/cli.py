@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gpuhealth.dashboards.fleet_sample import RULES_DIR, backfilled_fleet
 from gpuhealth.dashboards.generate import GENERATED_DIR, render, stale, write
-from gpuhealth.dashboards.queries import Window, riskiest_gpu, variable_values
+from gpuhealth.dashboards.queries import Window, panel_queries, riskiest_gpu, variable_values
 from gpuhealth.dashboards.remediation import UID as REMEDIATION_UID
 from gpuhealth.dashboards.webhook_sample import SCRAPE_SECONDS, webhook_session
 
@@ -86,7 +86,8 @@ def _prometheus(args: argparse.Namespace) -> Iterator[tuple[PrometheusAPI, float
         yield PrometheusAPI(args.url), end - args.since * 3600, end
         return
     with tempfile.TemporaryDirectory(prefix="gpuhealth-preview-") as workdir, \
-            backfilled_fleet(args.scenario, Path(workdir), rules_dir=args.rules, seed=args.seed) as fleet:
+            backfilled_fleet(args.scenario, Path(workdir), _all_queries(), rules_dir=args.rules,
+                             seed=args.seed) as fleet:
         yield fleet.server.api, fleet.start, fleet.end
 
 
@@ -111,6 +112,10 @@ def _draw(previewer: type, api: PrometheusAPI, window: Window, models: dict[str,
         path = out / name.replace(".json", ".png")
         previewer(api, window, variable_values(model, node, gpu)).render(model, path)
         print(path)
+
+
+def _all_queries() -> list[str]:
+    return [q.expr for text in render().values() for q in panel_queries(json.loads(text))]
 
 
 def _pickers(model: dict) -> set[str]:

@@ -2,32 +2,36 @@
 
 ``gpuhealth.evaluation`` writes only the series some rule reads, then backfills the recording rules.
 The dashboards also read exporter series no rule needs (power, clocks, NVLink state...), so one more
-rule, never evaluated, declares them: it selects every exporter series over a range as long as the
-dashboards' rate windows, which also keeps enough samples of each for those windows.
+rule, never evaluated, declares them: it selects each series the dashboards' queries name, over a
+range as long as their rate windows, which also keeps enough samples of each for those windows.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 RULES_DIR = Path(__file__).resolve().parents[1] / "rules" / "generated" / "gpuhealth"
-DASHBOARD_INPUTS = """\
-# Declares the series the dashboards read, for the benchmark's backfill; never evaluated.
-groups:
-- name: dashboard-inputs
-  rules:
-  - alert: DashboardInputs
-    expr: count(rate({__name__=~"gpuhealth_.+"}[6m])) < 0
-"""
+METRIC = re.compile(r"gpuhealth_[a-z0-9_]+")
+
+
+def dashboard_inputs(queries: list[str]) -> str:
+    """A rule file declaring every exporter series the ``queries`` read; it is never evaluated."""
+    names = sorted({m for q in queries for m in METRIC.findall(q) if not m.startswith("gpuhealth_webhook_")})
+    selector = '{__name__=~"' + "|".join(names) + '"}'
+    return yaml.safe_dump({"groups": [{"name": "dashboard-inputs", "rules": [
+        {"alert": "DashboardInputs", "expr": f"count(rate({selector}[6m])) < 0"}]}]}, sort_keys=False)
 
 
 @contextlib.contextmanager
-def backfilled_fleet(scenario: Path, workdir: Path, *, rules_dir: Path = RULES_DIR,
+def backfilled_fleet(scenario: Path, workdir: Path, queries: list[str], *, rules_dir: Path = RULES_DIR,
                      seed: int | None = None) -> Iterator[Any]:
-    """``gpuhealth.evaluation.fleet.backfilled_prometheus`` with the rules plus the dashboards' inputs."""
+    """``gpuhealth.evaluation.fleet.backfilled_prometheus`` with the rules plus what ``queries`` read."""
     from gpuhealth.evaluation.fleet import backfilled_prometheus
 
     rule_files = sorted(Path(rules_dir).glob("*.yml"))
@@ -37,6 +41,6 @@ def backfilled_fleet(scenario: Path, workdir: Path, *, rules_dir: Path = RULES_D
     rules.mkdir(parents=True, exist_ok=True)
     for path in rule_files:
         (rules / path.name).write_text(path.read_text())
-    (rules / "dashboard-inputs.yml").write_text(DASHBOARD_INPUTS)
+    (rules / "dashboard-inputs.yml").write_text(dashboard_inputs(queries))
     with backfilled_prometheus(scenario, workdir / "fleet", rules_dir=rules, seed=seed) as fleet:
         yield fleet
