@@ -6,12 +6,17 @@ token Alertmanager was given."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import stat
 import subprocess
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -31,53 +36,74 @@ SITE_VARS = {
 }
 
 
-def fresh_deployment(tmp_path_factory, wheelhouse, name: str, **overrides: object) -> Deployment:
-    prefix = tmp_path_factory.mktemp(name)
+def fresh_deployment(base: Path, wheelhouse: Path, name: str, **overrides: object) -> Deployment:
+    prefix = base / name
     seed_existing_monitoring(prefix)
     return write_inventory(prefix, wheelhouse, free_port(), free_port(), **SITE_VARS, **overrides)
 
 
-def tree(root: Path) -> list[Path]:
-    return sorted(p.relative_to(root) for p in root.rglob("*"))
+def tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, ansible_env, wheelhouse) -> dict:
-    """A real run, the same again, and --check on another fresh prefix alongside the first."""
-    # The real runs use the wheelhouse in place (copying it costs seconds); --check takes the copy path.
-    in_place = {f"gpuhealth_{role}_wheelhouse_remote_src": True for role in ("exporter", "webhook")}
-    deployment = fresh_deployment(tmp_path_factory, wheelhouse, "root", **in_place)
-    checked = fresh_deployment(tmp_path_factory, wheelhouse, "check-root")
+def deploy(base: Path, ansible_env: dict[str, str], wheelhouse: Path) -> dict:
+    """A real run, the same again, and --check on another fresh prefix alongside the first.
+
+    The real runs install a snapshot of the generated rules (the checkout may be regenerated
+    meanwhile) and use the wheelhouse in place; --check takes the defaults and the copy path."""
+    snapshot = base / "rules"
+    shutil.copytree(ROOT / "rules" / "generated", snapshot / "generated")
+    shutil.copy(ROOT / "rules" / "alertmanager.yml", snapshot / "alertmanager.yml")
+    deployment = fresh_deployment(
+        base, wheelhouse, "root", gpuhealth_prometheus_rules_src=str(snapshot / "generated"),
+        gpuhealth_prometheus_alertmanager_example_file=str(snapshot / "alertmanager.yml"),
+        **{f"gpuhealth_{role}_wheelhouse_remote_src": True for role in ("exporter", "webhook")})
+    checked = fresh_deployment(base, wheelhouse, "check-root")
     checked_before = tree(checked.prefix)
     check = start_playbook(ansible_env, checked.inventory, "--check")
     first = run_playbook(ansible_env, deployment.inventory)
     second = run_playbook(ansible_env, deployment.inventory) if first.rc == 0 else first
-    return {"deployment": deployment, "first": first, "second": second, "check": finish_playbook(check),
-            "checked": checked, "checked_before": checked_before}
+    return {"deployment": asdict(deployment), "first": asdict(first), "second": asdict(second),
+            "check": asdict(finish_playbook(check)), "checked": asdict(checked),
+            "checked_before": checked_before,
+            "rules": sorted(p.name for p in (snapshot / "generated" / "gpuhealth").glob("*.yml"))}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, ansible_env, request) -> dict:
+    """The deployment, done once per test session even across pytest-xdist workers (they share it)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    result = shared / "ansible-site.json"
+    with (shared / "ansible-site.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            base = shared / "ansible-site"
+            base.mkdir()
+            wheelhouse = request.getfixturevalue("wheelhouse")
+            result.write_text(json.dumps(deploy(base, ansible_env, wheelhouse), default=str))
+    data = json.loads(result.read_text())
+    for key in ("deployment", "checked"):
+        data[key] = Deployment(**{k: Path(v) if k in ("prefix", "inventory") else v
+                                  for k, v in data[key].items()})
+    for key in ("first", "second", "check"):
+        data[key] = PlaybookRun(**data[key])
+    return data
+
+
+@pytest.fixture(scope="session")
 def site(runs) -> tuple[Deployment, PlaybookRun, PlaybookRun]:
     assert runs["first"].rc == 0, runs["first"].failures()
     return runs["deployment"], runs["first"], runs["second"]
 
 
-@pytest.fixture(scope="module")
-def exporter(site, tmp_path_factory):
-    deployment = site[0]
-    argv = deployment.exec_start("gpuhealth-exporter.service")
-    url = f"http://127.0.0.1:{deployment.exporter_port}/metrics"
-    with ManagedProcess("exporter", argv, tmp_path_factory.mktemp("exporter") / "exporter.log") as proc:
-        proc.start().wait_ready(lambda: http_ok(url), timeout=60)
-        yield url
-
-
-@pytest.fixture(scope="module")
-def webhook(site, tmp_path_factory):
-    deployment = site[0]
-    argv = deployment.exec_start("gpuhealth-webhook.service")
-    url = f"http://127.0.0.1:{deployment.webhook_port}"
-    with ManagedProcess("webhook", argv, tmp_path_factory.mktemp("webhook") / "webhook.log") as proc:
+@contextmanager
+def run_installed(deployment: Deployment, name: str, port: int, log_dir: Path) -> Iterator[str]:
+    """Start a daemon as its installed systemd unit would; yield its base URL once /metrics answers."""
+    url = f"http://127.0.0.1:{port}"
+    argv = deployment.exec_start(f"gpuhealth-{name}.service")
+    with ManagedProcess(name, argv, log_dir / f"{name}.log") as proc:
         proc.start().wait_ready(lambda: http_ok(f"{url}/metrics"), timeout=60)
         yield url
 
@@ -86,7 +112,7 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def test_first_run_installs_everything(site):
+def test_first_run_installs_everything(runs, site):
     deployment, first, _ = site
     assert first.stats()["changed"] > 0
     venv_python = deployment.path("/opt/gpuhealth/venv/bin/python")
@@ -104,7 +130,7 @@ def test_first_run_installs_everything(site):
     assert os.access(deployment.path("/usr/local/sbin/gpuhealth-healthcheck"), os.X_OK)
 
     rules = sorted(p.name for p in deployment.path("/etc/prometheus/rules/gpuhealth").iterdir())
-    assert rules == sorted(p.name for p in (ROOT / "rules/generated/gpuhealth").glob("*.yml"))
+    assert rules == runs["rules"]
 
 
 def test_units_are_hardened_but_reach_the_gpus(site):
@@ -134,21 +160,6 @@ def test_second_run_changes_nothing(site):
     assert second.stats()["changed"] == 0, second.changed_tasks()
 
 
-def test_installed_exporter_serves_metrics(exporter):
-    with urllib.request.urlopen(exporter, timeout=10) as resp:
-        text = resp.read().decode()
-    assert 'gpuhealth_exporter_build_info{backend="sim"' in text
-    assert 'gpuhealth_gpu_up{gpu="0"} 1.0' in text
-
-
-def test_healthcheck_leaves_a_healthy_node_alone(site, exporter):
-    script = site[0].path("/usr/local/sbin/gpuhealth-healthcheck")
-    result = subprocess.run([script, "--node", NODE, "--url", exporter, "--dry-run"], capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == ""
-
-
 def test_healthcheck_drains_on_hard_faults(site, tmp_path):
     script = site[0].path("/usr/local/sbin/gpuhealth-healthcheck")
     exposition = tmp_path / "metrics"
@@ -166,24 +177,6 @@ def test_healthcheck_drains_on_hard_faults(site, tmp_path):
     assert result.stdout.strip().endswith(
         "State=DRAIN Reason=gpuhealth-healthcheck: gpu 3 lost; gpu 5 row remap failure; "
         "gpu 6 recovery action node_reboot; 7 of 8 GPUs visible")
-
-
-def test_prometheus_scrapes_the_exporter_with_its_node_label(site, exporter, webhook, tmp_path):
-    deployment = site[0]
-    merged = yaml.safe_load(deployment.path("/etc/prometheus/prometheus.yml").read_text())
-    jobs = [c["job_name"] for c in merged["scrape_configs"]]
-    assert jobs == ["node", "gpuhealth-exporter", "gpuhealth-webhook"]
-    with PrometheusServer(tmp_path, merged) as prometheus:
-        prometheus.start()
-
-        def scraped() -> bool:
-            return {t["labels"]["job"]: t["health"] for t in prometheus.api.targets()}.get(
-                "gpuhealth-exporter") == "up"
-        wait_until(scraped, timeout=60, what="the exporter target to be up")
-        series = prometheus.api.query('gpuhealth_gpu_up{job="gpuhealth-exporter"}')
-        assert series and {s["metric"]["node"] for s in series} == {NODE}
-        groups = {g["file"] for g in prometheus.api.rule_groups()}
-        assert groups == {str(p) for p in deployment.path("/etc/prometheus/rules/gpuhealth").glob("*.yml")}
 
 
 def test_alertmanager_routes_gpuhealth_alerts_and_keeps_existing_routes(site):
@@ -205,8 +198,44 @@ def test_alertmanager_routes_gpuhealth_alerts_and_keeps_existing_routes(site):
     assert webhook_config["url"] == f"http://127.0.0.1:{site[0].webhook_port}/alerts"
 
 
-def test_webhook_accepts_alertmanagers_token_only(site, webhook):
-    am_config = yaml.safe_load(site[0].path("/etc/prometheus/alertmanager.yml").read_text())
+def test_installed_daemons_work_together(site, tmp_path):
+    """One test, so that one pytest-xdist worker owns the deployment's ports."""
+    deployment = site[0]
+    with run_installed(deployment, "exporter", deployment.exporter_port, tmp_path) as exporter, \
+            run_installed(deployment, "webhook", deployment.webhook_port, tmp_path) as webhook:
+        with urllib.request.urlopen(f"{exporter}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        assert 'gpuhealth_exporter_build_info{backend="sim"' in text
+        assert 'gpuhealth_gpu_up{gpu="0"} 1.0' in text
+
+        script = deployment.path("/usr/local/sbin/gpuhealth-healthcheck")
+        healthcheck = subprocess.run([script, "--node", NODE, "--url", f"{exporter}/metrics", "--dry-run"],
+                                     capture_output=True, text=True, timeout=60)
+        assert (healthcheck.returncode, healthcheck.stdout) == (0, ""), healthcheck.stderr
+
+        assert_webhook_accepts_alertmanagers_token_only(deployment, webhook)
+        assert_prometheus_scrapes_the_exporter_with_its_node_label(deployment, tmp_path / "prometheus")
+
+
+def assert_prometheus_scrapes_the_exporter_with_its_node_label(deployment: Deployment, workdir: Path) -> None:
+    merged = yaml.safe_load(deployment.path("/etc/prometheus/prometheus.yml").read_text())
+    jobs = [c["job_name"] for c in merged["scrape_configs"]]
+    assert jobs == ["node", "gpuhealth-exporter", "gpuhealth-webhook"]
+    with PrometheusServer(workdir, merged) as prometheus:
+        prometheus.start()
+
+        def health() -> dict[str, str]:
+            return {t["labels"]["job"]: t["health"] for t in prometheus.api.targets()}
+        wait_until(lambda: health().get("gpuhealth-exporter") == health().get("gpuhealth-webhook") == "up",
+                   timeout=60, what="the exporter and webhook targets to be up")
+        series = prometheus.api.query('gpuhealth_gpu_up{job="gpuhealth-exporter"}')
+        assert series and {s["metric"]["node"] for s in series} == {NODE}
+        groups = {g["file"] for g in prometheus.api.rule_groups()}
+        assert groups == {str(p) for p in deployment.path("/etc/prometheus/rules/gpuhealth").glob("*.yml")}
+
+
+def assert_webhook_accepts_alertmanagers_token_only(deployment: Deployment, webhook: str) -> None:
+    am_config = yaml.safe_load(deployment.path("/etc/prometheus/alertmanager.yml").read_text())
     receiver = next(r for r in am_config["receivers"] if r["name"] == "gpuhealth-webhook")
     http_config = receiver["webhook_configs"][0]["http_config"]
     token = Path(http_config["authorization"]["credentials_file"]).read_text().strip()
