@@ -55,3 +55,27 @@ def test_shared_templates_read_only_documented_variables(role: str):
         source = (COLLECTION / "roles" / role / "templates" / name).read_text()
         used = jinja2.meta.find_undeclared_variables(env.parse(source)) - {"gpuhealth_managed_header"}
         assert used <= set(options), f"{name} reads undocumented variables {sorted(used - set(options))}"
+
+
+def test_example_inventory_sets_only_documented_variables():
+    example = COLLECTION / "inventory" / "example"
+    documented = {name for role in ROLES for spec in entry_points(role).values() for name in spec["options"]}
+    set_here: dict[str, str] = {}
+    for path in sorted((example / "group_vars").glob("*.yml")):
+        set_here.update(dict.fromkeys(load(path), path.name))
+
+    def host_vars(node: dict) -> None:
+        for host in (node.get("hosts") or {}).values():
+            set_here.update(dict.fromkeys(host or {}, "hosts.yml"))
+        for child in (node.get("children") or {}).values():
+            host_vars(child)
+
+    inventory = load(example / "hosts.yml")
+    host_vars(inventory["all"])
+    roles = tuple(f"{role.name}_" for role in ROLES)
+    unknown = {name: where for name, where in set_here.items()
+               if name.startswith(roles) and name not in documented}
+    assert not unknown, f"undocumented role variables (typos?): {unknown}"
+
+    plays = load(COLLECTION / "playbooks" / "site.yml")
+    assert {play["hosts"] for play in plays} == set(inventory["all"]["children"])
