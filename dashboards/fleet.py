@@ -44,8 +44,9 @@ def _inventory(settings: Settings) -> list:
         stat_panel("GPUs missing", "Expected minus visible: a GPU that fell off the bus disappears here.",
                    [query(missing, "missing", instant=True)],
                    steps=thresholds((None, "green"), (1, "red"))),
-        stat_panel("GPUs at risk", f"GPUs whose failure risk is at least {settings.risk_warning}.",
-                   [query(f"count({RISK} >= {settings.risk_warning}) or vector(0)", "at risk", instant=True)],
+        stat_panel("GPUs at risk", f"GPUs whose failure risk is above {settings.risk_warning}, where the "
+                   "failure-risk alert starts.",
+                   [query(f"count({RISK} > {settings.risk_warning}) or vector(0)", "at risk", instant=True)],
                    steps=thresholds((None, "green"), (1, "orange"))),
         stat_panel("Nodes drained", "Nodes the remediation webhook holds drained now.",
                    [query("sum(gpuhealth_webhook_nodes_drained)", "drained", instant=True)],

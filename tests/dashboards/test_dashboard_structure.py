@@ -138,7 +138,7 @@ def test_non_default_settings_take_effect():
                         inventory_metric="gpuhealth_gpu_info", time_from="now-7d", refresh="5m", tag="fleet")
     text = "".join(render(settings).values())
     default = "".join(render().values())
-    for present, absent in [("0.35", ">= 0.6"), ("quantile(0.05,", "quantile(0.1,"), ("topk(7,", "topk(10,"),
+    for present, absent in [("0.35", "> 0.6)"), ("quantile(0.05,", "quantile(0.1,"), ("topk(7,", "topk(10,"),
                             ("topk by (node, gpu) (2,", "topk by (node, gpu) (3,"), ("topk(4,", None),
                             ('op=\\"READ\\"', 'op=\\"WRITE\\"'), ("histogram_quantile(0.75,", "(0.99,"),
                             ("label_values(gpuhealth_gpu_info", "label_values(gpuhealth_gpu_up"),
