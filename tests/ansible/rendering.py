@@ -17,10 +17,11 @@ def role_defaults(role: str) -> dict[str, Any]:
     return {k: v for k, v in defaults.items() if not (isinstance(v, str) and "{{" in v)}
 
 
-def render(role: str, template: str, variables: dict[str, Any]) -> str:
+def render(role: str, template: str, variables: dict[str, Any], trim_blocks: bool = True) -> str:
+    """Ansible renders with ``trim_blocks``; a renderer without it must produce the same YAML."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(COLLECTION / "roles" / role / "templates"),
-        undefined=jinja2.StrictUndefined, trim_blocks=True, keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined, trim_blocks=trim_blocks, keep_trailing_newline=True,
     )
     return env.get_template(template).render({**role_defaults(role), **variables})
 

@@ -163,3 +163,24 @@ def test_webhook_kubeconfig_becomes_the_kubernetes_backends(tmp_path: Path):
     named = {**variables, "gpuhealth_webhook_backend": own}
     rendered = yaml.safe_load(render("gpuhealth_webhook", "webhook.yml.j2", named))
     assert rendered["backend"]["kubeconfig"] == "/etc/k8s/admin.conf"
+
+
+@pytest.mark.parametrize(("role", "template"), [
+    ("gpuhealth_prometheus", "gpuhealth-exporters.yml.j2"), ("gpuhealth_prometheus", "prometheus.yml.j2"),
+    ("gpuhealth_prometheus", "alertmanager.yml.j2"), ("gpuhealth_webhook", "webhook.yml.j2"),
+    ("gpuhealth_exporter", "exporter.yml.j2")])
+def test_whitespace_options_do_not_change_the_result(tmp_path: Path, role: str, template: str):
+    variables = {**prometheus_vars(tmp_path, TARGETS), "gpuhealth_prometheus_cluster": "east",
+                 "gpuhealth_webhook_kubeconfig": "x", "gpuhealth_exporter_gpus_expected": 8,
+                 "gpuhealth_managed_header": "# managed"}
+    trimmed = yaml.safe_load(render(role, template, variables))
+    assert trimmed == yaml.safe_load(render(role, template, variables, trim_blocks=False))
+
+
+def test_cluster_label_on_every_gpuhealth_target(tmp_path: Path):
+    variables = {**prometheus_vars(tmp_path, TARGETS), "gpuhealth_prometheus_cluster": "east"}
+    targets = yaml.safe_load(render("gpuhealth_prometheus", "gpuhealth-exporters.yml.j2", variables))
+    assert [t["labels"] for t in targets] == [{"node": t["node"], "cluster": "east"} for t in TARGETS]
+    config = yaml.safe_load(render("gpuhealth_prometheus", "prometheus.yml.j2", variables))
+    webhook = next(c for c in config["scrape_configs"] if c["job_name"] == "gpuhealth-webhook")
+    assert webhook["static_configs"][0]["labels"] == {"cluster": "east"}
