@@ -208,6 +208,9 @@ def start_prometheus(workdir: Path, data_dir: Path, interval: float) -> Promethe
     except ProcessError as exc:
         server.stop()
         raise BackfillError(f"Prometheus did not start on the backfilled data: {exc}") from None
+    except BaseException:  # interrupted while it starts: it must not outlive us
+        server.stop()
+        raise
     return server
 
 

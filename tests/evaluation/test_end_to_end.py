@@ -4,6 +4,10 @@ rule, ``for:``, an XID alert, a node alert, an informational alert and an ALERTS
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,7 @@ import yaml
 
 from gpuhealth.cli import main
 from gpuhealth.evaluation.fleet import backfilled_prometheus
+from gpuhealth.local.process import wait_until
 
 SMALL = Path(__file__).resolve().parents[2] / "bench" / "scenarios" / "small.yaml"
 
@@ -183,3 +188,44 @@ def test_backfilled_prometheus_serves_raw_and_recorded_series(tmp_path: Path, ru
         assert float(lost[0]["value"][1]) == 7
         assert processes_using(tmp_path)
     assert processes_using(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_interrupted_eval_leaves_no_prometheus_or_tsdb(tmp_path: Path, rules_dir: Path) -> None:
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    command = [
+        sys.executable,
+        "-m",
+        "gpuhealth.cli",
+        "eval",
+        "--scenario",
+        str(SMALL),
+        "--rules",
+        str(rules_dir),
+    ]
+    proc = subprocess.Popen(
+        command, env={**os.environ, "TMPDIR": str(temp)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        wait_until(
+            lambda: any(b"prometheus" in cmdline(pid) for pid in processes_using(temp)),
+            120,
+            what="Prometheus on the backfilled fleet",
+        )
+        proc.send_signal(signal.SIGTERM)  # handled like Ctrl-C
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, err
+    assert b"Traceback" not in err
+    assert processes_using(temp) == []
+    assert list(temp.iterdir()) == []
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
