@@ -26,10 +26,6 @@ class Timeline:
         count = int((scenario.end - scenario.data_start) // scenario.step) + 1
         return cls(scenario.data_start, scenario.step, count)
 
-    @property
-    def rel_offset(self) -> float:
-        return self.start
-
     def index(self, unix: float) -> int:
         """First sample index at or after ``unix``, clamped to the timeline."""
         return int(min(max(np.ceil((unix - self.start) / self.step), 0), self.count))
