@@ -15,7 +15,7 @@ from gpuhealth.evaluation.scenario import Scenario
 
 @dataclass
 class Timeline:
-    """Sample instants: ``rel`` is seconds since the evaluated period's start (negative in warm-up)."""
+    """Sample instants of the generated series: ``count`` samples every ``step`` seconds from ``start``."""
 
     start: float
     step: float
