@@ -353,7 +353,9 @@ class Journal:
         """
         seen = set(busy_nodes)
         due: list[Action] = []
-        rows = self.db.execute(f"SELECT * FROM actions WHERE {_ACTIVE} ORDER BY id")
+        # The partial index yields active actions already in id order; without it SQLite would sort
+        # the whole backlog on every call.
+        rows = self.db.execute(f"SELECT * FROM actions INDEXED BY actions_active WHERE {_ACTIVE} ORDER BY id")
         for row in rows:
             if row["node"] in seen:
                 continue
