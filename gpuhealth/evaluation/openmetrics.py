@@ -73,30 +73,30 @@ class BlockFiles:
         self.bounds = np.searchsorted(window, self.windows)  # first sample index of each window
         self.stamps = unix.astype(np.int64).astype(str)
         self.paths = [self.directory / f"block-{w * BLOCK_SECONDS}.om" for w in self.windows]
-        self.files = [p.open("w") for p in self.paths]
+        self.files = [p.open("w", buffering=1 << 18) for p in self.paths]
         self.samples = 0
 
     def write(self, family: Family, thinning: Thinning) -> None:
+        """Append the family to every window's file, series by series (memory stays one series)."""
         base = family.name[: -len("_total")] if family.kind == "counter" else family.name
-        buffers: list[list[str]] = [[f"# TYPE {base} {family.kind}\n"] for _ in self.files]
+        for handle in self.files:
+            handle.write(f"# TYPE {base} {family.kind}\n")
         step = self.timeline.step
-        # Many series hold the same values (idle links, flags): format each distinct history once.
-        formatted: dict[bytes, tuple[list[int], list[str]]] = {}
+        # Neighbouring series often hold the same values (idle links, flags): format those once.
+        last: tuple[bytes, list[int], list[str]] = (b"", [], [])
         for labels, values in family.series:
             key = values.tobytes()
-            if key not in formatted:
+            if key != last[0]:
                 idx = np.flatnonzero(thinning.keep(values, step))
                 pairs = np.strings.add(np.strings.add(_value_texts(values[idx]), " "), self.stamps[idx])
-                formatted[key] = ([*np.searchsorted(idx, self.bounds).tolist(), idx.size], pairs.tolist())
-            cuts, pairs = formatted[key]
+                last = (key, [*np.searchsorted(idx, self.bounds).tolist(), idx.size], pairs.tolist())
+            _, cuts, pairs = last
             self.samples += len(pairs)
             prefix = f"{family.name}{{{labels}}} "
             separator = "\n" + prefix
-            for w, buffer in enumerate(buffers):
+            for w, handle in enumerate(self.files):
                 if cuts[w] < cuts[w + 1]:
-                    buffer.append(prefix + separator.join(pairs[cuts[w] : cuts[w + 1]]) + "\n")
-        for handle, buffer in zip(self.files, buffers, strict=True):
-            handle.write("".join(buffer))
+                    handle.write(prefix + separator.join(pairs[cuts[w] : cuts[w + 1]]) + "\n")
 
     def close(self) -> list[Path]:
         for handle in self.files:
