@@ -78,7 +78,9 @@ async def test_drain_sets_drain_with_our_reason_once(slurm, backend):
     assert await backend.node_state("gpu01") == NodeState("gpu01", exists=True, drained=True, reason=REASON)
     updates = reason_updates(slurm, "gpu01")
     await backend.drain("gpu01", REASON)
-    assert reason_updates(slurm, "gpu01") == updates, "a second drain with the same reason is a no-op"
+    await backend.drain("gpu01", "gpuhealth: GPUHealthXidRebootNode: a later alert")
+    assert reason_updates(slurm, "gpu01") == updates, "draining a drained node is a no-op"
+    assert (await backend.node_state("gpu01")).reason == REASON, "the first reason stays"
     slurm.run("sinfo")  # the client still answers after our updates
     assert "drng" in slurm.run("sinfo", "-h", "-n", "gpu01", "-o", "%t")
 
@@ -89,6 +91,8 @@ async def test_a_foreign_drain_is_visible_as_not_ours(slurm, backend):
     state = await backend.node_state("gpu02")
     assert state.drained and state.reason == "hardware maintenance, ticket 123"
     assert not state.reason.startswith("gpuhealth:")
+    await backend.drain("gpu02", REASON)  # the engine would not ask; if it did, nothing changes
+    assert (await backend.node_state("gpu02")).reason == "hardware maintenance, ticket 123"
 
 
 @pytest.mark.parametrize(("tail", "reason"), [

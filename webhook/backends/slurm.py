@@ -174,8 +174,7 @@ class SlurmBackend:
 
     async def drain(self, node: str, reason: str) -> None:
         text = slurm_reason(reason)
-        state = await self.node_state(node)
-        if state.drained and state.reason == text:
+        if (await self.node_state(node)).drained:  # the first reason stays: ours, or an operator's
             return
         await self._scontrol("update", f"NodeName={check_node(node)}", "State=DRAIN", f"Reason={text}")
         log.info("event=slurm_drain node=%s reason=%r", node, text)
