@@ -108,7 +108,6 @@ class Action:
 class Decision:
     """What the policy chose for one firing alert, before any guardrail looked at it."""
 
-    alert: Alert
     kind: str
     needs_approval: bool
 

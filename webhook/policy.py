@@ -38,7 +38,7 @@ def decide(notification: Notification, config: Config) -> dict[tuple[str, str], 
     for alert in notification.alerts:
         if alert.status == "firing":
             kind = choose_action(alert.labels, config)
-            decisions[alert.key] = Decision(alert, kind, kind in config.guardrails.require_approval)
+            decisions[alert.key] = Decision(kind, kind in config.guardrails.require_approval)
     return decisions
 
 
