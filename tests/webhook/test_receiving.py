@@ -48,6 +48,11 @@ async def test_basic_auth(webhook, tmp_path):
         assert resp.status == status
 
 
+async def test_auth_can_be_disabled_explicitly_for_an_authenticating_proxy(webhook):
+    hook = await webhook(auth={"disabled": True, "token_file": None})
+    assert (await hook.client.post("/alerts", json=notification(alert()))).status == 200
+
+
 async def test_reads_are_open_and_writes_need_credentials(webhook):
     hook = await webhook()
     for path in ("/", "/status", "/actions", "/metrics", "/healthz"):
