@@ -39,6 +39,8 @@ NVLINK_ERROR_TYPES = ("crc_flit", "crc_data", "replay", "recovery")
 NFS_OPS = ("READ", "WRITE", "GETATTR")
 NFS_MOUNT = "/checkpoints"
 COLLECTORS = ("nvml", "kmsg", "host", "nfs")
+# XIDs whose counters the exporter publishes for every GPU from start-up (its XID collector).
+CATALOGUE_XIDS = (13, 31, 32, 43, 45, 48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 109, 119, 120, 140, 143, 154)
 # Kinds after which NVML no longer answers for the GPU.
 LOST_KINDS = ("thermal_runaway", "pcie_degradation", "gsp_timeout", "fell_off_bus")
 
@@ -648,7 +650,8 @@ class FleetSignals:
         yield Family("gpuhealth_gpu_job_info", "gauge", rows)
 
     def _xids(self) -> Iterator[Family]:
-        """XID counters appear with the first event, as the exporter creates them."""
+        """Every GPU has a counter per catalogue XID from the start (0), as the exporter publishes them;
+        another XID's counter appears with its first event."""
         events: dict[tuple[int, int], np.ndarray] = {}
 
         def add(i: int, xid: int, increments: np.ndarray) -> None:
@@ -666,10 +669,15 @@ class FleetSignals:
             hit = np.zeros(self.timeline.count)
             hit[self.at(failure.failure)] = 1
             add(i, failure.xid, hit)
+        zeros = np.zeros(self.timeline.count)
+        for i in range(self.gpus):
+            for xid in CATALOGUE_XIDS:
+                events.setdefault((i, xid), zeros)
         rows = []
         for (i, xid), increments in sorted(events.items()):
             values = _counter(increments)
-            values[values == 0] = np.nan
+            if xid not in CATALOGUE_XIDS:
+                values[values == 0] = np.nan
             rows.append((f'xid="{xid}",{self.gpu_labels[i]}', values))
         yield Family("gpuhealth_xid_events_total", "counter", rows)
 
