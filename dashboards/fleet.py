@@ -78,7 +78,7 @@ def _risk(settings: Settings) -> list:
         bargauge_panel(
             "Riskiest GPUs", f"The {settings.top_gpus} GPUs with the highest failure risk now.",
             [query(f"sort_desc({top})", "{{node}} gpu {{gpu}}", instant=True)],
-            w=10, h=10, unit="percentunit", steps=risk_steps(settings)),
+            w=10, h=10, unit="percentunit", steps=risk_steps(settings), max_val=1),
         table_panel(
             "Top signals of the riskiest GPUs",
             f"For each of the {settings.top_gpus} riskiest GPUs, the {settings.top_signals} signals that "

@@ -30,8 +30,13 @@ def dashboard_inputs(queries: list[str]) -> str:
 
 @contextlib.contextmanager
 def backfilled_fleet(scenario: Path, workdir: Path, queries: list[str], *, rules_dir: Path = RULES_DIR,
-                     seed: int | None = None) -> Iterator[Any]:
-    """``gpuhealth.evaluation.fleet.backfilled_prometheus`` with the rules plus what ``queries`` read."""
+                     seed: int | None = None, interval: str | None = None) -> Iterator[Any]:
+    """``gpuhealth.evaluation.fleet.backfilled_prometheus`` with the rules plus what ``queries`` read.
+
+    ``interval`` (a Prometheus duration) replaces the rule groups' evaluation interval: the recording
+    rules are backfilled at that resolution, and most of the time goes there, so tests use a coarser
+    one. Keep it under Prometheus's 5m lookback, or instant queries fall between recorded samples.
+    """
     from gpuhealth.evaluation.fleet import backfilled_prometheus
 
     rule_files = sorted(Path(rules_dir).glob("*.yml"))
@@ -39,8 +44,13 @@ def backfilled_fleet(scenario: Path, workdir: Path, queries: list[str], *, rules
         raise FileNotFoundError(f"no rule files in {rules_dir}: run 'gpuhealth rules generate'")
     rules = workdir / "rules"
     rules.mkdir(parents=True, exist_ok=True)
-    for path in rule_files:
-        (rules / path.name).write_text(path.read_text())
-    (rules / "dashboard-inputs.yml").write_text(dashboard_inputs(queries))
+    sources = [(path.name, path.read_text()) for path in rule_files]
+    for name, text in [*sources, ("dashboard-inputs.yml", dashboard_inputs(queries))]:
+        if interval:
+            groups = yaml.safe_load(text)
+            for group in groups["groups"]:
+                group["interval"] = interval
+            text = yaml.safe_dump(groups, sort_keys=False)
+        (rules / name).write_text(text)
     with backfilled_prometheus(scenario, workdir / "fleet", rules_dir=rules, seed=seed) as fleet:
         yield fleet

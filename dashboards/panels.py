@@ -168,8 +168,11 @@ def state_timeline_panel(title: str, description: str, targets: Sequence[prometh
 
 def bargauge_panel(title: str, description: str, targets: Sequence[prometheus.Dataquery], *, w: int = 12,
                    h: int = 8, unit: str = "", steps: dashboard.ThresholdsConfig | None = None,
-                   ) -> bargauge.Panel:
+                   max_val: float | None = None) -> bargauge.Panel:
+    """Horizontal bars; ``max_val`` fixes the full bar (a 0..1 score), else the largest value fills it."""
     panel = _common(bargauge.Panel(), title, description, targets, w=w, h=h, unit=unit)
+    if max_val is not None:
+        panel = panel.min(0).max(max_val)
     return (panel.display_mode(cm.BarGaugeDisplayMode.GRADIENT).orientation(cm.VizOrientation.HORIZONTAL)
             .show_unfilled(True)
             .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False))

@@ -48,7 +48,8 @@ def models() -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, models):
     queries = [q.expr for model in models.values() for q in panel_queries(model)]
-    with backfilled_fleet(SCENARIO, tmp_path_factory.mktemp("fleet"), queries) as backfilled:
+    # Recording rules every 4 minutes instead of every minute: a quarter of the backfill time.
+    with backfilled_fleet(SCENARIO, tmp_path_factory.mktemp("fleet"), queries, interval="4m") as backfilled:
         yield backfilled
 
 
