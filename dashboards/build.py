@@ -8,6 +8,7 @@ unique panel ids and query refIds. It is the only place that touches the JSON af
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from gpuhealth.dashboards.panels import CLUSTER, DATASOURCE, NODE, selector
@@ -54,6 +55,16 @@ def new_dashboard(uid: str, title: str, description: str, settings: Settings, *,
     if gpu:
         dash = dash.with_variable(_label_variable(
             "gpu", "GPU", metric + selector(CLUSTER, NODE), multi=False))
+    return dash
+
+
+def with_sections(dash: dashboard.Dashboard, sections: Sequence[tuple[str, Sequence[Any]]],
+                  ) -> dashboard.Dashboard:
+    """Each (row title, panels) as a row followed by its panels, packed left to right, top to bottom."""
+    for title, panels_of_row in sections:
+        dash = dash.with_row(dashboard.Row(title))
+        for panel in panels_of_row:
+            dash = dash.with_panel(panel)
     return dash
 
 

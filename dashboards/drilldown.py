@@ -6,7 +6,7 @@ aisle warms every GPU together and moves the band, a failing GPU drifts out of i
 
 from __future__ import annotations
 
-from gpuhealth.dashboards.build import new_dashboard
+from gpuhealth.dashboards.build import new_dashboard, with_sections
 from gpuhealth.dashboards.fleet import gpu_evidence
 from gpuhealth.dashboards.panels import (
     CLUSTER,
@@ -17,7 +17,6 @@ from gpuhealth.dashboards.panels import (
     events,
     fixed_colour,
     query,
-    row,
     selector,
     state_timeline_panel,
     table_panel,
@@ -164,8 +163,4 @@ def build(settings: Settings) -> dashboard.Dashboard:
                 ("Against its peers", [peer_panel(f, settings) for f in settings.features]),
                 ("Clock events", _clocks(settings)), ("Memory", _memory(settings)),
                 ("NVLink", _nvlink(settings)), ("PCIe and XIDs", _pcie(settings))]
-    for title, panels in sections:
-        dash = dash.with_row(row(title))
-        for panel in panels:
-            dash = dash.with_panel(panel)
-    return dash
+    return with_sections(dash, sections)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from gpuhealth.dashboards.build import new_dashboard
+from gpuhealth.dashboards.build import new_dashboard, with_sections
 from gpuhealth.dashboards.panels import (
     CLUSTER,
     NODE,
     bargauge_panel,
     events,
     query,
-    row,
     selector,
     stat_panel,
     state_timeline_panel,
@@ -134,9 +133,6 @@ def build(settings: Settings) -> dashboard.Dashboard:
     dash = new_dashboard(UID, "gpuhealth / Fleet overview",
                          "GPU inventory, failure risk, XID events, remediation and checkpoint storage "
                          "across the fleet.", settings, node="multi")
-    for title, panels in (("Inventory", _inventory(settings)), ("Failure risk", _risk(settings)),
-                          ("Events and remediation", _events(settings))):
-        dash = dash.with_row(row(title))
-        for panel in panels:
-            dash = dash.with_panel(panel)
-    return dash
+    sections = [("Inventory", _inventory(settings)), ("Failure risk", _risk(settings)),
+                ("Events and remediation", _events(settings))]
+    return with_sections(dash, sections)

@@ -177,7 +177,3 @@ def bargauge_panel(title: str, description: str, targets: Sequence[prometheus.Da
             .show_unfilled(True)
             .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
             .thresholds(steps or thresholds((None, "blue"))))
-
-
-def row(title: str) -> dashboard.Row:
-    return dashboard.Row(title)

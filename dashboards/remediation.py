@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from gpuhealth.dashboards.build import new_dashboard
+from gpuhealth.dashboards.build import new_dashboard, with_sections
 from gpuhealth.dashboards.panels import (
     CLUSTER,
     query,
-    row,
     selector,
     stat_panel,
     state_timeline_panel,
@@ -89,9 +88,6 @@ def build(settings: Settings) -> dashboard.Dashboard:
     dash = new_dashboard(UID, "gpuhealth / Remediation",
                          "Actions of the remediation webhook by outcome and reason, its circuit breaker "
                          "and the time from alert to action.", settings)
-    for title, panels in (("Now", _now(settings)), ("Actions", _actions(settings)),
-                          ("Latency and safety", _latency(settings))):
-        dash = dash.with_row(row(title))
-        for panel in panels:
-            dash = dash.with_panel(panel)
-    return dash
+    sections = [("Now", _now(settings)), ("Actions", _actions(settings)),
+                ("Latency and safety", _latency(settings))]
+    return with_sections(dash, sections)
