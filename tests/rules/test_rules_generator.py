@@ -230,3 +230,16 @@ def test_demo_overlay_fires_within_two_minutes(tmp_path):
                  [{"interval": "5s", "input_series": fleet.input_series(), "alert_rule_test": checks}],
                  evaluation_interval="5s", rules_dir=out)
     assert Path(out / "alertmanager.yml").is_file()
+
+
+def test_a_value_missing_from_the_catalogue_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    """Templates render with StrictUndefined: a required value that is gone fails loudly, no traceback."""
+    text = catalogue.BUILTIN.read_text()
+    broken = tmp_path / "catalogue.yaml"
+    reasons = "      reasons: sw_thermal_slowdown|hw_thermal_slowdown|hw_slowdown\n"
+    assert reasons in text
+    broken.write_text(text.replace(reasons, "", 1))
+    monkeypatch.setattr(catalogue, "BUILTIN", broken)
+    assert main(["rules", "generate", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "has no attribute 'reasons'" in err and "Traceback" not in err
