@@ -120,6 +120,9 @@ def test_first_run_installs_everything(runs, site):
     installed = subprocess.run([venv_python, "-c", version], capture_output=True, text=True,
                                check=True).stdout.strip()
     assert installed == VERSION
+    for daemon in ("exporter", "webhook"):  # what each daemon was last restarted for
+        stamp = deployment.path(f"/opt/gpuhealth/venv/gpuhealth-{daemon}.version")
+        assert stamp.read_text() == f"{VERSION}\n"
 
     token = deployment.path("/etc/gpuhealth/webhook.token")
     assert token.read_text().strip() == TOKEN and mode(token) == 0o600
