@@ -9,6 +9,7 @@ import sys
 from gpuhealth.dashboards.generate import GENERATED_DIR, render
 
 from gpuhealth.cli import main
+from gpuhealth.local.process import free_port
 
 
 def test_generate_writes_every_dashboard(tmp_path, capsys):
@@ -48,3 +49,13 @@ def test_committed_dashboards_are_current():
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in GENERATED_DIR.glob("*.json")) == sorted(render())
+
+
+def test_preview_reports_user_errors_without_a_traceback(tmp_path, capsys):
+    assert main(["dashboards", "preview", "--scenario", str(tmp_path / "absent.yaml")]) == 2
+    assert "absent.yaml: no such scenario file" in capsys.readouterr().err
+    closed = f"http://127.0.0.1:{free_port()}"
+    assert main(["dashboards", "preview", "--url", closed, "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot draw previews:") and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
