@@ -23,13 +23,14 @@ import pytest
 import yaml
 from conftest import VERSION, PlaybookRun, finish_playbook, run_playbook, start_playbook
 from deployment import NODE, TOKEN, Deployment, seed_existing_monitoring, write_inventory
-from wheelhouse import ROOT
+from wheelhouse import ROOT, upgrade_wheelhouse
 
 from gpuhealth.local.process import ManagedProcess, free_port, http_ok, wait_until
 from gpuhealth.local.prometheus import PrometheusServer
 
 pytestmark = pytest.mark.slow
 
+UPGRADE = f"{VERSION}.post1"
 SITE_VARS = {
     "gpuhealth_prometheus_scrape_interval": "1s",
     "gpuhealth_webhook_backend": {"type": "simulated", "nodes": [NODE]},
@@ -47,23 +48,30 @@ def tree(root: Path) -> list[str]:
 
 
 def deploy(base: Path, ansible_env: dict[str, str], wheelhouse: Path) -> dict:
-    """A real run, the same again, and --check on another fresh prefix alongside the first.
+    """A real run, the same again, an upgrade to a newer gpuhealth, and --check on another fresh
+    prefix alongside the first.
 
     The real runs install a snapshot of the generated rules (the checkout may be regenerated
     meanwhile) and use the wheelhouse in place; --check takes the defaults and the copy path."""
     snapshot = base / "rules"
     shutil.copytree(ROOT / "rules" / "generated", snapshot / "generated")
     shutil.copy(ROOT / "rules" / "alertmanager.yml", snapshot / "alertmanager.yml")
-    deployment = fresh_deployment(
-        base, wheelhouse, "root", gpuhealth_prometheus_rules_src=str(snapshot / "generated"),
-        gpuhealth_prometheus_alertmanager_example_file=str(snapshot / "alertmanager.yml"),
-        **{f"gpuhealth_{role}_wheelhouse_remote_src": True for role in ("exporter", "webhook")})
+    overrides = {"gpuhealth_prometheus_rules_src": str(snapshot / "generated"),
+                 "gpuhealth_prometheus_alertmanager_example_file": str(snapshot / "alertmanager.yml"),
+                 **{f"gpuhealth_{role}_wheelhouse_remote_src": True for role in ("exporter", "webhook")}}
+    deployment = fresh_deployment(base, wheelhouse, "root", **overrides)
     checked = fresh_deployment(base, wheelhouse, "check-root")
     checked_before = tree(checked.prefix)
     check = start_playbook(ansible_env, checked.inventory, "--check")
     first = run_playbook(ansible_env, deployment.inventory)
     second = run_playbook(ansible_env, deployment.inventory) if first.rc == 0 else first
+    newer = upgrade_wheelhouse(wheelhouse, base / "wheelhouse-upgrade", base / "upgrade-build", UPGRADE)
+    pinned = {f"gpuhealth_{role}_version": UPGRADE for role in ("exporter", "webhook")}
+    ports = (deployment.exporter_port, deployment.webhook_port)
+    upgraded = write_inventory(deployment.prefix, newer, *ports, **SITE_VARS, **overrides, **pinned)
+    upgrade = run_playbook(ansible_env, upgraded.inventory) if second.rc == 0 else second
     return {"deployment": asdict(deployment), "first": asdict(first), "second": asdict(second),
+            "upgrade": asdict(upgrade),
             "check": asdict(finish_playbook(check)), "checked": asdict(checked),
             "checked_before": checked_before,
             "rules": sorted(p.name for p in (snapshot / "generated" / "gpuhealth").glob("*.yml"))}
@@ -87,7 +95,7 @@ def runs(tmp_path_factory, ansible_env, request) -> dict:
     for key in ("deployment", "checked"):
         data[key] = Deployment(**{k: Path(v) if k in ("prefix", "inventory") else v
                                   for k, v in data[key].items()})
-    for key in ("first", "second", "check"):
+    for key in ("first", "second", "upgrade", "check"):
         data[key] = PlaybookRun(**data[key])
     return data
 
@@ -115,14 +123,6 @@ def mode(path: Path) -> int:
 def test_first_run_installs_everything(runs, site):
     deployment, first, _ = site
     assert first.stats()["changed"] > 0
-    venv_python = deployment.path("/opt/gpuhealth/venv/bin/python")
-    version = "import importlib.metadata as m; print(m.version('gpuhealth'))"
-    installed = subprocess.run([venv_python, "-c", version], capture_output=True, text=True,
-                               check=True).stdout.strip()
-    assert installed == VERSION
-    for daemon in ("exporter", "webhook"):  # what each daemon was last restarted for
-        stamp = deployment.path(f"/opt/gpuhealth/venv/gpuhealth-{daemon}.version")
-        assert stamp.read_text() == f"{VERSION}\n"
 
     token = deployment.path("/etc/gpuhealth/webhook.token")
     assert token.read_text().strip() == TOKEN and mode(token) == 0o600
@@ -161,6 +161,24 @@ def test_second_run_changes_nothing(site):
     second = site[2]
     assert second.rc == 0, second.failures()
     assert second.stats()["changed"] == 0, second.changed_tasks()
+
+
+def test_upgrade_installs_the_new_version_and_restarts_both_daemons(runs, site):
+    deployment, upgrade = site[0], runs["upgrade"]
+    assert upgrade.rc == 0, upgrade.failures()
+    assert sorted(upgrade.changed_tasks()) == [
+        "gpuhealth.gpuhealth.gpuhealth_common : Install gpuhealth into the virtualenv",
+        "gpuhealth.gpuhealth.gpuhealth_common : Record the version the daemon runs",
+        "gpuhealth.gpuhealth.gpuhealth_common : Record the version the daemon runs"]
+    for daemon in ("exporter", "webhook"):
+        handler = f"RUNNING HANDLER [gpuhealth.gpuhealth.gpuhealth_{daemon} : Restart gpuhealth-{daemon}]"
+        assert handler in upgrade.output
+        stamp = deployment.path(f"/opt/gpuhealth/venv/gpuhealth-{daemon}.version")
+        assert stamp.read_text() == f"{UPGRADE}\n"
+    version = "import importlib.metadata as m; print(m.version('gpuhealth'))"
+    installed = subprocess.run([deployment.path("/opt/gpuhealth/venv/bin/python"), "-I", "-c", version],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    assert installed == UPGRADE
 
 
 def test_healthcheck_drains_on_hard_faults(site, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.metadata as metadata
+import re
 import shutil
 import subprocess
 import sys
@@ -19,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 INSTALL_ONLY = {"INSTALLER", "REQUESTED", "direct_url.json"}  # written by the installer, not in the wheel
 
 
-def build_gpuhealth_wheel(dest: Path, scratch: Path) -> Path:
-    """Build the gpuhealth wheel from a copy of the checkout (an in-tree build would race other builds)."""
+def build_gpuhealth_wheel(dest: Path, scratch: Path, version: str | None = None) -> Path:
+    """Build the gpuhealth wheel from a copy of the checkout (an in-tree build would race other builds),
+    optionally under another version number, as a release would."""
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
                            capture_output=True).stdout.decode().split("\0")
     src = scratch / "src"
@@ -28,6 +30,12 @@ def build_gpuhealth_wheel(dest: Path, scratch: Path) -> Path:
         if (ROOT / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, src / name)
+    if version is not None:
+        pyproject = src / "pyproject.toml"
+        text, count = re.subn(r'(?m)^version = ".*"$', f'version = "{version}"', pyproject.read_text(),
+                              count=1)
+        assert count == 1, "no version line in pyproject.toml"
+        pyproject.write_text(text)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(dest), str(src)], check=True, capture_output=True)
     return next(dest.glob("gpuhealth-*.whl"))
@@ -83,4 +91,14 @@ def build_wheelhouse(dest: Path, scratch: Path) -> Path:
     build_gpuhealth_wheel(dest, scratch)
     for dist in runtime_closure("gpuhealth"):
         repack(dist, dest)
+    return dest
+
+
+def upgrade_wheelhouse(wheelhouse: Path, dest: Path, scratch: Path, version: str) -> Path:
+    """``wheelhouse`` with gpuhealth rebuilt as ``version``: what an upgrade rollout would ship."""
+    dest.mkdir(parents=True)
+    for wheel in wheelhouse.glob("*.whl"):
+        if not wheel.name.startswith("gpuhealth-"):
+            shutil.copy2(wheel, dest / wheel.name)
+    build_gpuhealth_wheel(dest, scratch, version)
     return dest
