@@ -5,6 +5,7 @@ GPU gets its evidence and risk series."""
 from __future__ import annotations
 
 import pytest
+import yaml
 from gpuhealth.rules.fleet import SyntheticFleet
 from rules_promtool import GENERATED
 
@@ -17,14 +18,20 @@ DEMO = GENERATED.parent / "overlays" / "demo.yaml"
 
 @pytest.mark.slow
 def test_rules_evaluate_cleanly_in_prometheus(tmp_path):
+    # The demo's windows, shortened again so that the rates have their history within seconds.
+    overlay = yaml.safe_load(DEMO.read_text())
+    overlay["defaults"].update(scrape_interval="2s", evaluation_interval="2s")
+    for signal in ("thermal_slowdown", "temperature_peer"):
+        overlay["defaults"]["evidence"][signal]["window"] = "8s"
+    (tmp_path / "overlay.yaml").write_text(yaml.safe_dump(overlay))
     rules = tmp_path / "rules"
-    assert main(["rules", "generate", "--catalogue", str(DEMO), "--source", "gpuhealth",
+    assert main(["rules", "generate", "--catalogue", str(tmp_path / "overlay.yaml"), "--source", "gpuhealth",
                  "--out", str(rules)]) == 0
     fleet = SyntheticFleet(nodes=4, sick_every=5).start()
     config = {
-        "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
+        "global": {"scrape_interval": "2s", "evaluation_interval": "2s"},
         "rule_files": sorted(str(p) for p in (rules / "gpuhealth").glob("*.yml")),
-        "scrape_configs": [fleet.scrape_config("5s")],
+        "scrape_configs": [fleet.scrape_config("2s")],
     }
     prometheus = PrometheusServer(tmp_path / "prometheus", config)
     try:
