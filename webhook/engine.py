@@ -318,7 +318,8 @@ class Engine:
         except OSError as exc:
             return False, f"cannot run {argv[0]}: {exc.strerror}"
         try:
-            out, _ = await asyncio.wait_for(proc.communicate(), cfg.health_check_timeout_seconds)
+            async with asyncio.timeout(cfg.health_check_timeout_seconds):
+                out, _ = await proc.communicate()
         except TimeoutError:
             proc.kill()
             await proc.wait()

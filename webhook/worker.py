@@ -34,6 +34,7 @@ class Worker:
         self._wake = asyncio.Event()
         self._busy: dict[str, asyncio.Task[None]] = {}
         self._loop_task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     def wake(self) -> None:
         self._wake.set()
@@ -47,6 +48,8 @@ class Worker:
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop taking work; give running actions ``grace`` seconds, then cancel (they resume on restart)."""
+        self._stopping = True  # the loop also ends on its own should a cancel get lost in a race
+        self.wake()
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -59,15 +62,18 @@ class Worker:
             await asyncio.gather(*late, return_exceptions=True)
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             self._wake.clear()
             try:
                 timeout = await self._dispatch()
             except sqlite3.Error as exc:  # a locked or failing journal: keep trying, never die
                 log.error("event=journal_read_failed error=%r", exc)
                 timeout = IDLE_POLL_SECONDS
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel that
+            # arrives just as the wake-up does, and the worker would never stop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
 
     async def _dispatch(self) -> float:
         """Start what is due; return how long to sleep unless woken."""
