@@ -32,7 +32,8 @@ from gpuhealth.local.slurm import SlurmCluster
 
 log = logging.getLogger(__name__)
 
-OVERLAY = Path(__file__).with_name("catalogue-overlay.yaml")
+#: The rule catalogue's demo overlay: 5 s intervals, windows short enough for a precursor of minutes.
+OVERLAY = deployment.REPO / "rules" / "overlays" / "demo.yaml"
 #: The vocabulary of docs/contract.md: faults end in a hard failure, noise must not raise an action.
 FAULT_KINDS = ("hbm_degradation", "thermal_runaway", "pcie_degradation", "nvlink_errors", "gsp_timeout",
                "fell_off_bus")
@@ -163,9 +164,10 @@ class ClosedLoopStack:
     def _generate_rules(self) -> tuple[Path, dict[str, Any]]:
         out = self.root / "generated"
         overlay = self.root / "catalogue-overlay.yml"
-        text = OVERLAY.read_text().replace("${SCRAPE_INTERVAL}", self.options.scrape_interval) \
-            .replace("${EVALUATION_INTERVAL}", self.options.evaluation_interval)
-        deployment.write(overlay, text)
+        settings = yaml.safe_load(OVERLAY.read_text())
+        settings["defaults"].update(scrape_interval=self.options.scrape_interval,
+                                    evaluation_interval=self.options.evaluation_interval)
+        deployment.write(overlay, yaml.safe_dump(settings, sort_keys=False))
         cmd = [self._bin("gpuhealth"), "rules", "generate", "--catalogue", str(overlay),
                "--source", "gpuhealth", "--out", str(out)]
         result = subprocess.run(cmd, capture_output=True, text=True, check=False)

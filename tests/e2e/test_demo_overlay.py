@@ -1,4 +1,4 @@
-"""The demo's catalogue overlay must keep up with the catalogue: every window it renders is short.
+"""The demo's overlay (rules/overlays/demo.yaml) must keep up with the catalogue: every window is short.
 
 A knob added to the catalogue later (a new window or subquery step) would otherwise keep its
 production value in the demo, and a precursor played in a minute would never reach the rule.
@@ -22,11 +22,8 @@ LONG_ON_PURPOSE = 3600
 
 
 def _render(tmp_path: Path) -> list[dict]:
-    overlay = tmp_path / "overlay.yml"
-    overlay.write_text(OVERLAY.read_text().replace("${SCRAPE_INTERVAL}", "5s")
-                       .replace("${EVALUATION_INTERVAL}", "5s"))
     gpuhealth = Path(sys.executable).with_name("gpuhealth")
-    subprocess.run([gpuhealth, "rules", "generate", "--catalogue", overlay, "--source", "gpuhealth",
+    subprocess.run([gpuhealth, "rules", "generate", "--catalogue", OVERLAY, "--source", "gpuhealth",
                     "--out", tmp_path / "out"], check=True, capture_output=True)
     return [rule for path in sorted((tmp_path / "out" / "gpuhealth").glob("*.yml"))
             for group in yaml.safe_load(path.read_text())["groups"] for rule in group["rules"]]
