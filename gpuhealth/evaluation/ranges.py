@@ -14,6 +14,10 @@ import numpy as np
 from gpuhealth.local.prometheus import PrometheusAPI
 
 MAX_POINTS = 10000
+# Prometheus holds a range query's intermediate results for every instant at once: a fleet-wide rule
+# chain over two weeks takes tens of GB. A day per query bounds that; subqueries reach back further
+# only at coarse steps, so re-evaluating their windows per chunk costs little.
+CHUNK_SECONDS = 86400.0
 QUERY_TIMEOUT = 1800.0
 PARALLEL = max(1, os.cpu_count() or 1)
 
@@ -33,10 +37,11 @@ def grid(start: float, end: float, step: float) -> np.ndarray:
 
 
 def range_matrix(api: PrometheusAPI, expr: str, times: np.ndarray, workers: int = PARALLEL) -> Matrix:
-    """``expr`` at every instant of ``times`` (a regular grid), in chunks answered in parallel:
-    Prometheus evaluates one range query on one core."""
+    """``expr`` at every instant of ``times`` (a regular grid), in chunks of at most a day answered
+    ``workers`` at a time: Prometheus evaluates one range query on one core."""
     step = float(times[1] - times[0]) if times.size > 1 else 60.0
-    chunks = max(workers, -(-times.size // MAX_POINTS))
+    span = float(times[-1] - times[0]) if times.size else 0.0
+    chunks = max(workers, -(-times.size // MAX_POINTS), int(np.ceil(span / CHUNK_SECONDS)))
     bounds = np.linspace(0, times.size, min(chunks, times.size) + 1).astype(int)
     pieces = list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True))
     pool = ThreadPoolExecutor(max_workers=workers)
