@@ -12,7 +12,7 @@ import numpy as np
 
 from gpuhealth.evaluation import plot, report
 from gpuhealth.evaluation.alerts import AlertEvaluator, AlertRun, reads_alerts
-from gpuhealth.evaluation.fleet import add_series, backfilled_prometheus
+from gpuhealth.evaluation.fleet import BackfilledFleet, add_series, backfilled_prometheus
 from gpuhealth.evaluation.matching import score
 from gpuhealth.evaluation.progress import Progress
 from gpuhealth.evaluation.ranges import label_text
@@ -53,53 +53,42 @@ def evaluate(options: Options) -> dict[str, Any]:
         record=False,
         progress=options.progress,
     ) as fleet:
-        rules = fleet.rules
-        assert rules is not None
-        step = options.step or rules.interval
-        fused_step = options.fused_step or fleet.scenario.fused_step or step
-        longest_for = max((r.for_seconds for r in rules.alerts), default=0.0)
-        evaluator = AlertEvaluator(
-            fleet.server.api,
-            rules,
-            max(fleet.data_start, fleet.start - longest_for),
-            fleet.end,
-            step,
-            fused_step,
+        return evaluate_fleet(fleet, options, began)
+
+
+def evaluate_fleet(fleet: BackfilledFleet, options: Options, began: float) -> dict[str, Any]:
+    """Evaluate every alert of ``fleet.rules`` over the fleet's period and score them."""
+    rules = fleet.rules
+    assert rules is not None
+    step = options.step or rules.interval
+    fused_step = options.fused_step or fleet.scenario.fused_step or step
+    longest_for = max((r.for_seconds for r in rules.alerts), default=0.0)
+    evaluator = AlertEvaluator(
+        fleet.server.api, rules, max(fleet.data_start, fleet.start - longest_for), fleet.end, step, fused_step
+    )
+    direct = [r for r in rules.alerts if not reads_alerts(r)]
+    second = [r for r in rules.alerts if reads_alerts(r)]
+    with Progress("evaluating alerts", len(direct), enabled=options.progress) as bar:
+        evaluator.evaluate_all(direct, bar.advance)
+    if second:
+        add_series(
+            fleet.server,
+            [alerts_family(evaluator.run)],
+            evaluator.times,
+            options.workdir,
+            "backfilling ALERTS",
+            progress=options.progress,
         )
-        direct = [r for r in rules.alerts if not reads_alerts(r)]
-        second = [r for r in rules.alerts if reads_alerts(r)]
-        with Progress("evaluating alerts", len(direct), enabled=options.progress) as bar:
-            evaluator.evaluate_all(direct, bar.advance)
-        if second:
-            add_series(
-                fleet.server,
-                [alerts_family(evaluator.run)],
-                evaluator.times,
-                options.workdir,
-                "backfilling ALERTS",
-                progress=options.progress,
-            )
-            with Progress("evaluating ALERTS rules", len(second), enabled=options.progress) as bar:
-                evaluator.evaluate_all(second, bar.advance)
-        episodes = [e for e in evaluator.run.episodes() if e.start >= fleet.start]
-        result = score(
-            fleet.scenario.failures,
-            episodes,
-            fleet.start,
-            fleet.scenario.duration,
-            fleet.scenario.fleet.nodes,
+        with Progress("evaluating ALERTS rules", len(second), enabled=options.progress) as bar:
+            evaluator.evaluate_all(second, bar.advance)
+    episodes = [e for e in evaluator.run.episodes() if e.start >= fleet.start]
+    scenario = fleet.scenario
+    result = score(scenario.failures, episodes, fleet.start, scenario.duration, scenario.fleet.nodes)
+    if options.plot:
+        shown = plot.timeline(
+            options.plot, evaluator, result, episodes, fleet.start, fleet.data_start, fleet.end
         )
-        if options.plot:
-            shown = plot.timeline(
-                options.plot, evaluator, result, episodes, fleet.start, fleet.data_start, fleet.end
-            )
-            log.info("plot written path=%s failure=%s", options.plot, shown.failure if shown else None)
-        return report.summary(
-            result,
-            evaluator.run,
-            fleet.scenario,
-            rules,
-            (step, fused_step),
-            fleet.samples,
-            time.monotonic() - began,
-        )
+        log.info("plot written path=%s failure=%s", options.plot, shown.failure if shown else None)
+    return report.summary(
+        result, evaluator.run, scenario, rules, (step, fused_step), fleet.samples, time.monotonic() - began
+    )
