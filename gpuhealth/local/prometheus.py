@@ -76,56 +76,71 @@ class PrometheusAPI:
         return self._get("/api/v1/alerts")["alerts"]
 
 
-class PrometheusServer(ManagedProcess):
-    """A Prometheus started on a free loopback port with a config written into ``workdir``."""
+class LoopbackServer(ManagedProcess):
+    """A Prometheus-family daemon on a free loopback port, its config written into ``workdir``.
 
-    def __init__(self, workdir: Path, config: dict[str, Any], port: int | None = None,
-                 extra_args: list[str] | None = None, data_dir: Path | None = None) -> None:
-        self.workdir = Path(workdir)
-        self.port = port or free_port()
-        self.config_path = self.workdir / "prometheus.yml"
-        self.data_dir = data_dir or self.workdir / "data"
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        argv = [
-            find_binary(PROMETHEUS_BIN),
-            f"--config.file={self.config_path}",
-            f"--storage.tsdb.path={self.data_dir}",
-            f"--web.listen-address=127.0.0.1:{self.port}",
-            "--web.enable-lifecycle",
-            *(extra_args or []),
-        ]
-        super().__init__("prometheus", argv, self.workdir / "prometheus.log")
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.api = PrometheusAPI(self.url)
+    Subclasses name the binary and its flags; readiness is the ``/-/ready`` endpoint they all share.
+    """
 
-    def start(self, timeout: float = 60.0) -> PrometheusServer:
-        super().start()
-        self.wait_ready(lambda: http_ok(f"{self.url}/-/ready"), timeout)
-        return self
-
-
-class AlertmanagerServer(ManagedProcess):
-    """An Alertmanager on a free loopback port, clustering off (no gossip port to collide on)."""
+    name = ""
+    config_name = ""
+    ready_timeout = 30.0
 
     def __init__(self, workdir: Path, config: dict[str, Any] | str, port: int | None = None) -> None:
         self.workdir = Path(workdir)
         self.port = port or free_port()
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config_path = self.workdir / "alertmanager.yml"
+        self.config_path = self.workdir / self.config_name
         text = config if isinstance(config, str) else yaml.safe_dump(config, sort_keys=False)
         self.config_path.write_text(text)
-        argv = [
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(self.name, self.argv(), self.workdir / f"{self.name}.log")
+
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, timeout: float | None = None) -> LoopbackServer:
+        super().start()
+        self.wait_ready(lambda: http_ok(f"{self.url}/-/ready"), timeout or self.ready_timeout)
+        return self
+
+
+class PrometheusServer(LoopbackServer):
+    """A Prometheus with the lifecycle API on (reloads), storing its TSDB in ``data_dir``."""
+
+    name = "prometheus"
+    config_name = "prometheus.yml"
+    ready_timeout = 60.0
+
+    def __init__(self, workdir: Path, config: dict[str, Any], port: int | None = None,
+                 extra_args: list[str] | None = None, data_dir: Path | None = None) -> None:
+        self.data_dir = data_dir or Path(workdir) / "data"
+        self.extra_args = extra_args or []
+        super().__init__(workdir, config, port)
+        self.api = PrometheusAPI(self.url)
+
+    def argv(self) -> list[str]:
+        return [
+            find_binary(PROMETHEUS_BIN),
+            f"--config.file={self.config_path}",
+            f"--storage.tsdb.path={self.data_dir}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--web.enable-lifecycle",
+            *self.extra_args,
+        ]
+
+
+class AlertmanagerServer(LoopbackServer):
+    """An Alertmanager with clustering off (no gossip port to collide on)."""
+
+    name = "alertmanager"
+    config_name = "alertmanager.yml"
+
+    def argv(self) -> list[str]:
+        return [
             find_binary(ALERTMANAGER_BIN, "alertmanager"),
             f"--config.file={self.config_path}",
             f"--storage.path={self.workdir / 'am-data'}",
             f"--web.listen-address=127.0.0.1:{self.port}",
             "--cluster.listen-address=",
         ]
-        super().__init__("alertmanager", argv, self.workdir / "alertmanager.log")
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 30.0) -> AlertmanagerServer:
-        super().start()
-        self.wait_ready(lambda: http_ok(f"{self.url}/-/ready"), timeout)
-        return self
