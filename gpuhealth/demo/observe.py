@@ -25,8 +25,9 @@ class Injection:
         return not self.fault.is_noise
 
     @property
-    def hard_failure_at(self) -> float | None:
-        return self.at + self.fault.duration if self.is_fault else None
+    def hard_failure_at(self) -> float:
+        """When a fault's precursor ends in the hard failure (meaningless for noise)."""
+        return self.at + self.fault.duration
 
 
 @dataclass
@@ -119,11 +120,9 @@ class Observer:
             if score >= 0.3 > old.risk.get(key, 0.0):
                 top = ", ".join(f"{s}={v:.2f}" for s, v in new.contributions.get(key, [])[:3])
                 self._event(at, f"risk of {key[0]} GPU {key[1]} rising: {score:.2f} ({top})")
-                self._milestone("risk", key[0], at)
         for alert in sorted(new.alerts - old.alerts):
             name, node, gpu, action = alert
             self._event(at, f"alert {name} firing for {node}{' GPU ' + gpu if gpu else ''} (action {action})")
-            self._milestone("alert", node, at)
         for action_id, (action, node, state) in sorted(new.actions.items()):
             if old.actions.get(action_id, ("", "", ""))[2] != state:
                 self._event(at, f"webhook action {action_id} {action} on {node}: {state}")
@@ -163,6 +162,7 @@ class Observer:
         return [n for n in self.stack.nodes if n not in faulty and self.last.drained(n)]
 
     def summary(self) -> list[str]:
+        latencies = self.latencies()
         lines = []
         for injection in self.injections:
             node = injection.fault.node
@@ -172,16 +172,15 @@ class Observer:
                 verdict = "DRAINED - false alarm" if drained else "no action, as expected"
                 lines.append(f"{head} (noise): {verdict}")
                 continue
-            drained_at = self.first.get(("drained", node))
-            requeued_at = self.first.get(("requeued", node))
-            if drained_at is None:
+            latency = latencies[node]
+            onset, hard = latency["drain_from_onset_seconds"], latency["drain_from_hard_failure_seconds"]
+            if onset is None or hard is None:
                 lines.append(f"{head}: NOT drained")
                 continue
-            hard = injection.hard_failure_at or injection.at
-            relation = "before" if drained_at < hard else "after"
-            requeue = f"; job requeued {requeued_at - injection.at:.1f}s after onset" if requeued_at else ""
-            lines.append(f"{head}: drained {drained_at - injection.at:.1f}s after precursor onset, "
-                         f"{abs(drained_at - hard):.1f}s {relation} the hard failure{requeue}")
+            requeued = latency["requeue_from_onset_seconds"]
+            requeue = f"; job requeued {requeued:.1f}s after onset" if requeued is not None else ""
+            lines.append(f"{head}: drained {onset:.1f}s after precursor onset, "
+                         f"{abs(hard):.1f}s {'before' if hard < 0 else 'after'} the hard failure{requeue}")
         touched = self.healthy_nodes_touched()
         lines.append(f"healthy nodes drained: {', '.join(touched) if touched else 'none'}")
         lines.append(f"loop closed: {'yes' if self.loop_closed() else 'NO'}")
@@ -196,10 +195,11 @@ class Observer:
             node = injection.fault.node
             drained = self.first.get(("drained", node))
             requeued = self.first.get(("requeued", node))
-            hard = injection.hard_failure_at or injection.at
+            hard = injection.hard_failure_at
             result[node] = {
                 "drain_from_onset_seconds": None if drained is None else drained - injection.at,
                 "drain_from_hard_failure_seconds": None if drained is None else drained - hard,
+                "requeue_from_onset_seconds": None if requeued is None else requeued - injection.at,
                 "requeue_from_hard_failure_seconds": None if requeued is None else requeued - hard,
             }
         return result
