@@ -51,6 +51,11 @@ def missing_requirements() -> list[str]:
     return sorted({pkg for binary, pkg in REQUIRED.items() if shutil.which(binary, path=path) is None})
 
 
+def _say(line: str) -> None:
+    """Progress goes out at once, also when stdout is a pipe (a CI log, a test reading it)."""
+    print(line, flush=True)
+
+
 def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -71,15 +76,14 @@ def run(args: argparse.Namespace) -> int:
     os.environ["PATH"] = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"
     signal.signal(signal.SIGTERM, _terminate)
     live = not args.headless and sys.stdout.isatty()
-    say = print if not live else (lambda *a, **k: print(*a, **k, flush=True))
     options = StackOptions(nodes=args.nodes)
     try:
         with ClosedLoopStack(options, workdir=args.workdir) as stack:
-            stack.start(progress=lambda message: say(f"* {message}"))
+            stack.start(progress=lambda message: _say(f"* {message}"))
             for name, url in stack.urls().items():
-                say(f"  {name:15s} {url}")
+                _say(f"  {name:15s} {url}")
             return _play(stack, args, live)
-    except ProcessError as exc:
+    except (ProcessError, TimeoutError) as exc:
         print(f"gpuhealth demo: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -90,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 def _play(stack: ClosedLoopStack, args: argparse.Namespace, live: bool) -> int:
     observer = Observer(stack)
     baseline = 3 * 5.0
-    print(f"* collecting {baseline:.0f}s of healthy baseline")
+    _say(f"* collecting {baseline:.0f}s of healthy baseline")
     deadline = time.time() + baseline
     while time.time() < deadline:
         observer.poll()
