@@ -148,6 +148,7 @@ class SlurmCluster:
     def _start_munged(self, munged: str) -> None:
         # munged insists that its socket directory be world-searchable and its key private, which the
         # 0700 temporary folders of pytest are not; a short /tmp path also keeps the socket under 108 bytes.
+        # slurmd's spool (its step sockets) lives there too, whatever the length of ``workdir``.
         self._munge_dir = Path(tempfile.mkdtemp(prefix="gpuhealth-munge-"))
         self._munge_dir.chmod(0o755)
         key_dir = self._munge_dir / "key"
@@ -162,8 +163,14 @@ class SlurmCluster:
         ], self.workdir / "munged.out").start()
         self._munged.wait_ready(self.munge_socket.exists, timeout=10)
 
+    @property
+    def _spool(self) -> Path:
+        """slurmd spool dirs: Unix sockets named there must stay under 108 bytes, so not in ``workdir``."""
+        assert self._munge_dir is not None, "munged starts first"
+        return self._munge_dir / "spool"
+
     def _start_slurmd(self, node: str, rebooted: bool = False) -> None:
-        (self.workdir / "spool" / node).mkdir(parents=True, exist_ok=True)
+        (self._spool / node).mkdir(parents=True, exist_ok=True)
         argv = [_binary("slurmd"), "-D", *(["-b"] if rebooted else []), "-N", node, "-f", self.conf_path]
         env = {**self.env, NODE_ENV: node}  # the RebootProgram, run by this slurmd, names its node
         self._slurmd[node] = ManagedProcess(f"slurmd-{node}", argv, self.workdir / f"slurmd.{node}.out",
@@ -243,7 +250,7 @@ class SlurmCluster:
             "CredType=cred/munge",
             f"AuthInfo=socket={self.munge_socket}",
             f"StateSaveLocation={self.workdir / 'state'}",
-            f"SlurmdSpoolDir={self.workdir / 'spool'}/%n",
+            f"SlurmdSpoolDir={self._spool}/%n",
             f"SlurmctldPidFile={self.workdir / 'slurmctld.pid'}",
             f"SlurmdPidFile={self.workdir / 'slurmd.%n.pid'}",
             f"SlurmctldLogFile={self.workdir / 'slurmctld.log'}",
