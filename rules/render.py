@@ -81,16 +81,18 @@ class Renderer:
         template = self.env.get_template(f"sources/{source}.j2")
         return template.make_module({"d": self.catalogue.defaults})
 
-    def groups(self, source: str) -> dict[str, dict[str, Any]]:
-        """Rule groups for ``source`` by short name (``xid``, ``evidence``, ...), post-processed."""
+    def groups(self, source: str) -> dict[str, list[dict[str, Any]]]:
+        """Rule groups for ``source`` by file (``xid``, ``evidence``, ...), post-processed. A template
+        renders one group, or a list of them that Prometheus evaluates concurrently (evidence)."""
         src = self._source(source)
-        groups: dict[str, dict[str, Any]] = {}
+        groups: dict[str, list[dict[str, Any]]] = {}
         for name in GROUPS:
             extra: dict[str, Any] = {"src": src}
             if name == "fusion":
                 extra["gpu_signals"], extra["node_signals"] = _signals(groups["evidence"])
-            groups[name] = yaml.load(self._render(f"groups/{name}.yml.j2", **extra), Loader=_Loader)
-        for group in groups.values():
+            rendered = yaml.load(self._render(f"groups/{name}.yml.j2", **extra), Loader=_Loader)
+            groups[name] = rendered if isinstance(rendered, list) else [rendered]
+        for group in (g for file in groups.values() for g in file):
             group["rules"] = [self._finish(rule) for rule in group["rules"]]
         return groups
 
@@ -129,10 +131,10 @@ class Renderer:
         return HEADER.format(what="Alertmanager routing") + dump(yaml.load(text, Loader=_Loader))
 
 
-def _signals(evidence: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """GPU and node signal names the evidence group records, in its order."""
+def _signals(evidence: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """GPU and node signal names the evidence groups record, in their order."""
     found: dict[str, list[str]] = {"gpu_evidence": [], "node_evidence": []}
-    for rule in evidence["rules"]:
+    for rule in (rule for group in evidence for rule in group["rules"]):
         level, _, signal = rule.get("record", "").partition(":")[2].partition(":")
         if level in found:
             found[level].append(signal)
@@ -145,17 +147,17 @@ def render_all(catalogue: Catalogue, sources: tuple[str, ...] = SOURCES) -> dict
     groups = {source: renderer.groups(source) for source in sources}
     _check_rendered(catalogue, groups)
     files = {
-        f"{source}/{name}.yml": HEADER.format(what=f"source {source}") + dump({"groups": [group]})
-        for source, by_name in groups.items() for name, group in by_name.items()
+        f"{source}/{name}.yml": HEADER.format(what=f"source {source}") + dump({"groups": file_groups})
+        for source, by_name in groups.items() for name, file_groups in by_name.items()
     }
     files["alertmanager.yml"] = renderer.alertmanager()
     return files
 
 
-def _check_rendered(catalogue: Catalogue, groups: dict[str, dict[str, dict[str, Any]]]) -> None:
+def _check_rendered(catalogue: Catalogue, groups: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
     """Every catalogue alert is rendered by some source, and in the group the catalogue says."""
-    rendered = {rule["alert"]: name for by_name in groups.values() for name, group in by_name.items()
-                for rule in group["rules"] if "alert" in rule}
+    rendered = {rule["alert"]: name for by_name in groups.values() for name, file_groups in by_name.items()
+                for group in file_groups for rule in group["rules"] if "alert" in rule}
     every_source = set(groups) == set(SOURCES)
     errors = [f"alerts.{name}: no template renders it" for name in catalogue.alerts
               if name not in rendered and every_source]

@@ -57,12 +57,12 @@ def test_several_weak_signals_raise_the_risk_alert(tmp_path, source):
 
 
 def _evidence(signal: str, node: str, gpu: int | None, at: str, above: float | None = None) -> dict:
-    """The evidence of one GPU (node) at ``at``: 0 when ``above`` is None, else above that value."""
+    """The evidence of one GPU (node) at ``at``: absent (0) when ``above`` is None, else above that value."""
     level = "node_evidence" if gpu is None else "gpu_evidence"
     selector = f'node="{node}"' + ("" if gpu is None else f', gpu="{gpu}"')
     expr = f"gpuhealth:{level}:{signal}{{{selector}}}"
     if above is None:
-        return {"expr": expr, "eval_time": at, "exp_samples": [{"labels": expr, "value": 0}]}
+        return {"expr": expr, "eval_time": at, "exp_samples": []}
     return {"expr": f"{expr} > bool {above}", "eval_time": at,
             "exp_samples": [{"labels": "{" + selector + "}", "value": 1}]}
 
