@@ -179,6 +179,7 @@ class NvmlReader:
         if index not in self._links:
             self._links[index] = [link for link in range(nvml.NVML_NVLINK_MAX_LINKS)
                                   if self._link_state(handle, link) is not None]
+        totals: dict[str, float] = {}
         for link in self._links[index]:
             state = self._link_state(handle, link)
             if state is None:
@@ -186,9 +187,13 @@ class NvmlReader:
             r.add("gpuhealth_gpu_nvlink_up", int(state == nvml.NVML_FEATURE_ENABLED), str(link))
             for type_label in NVLINK_ERROR_TYPES:  # crc_flit -> NVML_NVLINK_ERROR_DL_CRC_FLIT, ...
                 counter = getattr(nvml, f"NVML_NVLINK_ERROR_DL_{type_label.upper()}")
-                r.add("gpuhealth_gpu_nvlink_errors_total",
-                      self.optional(nvml.nvmlDeviceGetNvLinkErrorCounter, handle, link, counter),
-                      str(link), type_label)
+                value = self.optional(nvml.nvmlDeviceGetNvLinkErrorCounter, handle, link, counter)
+                r.add("gpuhealth_gpu_nvlink_errors_total", value, str(link), type_label)
+                if value is not None:
+                    totals[type_label] = totals.get(type_label, 0) + value
+        # The per-GPU total (as dcgm-exporter publishes it) lets rules read 4 series per GPU, not 72.
+        for type_label, total in totals.items():
+            r.add("gpuhealth_gpu_nvlink_errors_all_links_total", total, type_label)
 
     def _link_state(self, handle: Any, link: int) -> int | None:
         try:
