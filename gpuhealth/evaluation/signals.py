@@ -111,6 +111,7 @@ class FleetSignals:
             "gpuhealth_pcie_aer_errors_total": self._aer,
             "gpuhealth_gpu_nvlink_up": self._nvlink,
             "gpuhealth_gpu_nvlink_errors_total": self._nvlink,
+            "gpuhealth_gpu_nvlink_errors_all_links_total": self._nvlink,
             "gpuhealth_gpu_processes": self._processes,
             "gpuhealth_gpu_job_info": self._jobs,
             "gpuhealth_xid_events_total": self._xids,
@@ -620,6 +621,7 @@ class FleetSignals:
         zeros = self.readable(np.zeros(self.shape))
         ones = self.readable(np.ones(self.shape))
         up_rows, error_rows = [], []
+        totals = {(i, kind): zeros[i] for i in range(len(self.gpu_labels)) for kind in NVLINK_ERROR_TYPES}
         for link in range(self.fleet.nvlinks):
             for i, labels in enumerate(self.gpu_labels):
                 state = ones[i]
@@ -631,9 +633,12 @@ class FleetSignals:
                     values = zeros[i]
                     if (i, link) in moving:
                         values = np.where(self.lost[i], np.nan, _counter(moving[(i, link)][kind]))
+                        totals[(i, kind)] = totals[(i, kind)] + values
                     error_rows.append((f'link="{link}",type="{kind}",{labels}', values))
         yield Family("gpuhealth_gpu_nvlink_up", "gauge", up_rows)
         yield Family("gpuhealth_gpu_nvlink_errors_total", "counter", error_rows)
+        total_rows = [(f'type="{kind}",{self.gpu_labels[i]}', values) for (i, kind), values in totals.items()]
+        yield Family("gpuhealth_gpu_nvlink_errors_all_links_total", "counter", total_rows)
 
     def _processes(self) -> Iterator[Family]:
         yield self._gauge("gpuhealth_gpu_processes", self.readable(self.busy.astype(float)))
