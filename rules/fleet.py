@@ -62,6 +62,8 @@ def _gpu_series(node: str, gpu: int, nvlinks: int, sick: bool) -> list[Series]:
                    0.3 if sick and r == "hw_thermal_slowdown" else 0) for r in CLOCK_REASONS]
     out += [Series(f'gpuhealth_gpu_nvlink_errors_total{{{g},link="{link}",type="{t}"}}', COUNTER, 0)
             for link in range(nvlinks) for t in NVLINK_TYPES]
+    out += [Series(f'gpuhealth_gpu_nvlink_errors_all_links_total{{{g},type="{t}"}}', COUNTER, 0)
+            for t in NVLINK_TYPES]
     return out
 
 

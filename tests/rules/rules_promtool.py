@@ -40,7 +40,7 @@ INPUTS: dict[str, dict[str, tuple[str, dict[str, str], float]]] = {
         "pcie_width_max": ("gpuhealth_gpu_pcie_link_width_max_lanes", {}, 1),
         "pcie_gen": ("gpuhealth_gpu_pcie_link_generation", {}, 1),
         "pcie_gen_max": ("gpuhealth_gpu_pcie_link_generation_max", {}, 1),
-        "nvlink_crc": ("gpuhealth_gpu_nvlink_errors_total", {"link": "3", "type": "crc_flit"}, 1),
+        "nvlink_crc": ("gpuhealth_gpu_nvlink_errors_all_links_total", {"type": "crc_flit"}, 1),
         "nvml_latency": ("gpuhealth_gpu_nvml_latency_seconds", {}, 1),
         "fallen_off_bus": ("gpuhealth_gpu_fallen_off_bus_total", {}, 1),
         "recovery_action": ("gpuhealth_gpu_recovery_action", {}, 1),
