@@ -100,11 +100,11 @@ def cpu_per_group(prometheus: PrometheusServer, rule_files: list[str], repeats: 
         prometheus.api.query("vector(1)")
     overhead = (_cpu_seconds(pid) - before) / (repeats * 20)
     print(f"\nper-query overhead of the HTTP API (vector(1)): {overhead:.4f} CPU s, included below")
-    print(f"{'rule group':<28}{'CPU s per evaluation (scraping and evaluation stopped)':>56}")
+    print(f"{'rule group':<34}{'CPU s per evaluation (scraping and evaluation stopped)':>56}")
     costs: list[tuple[float, str]] = []
     now = time.time()   # one instant for every group: recorded series stay within the 5 min lookback
-    for path in rule_files:
-        group = yaml.safe_load(Path(path).read_text())["groups"][0]
+    groups = [group for path in rule_files for group in yaml.safe_load(Path(path).read_text())["groups"]]
+    for group in groups:
         total = 0.0
         for rule in group["rules"]:
             before = _cpu_seconds(pid)
@@ -113,7 +113,7 @@ def cpu_per_group(prometheus: PrometheusServer, rule_files: list[str], repeats: 
             cost = (_cpu_seconds(pid) - before) / repeats
             costs.append((cost, rule.get("record") or rule["alert"]))
             total += cost
-        print(f"{group['name']:<28}{total:>12.3f}")
+        print(f"{group['name']:<34}{total:>12.3f}")
     print("costliest rules (CPU s per evaluation):")
     for cost, name in sorted(costs, reverse=True)[:top]:
         print(f"  {cost:8.3f}  {name}")
@@ -133,9 +133,9 @@ def report(api, args: argparse.Namespace, gpus: int) -> int:
     rss = _value(api, 'process_resident_memory_bytes{job="prometheus"}')
     print(f"\nfleet: {args.nodes} nodes x {args.gpus} GPUs = {gpus} GPUs, {args.nvlinks} NVLinks per GPU, "
           f"scrape {args.scrape_interval}; head series {head:,.0f}; Prometheus RSS {rss / 2**30:.2f} GiB")
-    print(f"\n{'rule group':<28}{'last eval s':>12}{'max eval s':>12}{'samples':>10}")
+    print(f"\n{'rule group':<34}{'last eval s':>12}{'max eval s':>12}{'samples':>10}")
     for name in sorted(last):
-        print(f"{name:<28}{last[name]:>12.3f}{worst.get(name, float('nan')):>12.3f}"
+        print(f"{name:<34}{last[name]:>12.3f}{worst.get(name, float('nan')):>12.3f}"
               f"{samples.get(name, 0):>10.0f}")
     total = sum(recorded.values())
     print(f"\nrecorded series: {total:,.0f} = {total / gpus:.1f} per GPU (target <= 60)")
