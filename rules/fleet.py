@@ -54,6 +54,7 @@ def _gpu_series(node: str, gpu: int, nvlinks: int, sick: bool) -> list[Series]:
         Series(f"gpuhealth_gpu_pcie_link_width_max_lanes{{{g}}}", GAUGE, 16),
         Series(f"gpuhealth_gpu_pcie_link_generation{{{g}}}", GAUGE, 5),
         Series(f"gpuhealth_gpu_pcie_link_generation_max{{{g}}}", GAUGE, 5),
+        Series(f"gpuhealth_gpu_pcie_link_downgraded{{{g}}}", GAUGE, 0),
         Series(f"gpuhealth_gpu_fallen_off_bus_total{{{g}}}", COUNTER, 0),
     ]
     if sick:   # the exporter creates an XID counter at the GPU's first XID, so few GPUs have one

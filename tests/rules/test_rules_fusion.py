@@ -132,6 +132,7 @@ def test_each_signal_and_benign_noise(tmp_path, source):
     fleet.add("pcie_replays", "n2", 5, (0, 150, 2), (300, 0, minutes - 3))       # one burst at boot
     fleet.add("pcie_width", "n2", 6, (16, 0, 49), (8, 0, minutes - 50))
     fleet.add("pcie_width_max", "n2", 6, (16, 0, minutes))
+    fleet.add("pcie_downgraded", "n2", 6, (0, 0, 49), (1, 0, minutes - 50))   # the exporter's own flag
     fleet.add("nvlink_crc", "n2", 7, (0, 60, minutes))
 
     at = "140m"
