@@ -40,29 +40,31 @@ def test_rules_evaluate_cleanly_in_prometheus(tmp_path):
         prometheus.start()
         api = prometheus.api
 
-        def contributing() -> set[str]:
-            return {r["metric"]["signal"] for r in api.query("gpuhealth:gpu_failure_risk:contribution")}
+        sick = {(name, str(gpu)) for index, name in enumerate(fleet.names) for gpu in range(8)
+                if (index * 8 + gpu) % 5 == 0}
+
+        def evidence() -> dict[str, set[tuple[str, str]]]:
+            found: dict[str, set[tuple[str, str]]] = {}
+            for r in api.query('{__name__=~"gpuhealth:gpu_evidence:.+"}'):
+                found.setdefault(r["metric"]["__name__"].rsplit(":", 1)[1], set()).add(
+                    (r["metric"]["node"], r["metric"]["gpu"]))
+            return found
 
         def evaluated() -> bool:
             groups = api.rule_groups()
             return len(groups) == group_count and all(
                 r.get("lastEvaluation", "").startswith("20") and float(r.get("evaluationTime", 0)) > 0
                 for g in groups for r in g["rules"]
-            ) and {"temperature_peer", "thermal_slowdown"} <= contributing()
+            ) and evidence().get("thermal_slowdown") == sick and {"temperature_peer", "thermal_slowdown"} <= {
+                r["metric"]["signal"] for r in api.query("gpuhealth:gpu_failure_risk:contribution")}
 
-        # The sick GPUs (every fifth) carry evidence; fusion records their contributions by signal.
+        # The sick GPUs (every fifth) carry evidence, and only they; fusion records their contributions.
         wait_until(evaluated, timeout=90, interval=1, what="every rule evaluated on scraped data")
         problems = [f"{r['name']}: {r['lastError']}" for g in api.rule_groups() for r in g["rules"]
                     if r.get("lastError") or r.get("health") != "ok"]
         assert not problems, problems
-        sick = {(name, str(gpu)) for index, name in enumerate(fleet.names) for gpu in range(8)
-                if (index * 8 + gpu) % 5 == 0}
-        evidence: dict[str, set[tuple[str, str]]] = {}
-        for r in api.query('{__name__=~"gpuhealth:gpu_evidence:.+"}'):
-            evidence.setdefault(r["metric"]["__name__"].rsplit(":", 1)[1], set()).add(
-                (r["metric"]["node"], r["metric"]["gpu"]))
-        assert evidence["thermal_slowdown"] == sick and evidence["temperature_peer"], evidence
-        assert all(gpus <= sick for gpus in evidence.values()), evidence
+        found = evidence()
+        assert all(gpus <= sick for gpus in found.values()), found
         collapsed = {r["metric"]["node"] for r in api.query("gpuhealth:node_evidence:interrupt_collapse")}
         assert collapsed == {fleet.names[1]}
         assert len(api.query("gpuhealth:gpu_failure_risk:score")) == 32
