@@ -10,6 +10,7 @@ computes the whole chain inside one range query:
   the samples the recorded series would have held
 - ``name{l="v"}``      -> the expression filtered on its labels with ``label_replace`` and ``and``
 - ``name offset 1h``   -> ``last_over_time((expr)[lookback:interval] offset 1h)``
+- ``{__name__=~"a:.+"}`` -> the union of every matching record's expression, each named again
 - rule ``labels:``     -> ``label_replace`` wrappers.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from gpuhealth.evaluation.rulefiles import Matcher, Rule, RulesError, RuleSet, selectors
+from gpuhealth.evaluation.rulefiles import Matcher, Rule, RulesError, RuleSet, Selector, selectors
 
 MARK = "gpuhealth_eval_match"
 _OFFSET = re.compile(r"\s*offset\s+(-?[0-9a-z]+)")
@@ -31,13 +32,17 @@ def _quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _set(expr: str, label: str, value: str) -> str:
+    return f'label_replace({expr}, {_quote(label)}, {_quote(value)}, "", "")'
+
+
 def _filter(expr: str, matcher: Matcher) -> str:
     """Keep the series of ``expr`` whose label matches, using only label_replace and set operators."""
     pattern = re.escape(matcher.value) if matcher.op in ("=", "!=") else matcher.value
     marked = f'label_replace({expr}, {_quote(MARK)}, "1", {_quote(matcher.label)}, {_quote(pattern)})'
     keep = "and" if matcher.op in ("=", "=~") else "unless"
     one = f'label_replace(vector(1), {_quote(MARK)}, "1", "", "")'
-    return f'label_replace(({marked} {keep} on ({MARK}) {one}), {_quote(MARK)}, "", "", "")'
+    return _set(f"({marked} {keep} on ({MARK}) {one})", MARK, "")
 
 
 class Expander:
@@ -87,7 +92,7 @@ class Expander:
         for rule in self.definitions[name]:
             body = f"({self.expand(rule.expr)})"
             for label, value in rule.labels:
-                body = f'label_replace({body}, {_quote(label)}, {_quote(value)}, "", "")'
+                body = _set(body, label, value)
             parts.append(body)
         self._active.pop()
         self._done[name] = parts[0] if len(parts) == 1 else "(" + " or ".join(parts) + ")"
@@ -96,26 +101,45 @@ class Expander:
     def interval(self, name: str) -> float:
         return min(rule.interval for rule in self.definitions[name])
 
+    def _by_name(self, selector: Selector) -> tuple[str, float] | None:
+        """A ``{__name__=~...}`` selector reaching recorded names: their union, each series named
+        again, with the selector itself for any raw series it also matches. A marker label keeps
+        series of different names apart while ``or`` merges them (it matches without the name)."""
+        names = [m for m in selector.matchers if m.label == "__name__"]
+        matched = [r for r in self.definitions if names and all(m.matches({"__name__": r}) for m in names)]
+        if not matched:
+            return None
+        recorded = "|".join(re.escape(r) for r in matched)
+        raw = "{" + ", ".join(f"{m.label}{m.op}{_quote(m.value)}" for m in selector.matchers)
+        raw += f", __name__!~{_quote(recorded)}}}"
+        branches = [(raw, "raw")] + [(_set(self.definition(r), "__name__", r), r) for r in matched]
+        union = " or ".join(_set(branch, MARK, tag) for branch, tag in branches)
+        body = _set(f"({union})", MARK, "")
+        for matcher in selector.matchers:
+            if matcher.label != "__name__":
+                body = _filter(body, matcher)
+        return body, min(self.interval(r) for r in matched)
+
     def expand(self, expr: str) -> str:
         out: list[str] = []
         pos = 0
         for selector in selectors(expr):
             name = selector.name
-            if name is None and any(
-                m.label == "__name__" and m.matches({"__name__": r})
-                for m in selector.matchers
-                for r in self.definitions
-            ):
-                text = expr[selector.start : selector.end]
-                raise RulesError(f"cannot expand a selector on recorded names by __name__: {text}")
-            if name not in self.definitions:
+            if name is None:
+                found = self._by_name(selector)
+            elif name in self.definitions:
+                body = self.definition(name)
+                for matcher in selector.matchers:
+                    body = _filter(body, matcher)
+                found = body, self.interval(name)
+            else:
+                found = None
+            if found is None:
                 continue
-            body = self.definition(name)
-            for matcher in selector.matchers:
-                body = _filter(body, matcher)
+            body, interval = found
             end = selector.end
             offset = _OFFSET.match(expr, end)
-            step = _duration_text(self.interval(name))
+            step = _duration_text(interval)
             if selector.range_seconds is not None:
                 body = f"{body}[{_duration_text(selector.range_seconds)}:{step}]"
             elif offset:
