@@ -157,8 +157,13 @@ class Fleet:
                 count += sum(1 for m, x in events if m == minute and x == xid)
                 first = min(m for m, x in events if x == xid)
                 points.append("_" if minute < first else str(count))
-            labels = _labels({**target, "xid": str(xid)})
-            self.series[f"gpuhealth_xid_events_total{{{labels}}}"] = " ".join(points)
+            self.xid_counter(node, gpu, xid, " ".join(points))
+        return self
+
+    def xid_counter(self, node: str, gpu: int, xid: int, points: str) -> Fleet:
+        """One XID counter (gpuhealth source) with its values in promtool notation."""
+        labels = _labels({**self._target(node), "gpu": str(gpu), "xid": str(xid)})
+        self.series[f"gpuhealth_xid_events_total{{{labels}}}"] = points
         return self
 
     def nfs(self, node: str, mount: str, op: str, per_second: dict[str, float], minutes: int) -> Fleet:

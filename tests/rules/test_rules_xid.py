@@ -116,3 +116,25 @@ def test_recovery_action_and_fallen_off_bus(tmp_path):
         {"eval_time": "6m", "alertname": "GPUHealthXidRebootNode", "exp_alerts": [reboot]},
     ]
     run_promtool(tmp_path, "gpuhealth", ["xid"], [_case(fleet, checks)])
+
+
+def test_counter_growth_and_exporter_restart(tmp_path):
+    """A counter the exporter created at 0 counts its growth; one that appeared inside the window counts
+    from 0; after an exporter restart (the counter back to 0) the events since the restart count, and
+    the restart itself raises nothing."""
+    fleet = Fleet("gpuhealth")
+    fleet.xid_counter("n1", 0, 48, "0x9 1x80")
+    fleet.xid_counter("n1", 1, 48, "2x69 0 0 0 0 0 1x15")
+
+    def reset(gpu: int, value: str) -> dict:
+        return _xid_alert("GPUHealthXidResetGpu", "n1", gpu, 48, value, "critical", "drain_reset_gpu",
+                          "reset the GPU", RESET)
+
+    checks = [
+        {"eval_time": "9m", "alertname": "GPUHealthXidResetGpu", "exp_alerts": [reset(1, "2")]},
+        {"eval_time": "30m", "alertname": "GPUHealthXidResetGpu",
+         "exp_alerts": [reset(0, "1"), reset(1, "2")]},
+        {"eval_time": "71m", "alertname": "GPUHealthXidResetGpu", "exp_alerts": []},
+        {"eval_time": "76m", "alertname": "GPUHealthXidResetGpu", "exp_alerts": [reset(1, "1")]},
+    ]
+    run_promtool(tmp_path, "gpuhealth", ["xid"], [_case(fleet, checks)])
