@@ -229,3 +229,17 @@ def cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+@pytest.mark.slow
+def test_the_shipped_rules_evaluate_cleanly_on_small_scenario(tmp_path: Path) -> None:
+    """The generated rules, as shipped, through the whole benchmark: Prometheus accepts every record and
+    alert over the period (a rule that errors in a range query records nothing), and both failures are
+    found."""
+    shipped = Path(__file__).resolve().parents[2] / "rules" / "generated" / "gpuhealth"
+    out = tmp_path / "result.json"
+    assert main(["eval", "--scenario", str(SMALL), "--rules", str(shipped), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["rule_errors"] == {}
+    assert result["recall"] == 1.0
+    assert "GPUHealthGpuFailureRisk" in result["per_alert"]
