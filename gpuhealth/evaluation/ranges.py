@@ -13,11 +13,11 @@ import numpy as np
 
 from gpuhealth.local.prometheus import PrometheusAPI
 
-MAX_POINTS = 10000
 # Prometheus holds a range query's intermediate results for every instant at once: a fleet-wide rule
-# chain over two weeks takes tens of GB. A day per query bounds that; subqueries reach back further
-# only at coarse steps, so re-evaluating their windows per chunk costs little.
-CHUNK_SECONDS = 86400.0
+# chain over two weeks at one step a minute takes tens of GB. A bounded number of instants per query
+# bounds that (Prometheus itself refuses more than 11,000), while each chunk re-evaluates the windows
+# its subqueries reach back over (a day of temperature baseline): fewer, longer chunks waste less.
+CHUNK_POINTS = 2000
 QUERY_TIMEOUT = 1800.0
 PARALLEL = max(1, os.cpu_count() or 1)
 
@@ -37,11 +37,10 @@ def grid(start: float, end: float, step: float) -> np.ndarray:
 
 
 def range_matrix(api: PrometheusAPI, expr: str, times: np.ndarray, workers: int = PARALLEL) -> Matrix:
-    """``expr`` at every instant of ``times`` (a regular grid), in chunks of at most a day answered
-    ``workers`` at a time: Prometheus evaluates one range query on one core."""
+    """``expr`` at every instant of ``times`` (a regular grid), in chunks of at most ``CHUNK_POINTS``
+    instants answered ``workers`` at a time: Prometheus evaluates one range query on one core."""
     step = float(times[1] - times[0]) if times.size > 1 else 60.0
-    span = float(times[-1] - times[0]) if times.size else 0.0
-    chunks = max(workers, -(-times.size // MAX_POINTS), int(np.ceil(span / CHUNK_SECONDS)))
+    chunks = workers * -(-times.size // (workers * CHUNK_POINTS))  # every worker busy to the end
     bounds = np.linspace(0, times.size, min(chunks, times.size) + 1).astype(int)
     pieces = list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True))
     pool = ThreadPoolExecutor(max_workers=workers)
