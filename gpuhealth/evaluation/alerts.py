@@ -2,26 +2,27 @@
 
 An alert is pending from the first evaluation at which its expression returns a series and fires
 once it has returned it at every evaluation for the ``for:`` duration. A recording rule that errors
-records nothing in Prometheus; here it is found by probing, replaced by an empty vector, and
-reported. Alerts reading ``ALERTS`` run last, on ALERTS series written from the others' results.
+records nothing in Prometheus; when an alert's query fails, the records it reads are probed, those
+Prometheus rejects are replaced by an empty vector and reported, and the alert is evaluated again.
+Alerts reading ``ALERTS`` run last, on ALERTS series written from the others' results.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from gpuhealth.evaluation.expand import Expander
-from gpuhealth.evaluation.ranges import Labels, grid, range_matrix
+from gpuhealth.evaluation.ranges import Labels, Matrix, grid, range_matrix
 from gpuhealth.evaluation.rulefiles import Rule, RuleSet, selectors
 from gpuhealth.local.prometheus import PrometheusAPI
 
 log = logging.getLogger(__name__)
-PROBE_STEP = 3600.0  # recording rules are checked for errors on an hourly grid over the period
 
 
 @dataclass(frozen=True)
@@ -124,31 +125,48 @@ class AlertEvaluator:
     def step_for(self, rule: Rule) -> float:
         return self.fused_step if self.expander.records_used(rule.expr) else self.step
 
-    def _find_broken_records(self, rule: Rule) -> None:
-        """Probe the records ``rule`` reads, dependencies first, on an hourly grid over the period;
-        mark those Prometheus rejects (in Prometheus they would record nothing)."""
-        probe_times = grid(self.start, self.end, max(PROBE_STEP, self.step))
+    def _find_broken_records(self, rule: Rule, times: np.ndarray) -> bool:
+        """Probe the records ``rule`` reads, dependencies first, at ``times``; mark those Prometheus
+        rejects (in Prometheus they would record nothing). True when one was found."""
+        found = False
         for name in self.expander.records_used(rule.expr):
             if name in self._probed:
                 continue
             self._probed.add(name)
             try:
-                range_matrix(self.api, self.expander.definition(name), probe_times)
+                range_matrix(self.api, self.expander.definition(name), times)
             except RuntimeError as exc:
                 log.warning("recording rule fails name=%s error=%r", name, str(exc))
                 self.expander.mark_broken(name, str(exc))
                 self.run.errors[name] = str(exc)
+                found = True
+        return found
 
-    def evaluate(self, rule: Rule) -> None:
-        self._find_broken_records(rule)
-        step = self.step_for(rule)
-        times = grid(self.start, self.end, step)
+    def _query(self, rule: Rule, times: np.ndarray) -> Matrix | None:
+        """The alert's expression at ``times``; None (and the error noted) when Prometheus rejects it."""
         try:
-            matrix = range_matrix(self.api, self.expander.expand(rule.expr), times)
+            return range_matrix(self.api, self.expander.expand(rule.expr), times)
         except RuntimeError as exc:
+            if self._find_broken_records(rule, times):
+                return self._query(rule, times)
             log.warning("alert rule fails name=%s error=%r", rule.name, str(exc))
             self.run.errors[rule.name] = str(exc)
+            return None
+
+    def evaluate(self, rule: Rule) -> None:
+        step = self.step_for(rule)
+        times = grid(self.start, self.end, step)
+        began = time.monotonic()
+        matrix = self._query(rule, times)
+        if matrix is None:
             return
+        log.info(
+            "alert evaluated name=%s step=%gs seconds=%.1f series=%d",
+            rule.name,
+            step,
+            time.monotonic() - began,
+            len(matrix.series),
+        )
         # each instant of the evaluation grid takes the state of the last evaluation at or before it
         latest = np.searchsorted(times, self.times, side="right") - 1
         firing = self.run.firing.setdefault(rule.name, {})
