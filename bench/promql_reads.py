@@ -1,0 +1,98 @@
+"""What a PromQL form costs on a fleet, side by side: the choices behind the generated rules.
+
+Scrapes the synthetic fleet of ``bench/rules.py`` with a real Prometheus (no rules), then stops
+scraping and runs pairs of equivalent expressions as instant queries at one instant, printing the
+Prometheus CPU seconds each costs. On a large fleet a rule's cost is mostly the series it reads,
+so a rate over a short window (one read) beats two instant lookups (``x - x offset w``), and a
+per-GPU total beats per-link counters.
+
+    .venv/bin/python bench/promql_reads.py                     # 512 nodes, 6 minutes of data
+    .venv/bin/python bench/promql_reads.py --nodes 128 --minutes 5.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+from gpuhealth.rules.fleet import SyntheticFleet
+
+from gpuhealth.local.prometheus import PrometheusServer
+
+NVLINK_TOTAL = "gpuhealth_gpu_nvlink_errors_all_links_total"
+NVLINK_LINKS = "gpuhealth_gpu_nvlink_errors_total"
+INFO = "group by (node, gpu, model) (gpuhealth_gpu_info)"
+UTIL = "max by (node, gpu) (gpuhealth_gpu_utilization_ratio)"
+
+#: (what, expression): each block compares forms that give the same answer.
+FORMS = [
+    ("NVLink rate, per-GPU total: rate over 5m", f"sum by (node, gpu) (rate({NVLINK_TOTAL}[5m]))"),
+    ("NVLink rate, per-GPU total: two lookups", f"(sum by (node, gpu) ({NVLINK_TOTAL}) - "
+                                                f"sum by (node, gpu) ({NVLINK_TOTAL} offset 5m)) / 300"),
+    ("NVLink rate, worst link: rate over 5m",
+     f"max by (node, gpu) (sum by (node, gpu, link) (rate({NVLINK_LINKS}[5m])))"),
+    ("NVLink rate, worst link: two lookups",
+     f"max by (node, gpu) ((sum by (node, gpu, link) ({NVLINK_LINKS}) - "
+     f"sum by (node, gpu, link) ({NVLINK_LINKS} offset 5m)) / 300)"),
+    ("peer class: one read each, count_values",
+     f'label_replace(label_replace(count_values by (node, gpu, model) ("load", {INFO} * on (node, gpu) '
+     f'({UTIL} >= bool 0.5)), "load", "busy", "load", "1"), "load", "idle", "load", "0")'),
+    ("peer class: and / unless, two reads each",
+     f'label_replace({INFO} and on (node, gpu) ({UTIL} >= 0.5), "load", "busy", "", "") or '
+     f'label_replace({INFO} unless on (node, gpu) ({UTIL} >= 0.5), "load", "idle", "", "")'),
+]
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="gpuhealth-bench-promql-") as tmp:
+        fleet = SyntheticFleet(args.nodes, nvlinks=args.nvlinks).start()
+        config = {"global": {"scrape_interval": "15s"}, "scrape_configs": [fleet.scrape_config("15s")]}
+        prometheus = PrometheusServer(Path(tmp) / "prometheus", config)
+        try:
+            prometheus.start(timeout=120)
+            print(f"{args.nodes} nodes x 8 GPUs, {args.nvlinks} NVLinks; collecting {args.minutes} min",
+                  flush=True)
+            time.sleep(args.minutes * 60)
+            now = time.time() - 1   # before scraping stops: no staleness markers yet
+            prometheus.config_path.write_text(yaml.safe_dump({"global": {}}))
+            urllib.request.urlopen(urllib.request.Request(f"{prometheus.url}/-/reload", method="POST"),
+                                   timeout=60)
+            pid = prometheus.proc.pid
+            print(f"\n{'form':<48}{'CPU s per query':>16}{'series':>9}")
+            for what, expr in FORMS:
+                series = len(prometheus.api.query(expr, time=now))
+                before = _cpu_seconds(pid)
+                for _ in range(args.repeats):
+                    prometheus.api.query(expr, time=now)
+                print(f"{what:<48}{(_cpu_seconds(pid) - before) / args.repeats:>16.3f}{series:>9}")
+            return 0
+        finally:
+            prometheus.stop()
+            fleet.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=512, help="synthetic nodes (default 512)")
+    parser.add_argument("--nvlinks", type=int, default=4, help="NVLinks per GPU exposed (default 4)")
+    parser.add_argument("--minutes", type=float, default=6, help="minutes of data, > 5 for the offsets")
+    parser.add_argument("--repeats", type=int, default=10, help="queries per form (default 10)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
