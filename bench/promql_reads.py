@@ -41,10 +41,10 @@ FORMS = [
     ("NVLink rate, worst link: two lookups",
      f"max by (node, gpu) ((sum by (node, gpu, link) ({NVLINK_LINKS}) - "
      f"sum by (node, gpu, link) ({NVLINK_LINKS} offset 5m)) / 300)"),
-    ("peer class: one read each, count_values",
-     f'label_replace(label_replace(count_values by (node, gpu, model) ("load", {INFO} * on (node, gpu) '
-     f'({UTIL} >= bool 0.5)), "load", "busy", "load", "1"), "load", "idle", "load", "0")'),
-    ("peer class: and / unless, two reads each",
+    ("peer class: utilisation read once",
+     f'label_replace({INFO} * on (node, gpu) group_left () ({UTIL} >= bool 0.5) > 0, "load", "busy", "", "")'
+     f' or on (node, gpu) label_replace({INFO}, "load", "idle", "", "")'),
+    ("peer class: and / unless, utilisation read twice",
      f'label_replace({INFO} and on (node, gpu) ({UTIL} >= 0.5), "load", "busy", "", "") or '
      f'label_replace({INFO} unless on (node, gpu) ({UTIL} >= 0.5), "load", "idle", "", "")'),
 ]
