@@ -41,9 +41,9 @@ def test_several_weak_signals_raise_the_risk_alert(tmp_path, source):
                           "temperature_peer=0.45, thermal_slowdown=0.30, temperature_baseline=0.25")
     checks = [
         # Each case: quiet while pending (the condition cannot hold before its onset + `for`), then firing.
-        {"eval_time": "180m", "alertname": RISK, "exp_alerts": []},
-        {"eval_time": "190m", "alertname": RISK, "exp_alerts": [nvlink]},
-        {"eval_time": "230m", "alertname": RISK, "exp_alerts": [nvlink]},
+        {"eval_time": "160m", "alertname": RISK, "exp_alerts": []},
+        {"eval_time": "175m", "alertname": RISK, "exp_alerts": [nvlink]},
+        {"eval_time": "210m", "alertname": RISK, "exp_alerts": [nvlink]},
         {"eval_time": "240m", "alertname": RISK, "exp_alerts": [nvlink, thermal]},
     ]
     exprs = [
@@ -92,11 +92,11 @@ def test_memory_signals_and_an_isolated_sbe_burst(tmp_path, source):
         _evidence("remap_pending", "n1", 3, "370m"),
         _score("n1", 5, "350m", 0.35),    # ECC growth alone stays below the threshold
     ]
-    # One memory signal alone never fires; ECC growth and the rows step together do, 30 min after the step.
+    # One memory signal alone never fires; ECC growth and the rows step together do, 15 min after the step.
     # Rule groups evaluate independently (in Prometheus as in promtool), so the fusion group may see the
-    # evidence group's step one evaluation late: at exactly 390m either answer is right, at 391m it fires.
-    checks = [{"eval_time": t, "alertname": RISK, "exp_alerts": []} for t in ("150m", "310m", "389m")]
-    checks.append({"eval_time": "391m", "alertname": RISK, "exp_alerts": [hbm]})
+    # evidence group's step one evaluation late: at exactly 375m either answer is right, at 376m it fires.
+    checks = [{"eval_time": t, "alertname": RISK, "exp_alerts": []} for t in ("150m", "310m", "374m")]
+    checks.append({"eval_time": "376m", "alertname": RISK, "exp_alerts": [hbm]})
     run_promtool(tmp_path, source, GROUPS, [{"interval": "1m", "input_series": fleet.input_series(),
                                              "alert_rule_test": checks, "promql_expr_test": exprs}])
 
