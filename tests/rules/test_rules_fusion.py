@@ -173,3 +173,31 @@ def test_each_signal_and_benign_noise(tmp_path, source):
     checks = [{"eval_time": t, "alertname": RISK, "exp_alerts": []} for t in ("30m", "60m", "100m", at)]
     run_promtool(tmp_path, source, GROUPS, [{"interval": "1m", "input_series": fleet.input_series(),
                                              "alert_rule_test": checks, "promql_expr_test": exprs}])
+
+
+def test_pcie_seen_from_both_ends(tmp_path):
+    """Replays (the GPU's view of its link) and AER errors (the kernel's, gpuhealth source only) each
+    alone stay below the threshold; both persisting raise the alert. AER of a device that is no GPU
+    counts for no GPU."""
+    minutes = 120
+    fleet = Fleet("gpuhealth").node("n1", minutes)
+    for gpu in (2, 3):
+        fleet.add("pcie_replays", "n1", gpu, (0, 20, minutes))
+    for gpu in (2, 4):
+        fleet.add("pcie_aer", "n1", gpu, (0, 2, minutes), pci_bus_id=f"00000000:{0x18 + gpu:02X}:00.0")
+    fleet.add("pcie_aer", "n1", None, (0, 50, minutes), pci_bus_id="00000000:03:00.0")   # a NIC, say
+    pcie = _risk_alert("n1", 2, "0.65", "pcie_replay=0.35, pcie_aer_errors=0.30")
+    at = "100m"
+    exprs = [
+        _evidence("pcie_aer_errors", "n1", 2, at, 0.99),
+        _evidence("pcie_aer_errors", "n1", 4, at, 0.99),
+        _evidence("pcie_aer_errors", "n1", 3, at),
+        _score("n1", 4, at, 0.3),
+        _score("n1", 3, at, 0.35),
+    ]
+    checks = [
+        {"eval_time": "50m", "alertname": RISK, "exp_alerts": []},
+        {"eval_time": at, "alertname": RISK, "exp_alerts": [pcie]},
+    ]
+    run_promtool(tmp_path, "gpuhealth", GROUPS, [{"interval": "1m", "input_series": fleet.input_series(),
+                                                 "alert_rule_test": checks, "promql_expr_test": exprs}])
