@@ -68,7 +68,8 @@ def _overview(settings: Settings) -> list:
             w=24, h=3, hide=("__name__", "Value", "job", "instance", "cluster", "node", "gpu")),
         timeseries_panel(
             "Failure risk and evidence",
-            "The fused failure risk of this GPU and each evidence signal behind it (all 0..1).",
+            "The fused failure risk of this GPU and each evidence signal behind it (all 0..1; a signal "
+            "is drawn only while above 0).",
             [query(f"gpuhealth:gpu_failure_risk:score{THIS_GPU}", "risk"),
              query(gpu_evidence(THIS_GPU), "{{signal}}")],
             w=24, h=8, unit="percentunit", min_val=0, legend_right=True),
