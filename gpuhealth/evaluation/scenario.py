@@ -48,7 +48,8 @@ NOISE_DURATIONS = {
 }
 DEFAULT_PRECURSOR = (1800, 24 * 3600)
 
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)$")
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
+_DURATION = re.compile(rf"^(?:{_DURATION_PART.pattern})+$")
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -61,15 +62,15 @@ class ScenarioError(ValueError):
 
 
 def parse_duration(text: Any) -> float:
-    """Seconds from a Prometheus-style duration (``90s``, ``15m``, ``6h``, ``14d``) or a number."""
+    """Seconds from a Prometheus-style duration (``90s``, ``15m``, ``6h``, ``14d``, ``1h30m``) or a number."""
     if isinstance(text, bool):
         raise ValueError(f"{text!r} is not a duration")
     if isinstance(text, int | float):
         return float(text)
-    match = _DURATION.match(str(text).strip())
-    if not match:
-        raise ValueError(f"{text!r} is not a duration (e.g. 30s, 15m, 6h, 14d)")
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    text = str(text).strip()
+    if not _DURATION.match(text):
+        raise ValueError(f"{text!r} is not a duration (e.g. 30s, 15m, 6h, 14d, 1h30m)")
+    return sum(float(number) * _UNITS[unit] for number, unit in _DURATION_PART.findall(text))
 
 
 @dataclass(frozen=True)
@@ -395,11 +396,12 @@ def _failure(
     check.unknown(item, {"node", "gpu", "kind", "onset", "failure", "xid", "strength"}, where)
     node, gpu = _location(check, item, where, nodes, fleet, gpu_required=True)
     kind = check.choice(item, "kind", where, FAULT_KINDS)
+    known = len(check.problems)
     failure = check.duration(item, "failure", where)
     onset = failure if kind in SUDDEN_KINDS else check.duration(item, "onset", where, positive=False)
     if kind in SUDDEN_KINDS and "onset" in item:
         check.problems.append(f"{where}.onset: {kind} has no precursor; leave onset out")
-    if onset > failure:
+    if onset > failure and len(check.problems) == known:
         check.problems.append(f"{where}: onset {item.get('onset')} is after failure {item.get('failure')}")
     if failure >= duration:
         check.problems.append(f"{where}.failure: {item.get('failure')} is not within the scenario duration")

@@ -13,6 +13,7 @@ from gpuhealth.evaluation.scenario import (
     NOISE_KINDS,
     ScenarioError,
     load_scenario,
+    parse_duration,
     parse_scenario,
 )
 
@@ -116,3 +117,16 @@ def test_cli_reports_unreadable_yaml_and_missing_rules(
     assert "not valid YAML" in capsys.readouterr().err
     assert main(["eval", "--scenario", str(SCENARIOS / "small.yaml"), "--rules", str(tmp_path / "none")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_compound_durations_and_no_follow_up_error_for_an_unreadable_one() -> None:
+    assert parse_duration("1h30m") == 5400 and parse_duration("1d12h") == 129600
+    with pytest.raises(ValueError, match="not a duration"):
+        parse_duration("1h30")
+    bad = yaml.safe_load((SCENARIOS / "small.yaml").read_text())
+    bad["failures"][0]["failure"] = "14 hours"
+    with pytest.raises(ScenarioError) as caught:
+        parse_scenario(bad, "bad.yaml")
+    assert caught.value.problems == [
+        "failures[0].failure: '14 hours' is not a duration (e.g. 30s, 15m, 6h, 14d, 1h30m)"
+    ]
