@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-import yaml
 from gpuhealth.rules.fleet import SyntheticFleet
 
 from gpuhealth.local.prometheus import PrometheusServer
@@ -50,11 +47,6 @@ FORMS = [
 ]
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="gpuhealth-bench-promql-") as tmp:
         fleet = SyntheticFleet(args.nodes, nvlinks=args.nvlinks).start()
@@ -66,17 +58,14 @@ def run(args: argparse.Namespace) -> int:
                   flush=True)
             time.sleep(args.minutes * 60)
             now = time.time() - 1   # before scraping stops: no staleness markers yet
-            prometheus.config_path.write_text(yaml.safe_dump({"global": {}}))
-            urllib.request.urlopen(urllib.request.Request(f"{prometheus.url}/-/reload", method="POST"),
-                                   timeout=60)
-            pid = prometheus.proc.pid
+            prometheus.stop_scraping()
             print(f"\n{'form':<48}{'CPU s per query':>16}{'series':>9}")
             for what, expr in FORMS:
                 series = len(prometheus.api.query(expr, time=now))
-                before = _cpu_seconds(pid)
+                before = prometheus.cpu_seconds()
                 for _ in range(args.repeats):
                     prometheus.api.query(expr, time=now)
-                print(f"{what:<48}{(_cpu_seconds(pid) - before) / args.repeats:>16.3f}{series:>9}")
+                print(f"{what:<48}{(prometheus.cpu_seconds() - before) / args.repeats:>16.3f}{series:>9}")
             return 0
         finally:
             prometheus.stop()

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import yaml
@@ -83,25 +81,17 @@ def run(args: argparse.Namespace) -> int:
             fleet.stop()
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process: unlike wall time, other load on the machine barely moves it."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def cpu_per_group(prometheus: PrometheusServer, rule_files: list[str], repeats: int, top: int) -> None:
     """Prometheus CPU seconds to evaluate each group once, with scraping and rule evaluation stopped:
     every rule's expression runs as an instant query, ``repeats`` times, over the data just collected,
     at one instant just before scraping and evaluation stop: after it, Prometheus writes staleness
     markers for the removed targets and groups, and instant selectors would find nothing to read."""
     now = time.time() - 1
-    prometheus.config_path.write_text(yaml.safe_dump({"global": {}}))
-    urllib.request.urlopen(urllib.request.Request(f"{prometheus.url}/-/reload", method="POST"), timeout=60)
-    pid = prometheus.proc.pid
-    before = _cpu_seconds(pid)
+    prometheus.stop_scraping()
+    before = prometheus.cpu_seconds()
     for _ in range(repeats * 20):
         prometheus.api.query("vector(1)")
-    overhead = (_cpu_seconds(pid) - before) / (repeats * 20)
+    overhead = (prometheus.cpu_seconds() - before) / (repeats * 20)
     print(f"\nper-query overhead of the HTTP API (vector(1)): {overhead:.4f} CPU s, included below")
     print(f"{'rule group':<34}{'CPU s per evaluation (scraping and evaluation stopped)':>56}")
     costs: list[tuple[float, str]] = []
@@ -109,10 +99,10 @@ def cpu_per_group(prometheus: PrometheusServer, rule_files: list[str], repeats: 
     for group in groups:
         total = 0.0
         for rule in group["rules"]:
-            before = _cpu_seconds(pid)
+            before = prometheus.cpu_seconds()
             for _ in range(repeats):
                 prometheus.api.query(rule["expr"], time=now)
-            cost = (_cpu_seconds(pid) - before) / repeats
+            cost = (prometheus.cpu_seconds() - before) / repeats
             costs.append((cost, rule.get("record") or rule["alert"]))
             total += cost
         print(f"{group['name']:<34}{total:>12.3f}")

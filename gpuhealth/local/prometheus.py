@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
 from gpuhealth.local.process import ManagedProcess, ProcessError, free_port, http_ok
@@ -128,6 +129,19 @@ class PrometheusServer(LoopbackServer):
             "--web.enable-lifecycle",
             *self.extra_args,
         ]
+
+    def stop_scraping(self) -> None:
+        """Reload with an empty configuration: scraping and rule evaluation stop, the data stays, so
+        queries that follow measure only themselves."""
+        self.config_path.write_text(yaml.safe_dump({"global": {}}))
+        request = urllib.request.Request(f"{self.url}/-/reload", method="POST")
+        urllib.request.urlopen(request, timeout=60).close()
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time so far: unlike wall time, other load on the machine barely moves it."""
+        assert self.proc is not None
+        times = psutil.Process(self.proc.pid).cpu_times()
+        return times.user + times.system
 
 
 class AlertmanagerServer(LoopbackServer):
