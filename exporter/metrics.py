@@ -91,8 +91,8 @@ SPECS: dict[str, Spec] = {
     "gpuhealth_gpu_pcie_link_downgraded": _g("1 when PCIe generation or width is below its maximum.", "gpu"),
     "gpuhealth_gpu_nvlink_up": _g("1 while the NVLink is active.", "gpu", "link"),
     "gpuhealth_gpu_nvlink_errors_total": _c("NVLink data-link errors.", "gpu", "link", "type"),
-    "gpuhealth_gpu_nvlink_errors_all_links_total": _c("NVLink data-link errors summed over the GPU's links.",
-                                                      "gpu", "type"),
+    "gpuhealth_gpu_nvlink_errors_all_links_total": _c(
+        "NVLink data-link errors (CRC flit, CRC data, replay, recovery) summed over the GPU's links.", "gpu"),
     "gpuhealth_gpu_processes": _g("Compute processes running on the GPU.", "gpu"),
     "gpuhealth_gpu_job_info": _g("A Slurm job using the GPU; always 1.", "gpu", "job_id"),
     "gpuhealth_xid_events_total": _c("XID events from NVML and the kernel log, counted once.", "gpu", "xid"),

@@ -39,8 +39,6 @@ NVLINK_ERROR_TYPES = ("crc_flit", "crc_data", "replay", "recovery")
 NFS_OPS = ("READ", "WRITE", "GETATTR")
 NFS_MOUNT = "/checkpoints"
 COLLECTORS = ("nvml", "kmsg", "host", "nfs")
-# XIDs whose counters the exporter publishes for every GPU from start-up (its XID collector).
-CATALOGUE_XIDS = (13, 31, 32, 43, 45, 48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 109, 119, 120, 140, 143, 154)
 # Kinds after which NVML no longer answers for the GPU.
 LOST_KINDS = ("thermal_runaway", "pcie_degradation", "gsp_timeout", "fell_off_bus")
 
@@ -56,6 +54,11 @@ class Family:
 
 def _counter(increments: np.ndarray, offset: np.ndarray | float = 0.0) -> np.ndarray:
     return np.cumsum(increments, axis=-1) + (np.asarray(offset)[..., None] if np.ndim(offset) else offset)
+
+
+def _first_event_on(counter: np.ndarray) -> np.ndarray:
+    """An event counter absent (NaN) until its first event."""
+    return np.where(counter == 0, np.nan, counter)
 
 
 class FleetSignals:
@@ -621,7 +624,7 @@ class FleetSignals:
         zeros = self.readable(np.zeros(self.shape))
         ones = self.readable(np.ones(self.shape))
         up_rows, error_rows = [], []
-        totals = {(i, kind): zeros[i] for i in range(len(self.gpu_labels)) for kind in NVLINK_ERROR_TYPES}
+        totals = {i: zeros[i] for i in range(len(self.gpu_labels))}
         for link in range(self.fleet.nvlinks):
             for i, labels in enumerate(self.gpu_labels):
                 state = ones[i]
@@ -633,12 +636,12 @@ class FleetSignals:
                     values = zeros[i]
                     if (i, link) in moving:
                         values = np.where(self.lost[i], np.nan, _counter(moving[(i, link)][kind]))
-                        totals[(i, kind)] = totals[(i, kind)] + values
+                        totals[i] = totals[i] + values
                     error_rows.append((f'link="{link}",type="{kind}",{labels}', values))
         yield Family("gpuhealth_gpu_nvlink_up", "gauge", up_rows)
         yield Family("gpuhealth_gpu_nvlink_errors_total", "counter", error_rows)
-        total_rows = [(f'type="{kind}",{self.gpu_labels[i]}', values) for (i, kind), values in totals.items()]
-        yield Family("gpuhealth_gpu_nvlink_errors_all_links_total", "counter", total_rows)
+        yield Family("gpuhealth_gpu_nvlink_errors_all_links_total", "counter",
+                     [(self.gpu_labels[i], values) for i, values in totals.items()])
 
     def _processes(self) -> Iterator[Family]:
         yield self._gauge("gpuhealth_gpu_processes", self.readable(self.busy.astype(float)))
@@ -655,8 +658,7 @@ class FleetSignals:
         yield Family("gpuhealth_gpu_job_info", "gauge", rows)
 
     def _xids(self) -> Iterator[Family]:
-        """Every GPU has a counter per catalogue XID from the start (0), as the exporter publishes them;
-        another XID's counter appears with its first event."""
+        """A GPU's counter of an XID appears with its first event, as the exporter publishes them."""
         events: dict[tuple[int, int], np.ndarray] = {}
 
         def add(i: int, xid: int, increments: np.ndarray) -> None:
@@ -674,23 +676,19 @@ class FleetSignals:
             hit = np.zeros(self.timeline.count)
             hit[self.at(failure.failure)] = 1
             add(i, failure.xid, hit)
-        zeros = np.zeros(self.timeline.count)
-        for i in range(self.gpus):
-            for xid in CATALOGUE_XIDS:
-                events.setdefault((i, xid), zeros)
         rows = []
         for (i, xid), increments in sorted(events.items()):
-            values = _counter(increments)
-            if xid not in CATALOGUE_XIDS:
-                values[values == 0] = np.nan
-            rows.append((f'xid="{xid}",{self.gpu_labels[i]}', values))
+            rows.append((f'xid="{xid}",{self.gpu_labels[i]}', _first_event_on(_counter(increments))))
         yield Family("gpuhealth_xid_events_total", "counter", rows)
 
     def _fallen(self) -> Iterator[Family]:
-        falls = np.zeros(self.shape)
+        """Only a GPU that fell off the bus has the counter, from then on, as the exporter publishes it."""
+        falls: dict[int, np.ndarray] = {}
         for failure in self.faults_of("thermal_runaway", "pcie_degradation", "fell_off_bus"):
-            falls[self.gpu_index(failure.node, failure.gpu), self.at(failure.failure) :] = 1
-        yield self._count("gpuhealth_gpu_fallen_off_bus_total", falls)
+            i = self.gpu_index(failure.node, failure.gpu)
+            falls.setdefault(i, np.zeros(self.timeline.count))[self.at(failure.failure)] += 1
+        rows = [(self.gpu_labels[i], _first_event_on(_counter(f))) for i, f in sorted(falls.items())]
+        yield Family("gpuhealth_gpu_fallen_off_bus_total", "counter", rows)
 
     # ---- host families ------------------------------------------------------------------------------
     def node_rate(

@@ -84,7 +84,7 @@ def test_faults_show_on_the_right_gpu_in_prometheus(node) -> None:
     eventually(prometheus, 'gpuhealth_xid_events_total{gpu="1",xid="74"} == 1')
     assert value(prometheus, 'gpuhealth_gpu_nvlink_errors_total{gpu="1",link="1",type="crc_flit"}') > 1000
     assert value(prometheus, 'gpuhealth_gpu_nvlink_errors_total{gpu="1",link="0",type="crc_flit"}') == 0
-    assert value(prometheus, 'sum(gpuhealth_xid_events_total{gpu="0"})') == 0
+    assert value(prometheus, 'count(gpuhealth_xid_events_total{gpu="0"})') is None  # a healthy GPU has none
     assert value(prometheus, 'gpuhealth_gpu_up{gpu="0"}') == 1
     assert value(prometheus, 'sum(gpuhealth_gpu_ecc_errors_total{type="corrected",counter="volatile",'
                              'gpu!="2"})') == 0
@@ -108,6 +108,5 @@ def test_sighup_reloads_the_scenario_and_a_restart_does_not_replay(node) -> None
     scenario.write_text(yaml.safe_dump({"gpus": 4, "nvlinks": 2}))
     exporter.start()  # same kmsg file, same state dir: nothing already counted comes back
     text = exporter.scrape()
-    assert 'gpuhealth_xid_events_total{gpu="0",xid="79"} 0.0' in text
-    assert 'gpuhealth_xid_events_total{gpu="2",xid="95"} 0.0' in text
+    assert "gpuhealth_xid_events_total{" not in text
     assert 'gpuhealth_kmsg_lines_total{result="xid"} 0.0' in text
