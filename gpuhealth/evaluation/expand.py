@@ -21,6 +21,7 @@ import re
 from gpuhealth.evaluation.rulefiles import Matcher, Rule, RulesError, RuleSet, Selector, selectors
 
 MARK = "gpuhealth_eval_match"
+_EMPTY = "(vector(0) > 1)"  # an empty vector: what a failing rule records
 _OFFSET = re.compile(r"\s*offset\s+(-?[0-9a-z]+)")
 
 
@@ -52,7 +53,7 @@ class Expander:
         self.definitions: dict[str, list[Rule]] = {}
         for rule in rules.records:
             self.definitions.setdefault(rule.name, []).append(rule)
-        self._done: dict[str, str] = {}
+        self._done: dict[str, list[str]] = {}
         self._active: list[str] = []
         self.broken: dict[str, str] = {}  # recorded name -> Prometheus's error: it records nothing
 
@@ -78,9 +79,27 @@ class Expander:
     def depends_on_records(self, expr: str) -> bool:
         return any(s.name in self.definitions for s in selectors(expr))
 
-    def definition(self, name: str) -> str:
+    def definition(self, name: str, matchers: tuple[Matcher, ...] = ()) -> str:
+        """The expression ``name{matchers}`` stands for. A rule whose static labels contradict a
+        matcher records nothing it selects, so it is left out rather than computed and filtered
+        away: a record split over several rules by a static label (shards, types) costs one rule."""
         if name in self.broken:
-            return "(vector(0) > 1)"  # an empty vector: what a failing rule records
+            return _EMPTY
+        parts = []
+        for rule, body in zip(self.definitions[name], self._bodies(name)):
+            static = dict(rule.labels)
+            if any(m.label in static and not m.matches(static) for m in matchers):
+                continue
+            for matcher in matchers:
+                if matcher.label not in static:
+                    body = _filter(body, matcher)
+            parts.append(body)
+        if not parts:
+            return _EMPTY
+        return parts[0] if len(parts) == 1 else "(" + " or ".join(parts) + ")"
+
+    def _bodies(self, name: str) -> list[str]:
+        """Each rule recording ``name``, expanded, with its static labels set; memoised."""
         if name in self._done:
             return self._done[name]
         if name in self._active:
@@ -88,15 +107,15 @@ class Expander:
                 f"recording rules depend on each other in a cycle: {' -> '.join([*self._active, name])}"
             )
         self._active.append(name)
-        parts = []
+        bodies = []
         for rule in self.definitions[name]:
             body = f"({self.expand(rule.expr)})"
             for label, value in rule.labels:
                 body = _set(body, label, value)
-            parts.append(body)
+            bodies.append(body)
         self._active.pop()
-        self._done[name] = parts[0] if len(parts) == 1 else "(" + " or ".join(parts) + ")"
-        return self._done[name]
+        self._done[name] = bodies
+        return bodies
 
     def interval(self, name: str) -> float:
         return min(rule.interval for rule in self.definitions[name])
@@ -128,10 +147,7 @@ class Expander:
             if name is None:
                 found = self._by_name(selector)
             elif name in self.definitions:
-                body = self.definition(name)
-                for matcher in selector.matchers:
-                    body = _filter(body, matcher)
-                found = body, self.interval(name)
+                found = self.definition(name, selector.matchers), self.interval(name)
             else:
                 found = None
             if found is None:

@@ -79,6 +79,16 @@ def test_offset_reads_the_recorded_value_of_the_past(setup) -> None:
         np.testing.assert_allclose(past[labels][30:], values[:-30])
 
 
+def test_a_static_label_leaves_out_the_rules_that_cannot_match(setup) -> None:
+    """A record split over rules by a static label (shards, types) costs one rule when a selector
+    picks that label: the other rules are not computed and filtered away."""
+    _, expander = setup
+    picked = expander.expand('job:load:x{kind="a"}')
+    assert "sum by (node) (load)" in picked and "max by" not in picked
+    assert "max by" in expander.expand('job:load:x{kind=~"a|b"}')
+    assert expander.expand('job:load:x{kind="c"}') == "(vector(0) > 1)"
+
+
 def test_records_used_lists_dependencies_first(setup) -> None:
     _, expander = setup
     alert = next(r for r in expander.definitions["job:load:y"])
