@@ -20,6 +20,7 @@ SEVERITIES = ("critical", "warning", "info")
 GROUPS = ("xid", "evidence", "fusion", "lemon", "storage", "meta")
 RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
 MIN_SAMPLES_PER_WINDOW = 4
+GPU_SHARDS = (1, 2, 5, 10)  # divisors of 10: shards by the last digit of the GPU index
 
 _DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
 _UNITS = (86400, 3600, 60, 1)
@@ -136,6 +137,9 @@ def check(data: dict[str, Any]) -> list[str]:
     busy = d.get("busy_utilization")
     if not _number(busy) or not 0 <= busy <= 1:
         errors.append(f"defaults.busy_utilization: must be a number in 0..1, got {busy!r}")
+    if d.get("gpu_shards") not in GPU_SHARDS:
+        errors.append(f"defaults.gpu_shards: must be one of {', '.join(map(str, GPU_SHARDS))} (shards by the "
+                      f"last digit of the GPU index), got {d.get('gpu_shards')!r}")
     if not isinstance(d.get("gpus_per_node"), int) or d["gpus_per_node"] < 1:
         errors.append(f"defaults.gpus_per_node: must be a positive integer, got {d.get('gpus_per_node')!r}")
     for path, value in _leaves(d.get("selectors", {}), "defaults.selectors"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -110,6 +111,7 @@ def test_catalogue_errors_are_all_listed_without_traceback(tmp_path, capsys):
             "fusion": {"weights": {"nvlink_errors": 0.9}},        # alone above the threshold
             "xid": {"classes": {"drain_reboot": [79, 48], "reboot_now": [13]}},
             "for": {"GPUHealthExporterDown": "soon"},
+            "gpu_shards": 4,
         },
         "alerts": {"GPUHealthLemonNode": {"action": "shoot"}},
     }))
@@ -126,6 +128,7 @@ def test_catalogue_errors_are_all_listed_without_traceback(tmp_path, capsys):
         "defaults.xid.classes.reboot_now: unknown key",
         "defaults.for.GPUHealthExporterDown: not a duration: 'soon'",
         "alerts.GPUHealthLemonNode.action: must be one of",
+        "defaults.gpu_shards: must be one of 1, 2, 5, 10",
     ):
         assert expected in err, f"missing {expected!r} in:\n{err}"
     assert not (tmp_path / "out").exists()
@@ -144,10 +147,28 @@ def _leaves(node: Any, path: tuple[str, ...] = ()):
         yield path, node
 
 
+@pytest.mark.parametrize("shards", [1, 2, 5, 10])
+def test_gpu_shards_cover_every_gpu_once(shards):
+    """The peer class is split into `gpu_shards` groups by GPU index: any index, on nodes of any size,
+    is in exactly one of them, or a GPU would have no peers or two peer classes."""
+    rendered = yaml.safe_load(render_all(catalogue.resolve({"defaults": {"gpu_shards": shards}}))
+                              ["gpuhealth/evidence.yml"])
+    peer_rules = [rule for group in rendered["groups"] for rule in group["rules"]
+                  if rule.get("record") == "gpuhealth:gpu_peer_class:info"]
+    assert len({group["name"] for group in rendered["groups"] if group["name"].startswith("gpuhealth-peers")}) \
+        == len(peer_rules) == shards
+    patterns = [re.compile(m.group(1)) if (m := re.search(r'gpu=~"([^"]+)"', rule["expr"])) else re.compile(".*")
+                for rule in peer_rules]
+    for index in range(128):
+        assert sum(bool(p.fullmatch(str(index))) for p in patterns) == 1, index
+
+
 def _changed(value: Any, key: str) -> Any:
     """A different, still valid value for a knob."""
     if isinstance(value, list):
         return value[:-1] if len(value) > 1 else ([value[0] + 1] if isinstance(value[0], int) else [])
+    if key == "gpu_shards":
+        return 2 if value != 2 else 5
     if isinstance(value, int):
         return value - 1 if key == "low" else value + 1
     if isinstance(value, float):
