@@ -111,16 +111,18 @@ def cpu_per_group(prometheus: PrometheusServer, rule_files: list[str], repeats: 
         print(f"  {cost:8.3f}  {name}")
 
 
+def _per_group(api, expr: str) -> dict[str, float]:
+    """``expr``'s value by rule group name (the file path prefix of ``rule_group`` dropped)."""
+    return {r["metric"]["rule_group"].split(";")[-1]: float(r["value"][1]) for r in api.query(expr)}
+
+
 def report(api, args: argparse.Namespace, gpus: int) -> int:
     window = f"{int(args.minutes * 60)}s"
-    last = {r["metric"]["rule_group"].split(";")[-1]: float(r["value"][1])
-            for r in api.query("prometheus_rule_group_last_duration_seconds")}
-    worst = {r["metric"]["rule_group"].split(";")[-1]: float(r["value"][1])
-             for r in api.query(f"max_over_time(prometheus_rule_group_last_duration_seconds[{window}])")}
-    median = {r["metric"]["rule_group"].split(";")[-1]: float(r["value"][1])
-              for r in api.query(f"quantile_over_time(0.5, prometheus_rule_group_last_duration_seconds[{window}])")}
-    samples = {r["metric"]["rule_group"].split(";")[-1]: float(r["value"][1])
-               for r in api.query("prometheus_rule_group_last_evaluation_samples")}
+    duration = "prometheus_rule_group_last_duration_seconds"
+    last = _per_group(api, duration)
+    worst = _per_group(api, f"max_over_time({duration}[{window}])")
+    median = _per_group(api, f"quantile_over_time(0.5, {duration}[{window}])")
+    samples = _per_group(api, "prometheus_rule_group_last_evaluation_samples")
     recorded = {r["metric"]["__name__"]: float(r["value"][1])
                 for r in api.query('count by (__name__) ({__name__=~"gpuhealth:.+"})')}
     head = _value(api, "prometheus_tsdb_head_series")
@@ -156,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=4, help="minutes of scraping and evaluation")
     parser.add_argument("--scrape-interval", default="15s", help="scrape interval (default 15s)")
     parser.add_argument("--top", type=int, default=8, help="slowest rules to list (default 8)")
-    parser.add_argument("--repeats", type=int, default=5, help="evaluations per group for the CPU figure (default 5)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="evaluations per group for the CPU figure (default 5)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     return run(args)
