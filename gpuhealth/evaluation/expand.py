@@ -86,7 +86,7 @@ class Expander:
         if name in self.broken:
             return _EMPTY
         parts = []
-        for rule, body in zip(self.definitions[name], self._bodies(name)):
+        for rule, body in zip(self.definitions[name], self._bodies(name), strict=True):
             static = dict(rule.labels)
             if any(m.label in static and not m.matches(static) for m in matchers):
                 continue

@@ -155,10 +155,10 @@ def test_gpu_shards_cover_every_gpu_once(shards):
                               ["gpuhealth/evidence.yml"])
     peer_rules = [rule for group in rendered["groups"] for rule in group["rules"]
                   if rule.get("record") == "gpuhealth:gpu_peer_class:info"]
-    assert len({group["name"] for group in rendered["groups"] if group["name"].startswith("gpuhealth-peers")}) \
-        == len(peer_rules) == shards
-    patterns = [re.compile(m.group(1)) if (m := re.search(r'gpu=~"([^"]+)"', rule["expr"])) else re.compile(".*")
-                for rule in peer_rules]
+    peer_groups = {g["name"] for g in rendered["groups"] if g["name"].startswith("gpuhealth-peers")}
+    assert len(peer_groups) == len(peer_rules) == shards
+    matchers = [re.search(r'gpu=~"([^"]+)"', rule["expr"]) for rule in peer_rules]
+    patterns = [re.compile(m.group(1) if m else ".*") for m in matchers]
     for index in range(128):
         assert sum(bool(p.fullmatch(str(index))) for p in patterns) == 1, index
 
