@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 DEFAULT_PORT = 9836
+# Weakest first: the cooldown holds back only an action at least as strong as the last one.
 ACTIONS = ("none", "restart_job", "drain", "drain_reset_gpu", "drain_reboot", "replace")
 
 
@@ -68,6 +69,8 @@ class PolicyConfig:
 class GuardrailConfig:
     breaker_max_nodes: int = 2
     breaker_max_fraction: float = 0.05
+    requeue_breaker_max_nodes: int = 5  # restart_job on more nodes than this in the window trips it
+    requeue_breaker_window_seconds: float = 600.0
     node_cooldown_seconds: float = 3600.0
     rate_limit_actions: int = 10
     rate_limit_window_seconds: float = 600.0
@@ -234,13 +237,18 @@ def _policy(top: _Section, errors: list[str]) -> PolicyConfig:
 def _guardrails(top: _Section, errors: list[str]) -> GuardrailConfig:
     d = GuardrailConfig()
     sec = _Section(top.data.get("guardrails"), "guardrails", errors, {
-        "breaker_max_nodes", "breaker_max_fraction", "node_cooldown_seconds", "rate_limit_actions",
+        "breaker_max_nodes", "breaker_max_fraction", "requeue_breaker_max_nodes",
+        "requeue_breaker_window_seconds", "node_cooldown_seconds", "rate_limit_actions",
         "rate_limit_window_seconds", "allow_nodes", "deny_nodes", "require_approval"})
     return GuardrailConfig(
         breaker_max_nodes=sec.get("breaker_max_nodes", int, d.breaker_max_nodes, _non_negative,
                                   "an integer >= 0"),
         breaker_max_fraction=sec.get("breaker_max_fraction", float, d.breaker_max_fraction,
                                      lambda v: 0 <= v <= 1, "a fraction 0..1"),
+        requeue_breaker_max_nodes=sec.get("requeue_breaker_max_nodes", int, d.requeue_breaker_max_nodes,
+                                          _positive, "an integer > 0"),
+        requeue_breaker_window_seconds=sec.get("requeue_breaker_window_seconds", float,
+                                               d.requeue_breaker_window_seconds, _positive, "seconds > 0"),
         node_cooldown_seconds=sec.get("node_cooldown_seconds", float, d.node_cooldown_seconds, _non_negative,
                                       "seconds >= 0"),
         rate_limit_actions=sec.get("rate_limit_actions", int, d.rate_limit_actions, _positive,

@@ -8,18 +8,19 @@ idempotent, so a step interrupted by a crash is safely sent again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import fnmatch
 import logging
 import math
-import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gpuhealth.webhook.backends.base import Backend, BackendError, NodeState
-from gpuhealth.webhook.config import Config
+from gpuhealth.webhook.config import ACTIONS, Config
 from gpuhealth.webhook.journal import (
-    ACTIVE_STATES,
     BREAKER,
     CANCELLED,
     DONE,
@@ -32,7 +33,9 @@ from gpuhealth.webhook.journal import (
     Action,
     AsyncJournal,
     JobRecord,
+    JournalUnwritable,
 )
+from gpuhealth.webhook.labels import label_problem
 from gpuhealth.webhook.metrics import Metrics
 from gpuhealth.webhook.outcomes import Outcome, Reason
 from gpuhealth.webhook.policy import STEPS, drain_reason, is_ours
@@ -40,9 +43,9 @@ from gpuhealth.webhook.policy import STEPS, drain_reason, is_ours
 log = logging.getLogger(__name__)
 
 ACTING_DRAINS = (*DRAINING_KINDS, "replace")
-# One node name: Slurm reads "gpu[01-64]", "a,b" or "ALL" as many nodes, and a label must never widen
-# what one alert acts on.
-NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+# Steps that change the node itself: ownership is checked again right before each, since an operator
+# may have drained (or resumed) the node while the action waited.
+NODE_CHANGING = ("drain", "reset_gpu", "reboot", "resume")
 FINAL_STATE = {Outcome.DONE: DONE, Outcome.DRY_RUN: DONE, Outcome.FAILED: FAILED,
                Outcome.CANCELLED: CANCELLED}  # anything else ends SKIPPED
 
@@ -78,6 +81,7 @@ class Engine:
         self.db = journal.sync
         self.metrics = metrics
         self._admission = asyncio.Lock()  # one admission at a time: the breaker count stays exact
+        self._unsaved: dict[int, tuple[Callable[..., object], tuple[object, ...]]] = {}
 
     async def breaker(self) -> dict[str, Any]:
         return await self.journal.call(self.db.get_meta, BREAKER) or {"open": False}
@@ -85,14 +89,30 @@ class Engine:
     async def reset_breaker(self, by: str) -> dict[str, Any]:
         """Close the breaker; undrains it skipped run again, since their nodes are still out."""
         state = {"open": False, "since": time.time(), "reason": f"reset by {by}"}
-        rearmed = await self.journal.call(self.db.reset_breaker, state, by)
+        rearmed = await self.journal.write(self.db.reset_breaker, state, by)
         self.metrics.breaker_open.set(0)
         log.warning("event=breaker_reset by=%s undrains_rearmed=%d", by, len(rearmed))
         return state
 
     async def run(self, action: Action) -> None:
-        """Carry ``action`` forward as far as it can go now; every outcome lands in the journal."""
+        """Carry ``action`` forward as far as it can go now; every outcome lands in the journal.
+
+        While the journal cannot be written nothing moves: the write that followed a side effect is
+        kept here and lands first, so no step is ever sent again for want of its record.
+        """
+        with contextlib.suppress(JournalUnwritable):  # logged once by the journal; the worker backs off
+            await self._run(action)
+
+    async def _run(self, action: Action) -> None:
         try:
+            if action.id in self._unsaved:
+                fn, args = self._unsaved[action.id]
+                await self.journal.write(fn, *args)
+                del self._unsaved[action.id]
+                refreshed = await self.journal.call(self.db.get, action.id)
+                if refreshed is None or refreshed.state not in (PENDING, RUNNING):
+                    return
+                action = refreshed
             if action.state == PENDING:
                 async with self._admission:
                     verdict = await self._admit(action)
@@ -104,6 +124,8 @@ class Engine:
                     return
                 action = refreshed
             await self._steps(action)
+        except JournalUnwritable:
+            raise
         except Halt as halt:
             await self._conclude(action, halt.verdict)
         except BackendError as exc:
@@ -112,16 +134,22 @@ class Engine:
             log.exception("event=action_error id=%s kind=%s node=%s", action.id, action.kind, action.node)
             await self._backend_failed(action, f"internal error: {exc!r}", True)
 
+    async def _after_effect(self, a: Action, fn: Callable[..., object], *args: object) -> None:
+        """Journal what a side effect did; if the journal refuses, keep the write to land first."""
+        try:
+            await self.journal.write(fn, *args)
+        except JournalUnwritable:
+            self._unsaved[a.id] = (fn, copy.deepcopy(args))
+            raise
+
     # -- admission ---------------------------------------------------------------------------
 
     async def _admit(self, a: Action) -> Verdict | None:
         if a.kind == "none":
             return Verdict(Outcome.DONE, Reason.RECORD_ONLY, "recorded only (action none)")
-        if not a.node:
-            return Verdict(Outcome.SKIPPED, Reason.NO_NODE, "the alert has no node label")
-        if not NODE_NAME.fullmatch(a.node):
-            return Verdict(Outcome.SKIPPED, Reason.INVALID_NODE,
-                           f"node label {a.node[:80]!r} is not one node name")
+        problem = label_problem(a.node, a.gpu, a.alertname)  # journaled before the check existed
+        if problem is not None:
+            return Verdict(Outcome.SKIPPED, *problem)
         verdict = await (self._admit_undrain(a) if a.kind == UNDRAIN else self._admit_action(a))
         if verdict is not None:
             return verdict
@@ -130,7 +158,7 @@ class Engine:
         reserve = None
         if a.kind in ACTING_DRAINS:
             reserve = (a.node, self._reason(a), a.kind == "replace")
-        started = await self.journal.call(self.db.start, a.id, reserve)
+        started = await self.journal.write(self.db.start, a.id, reserve)
         if started:
             log.info("event=action_started id=%s kind=%s node=%s gpu=%s alertname=%s plan=%r", a.id, a.kind,
                      a.node, a.gpu, a.alertname, self._plan(a))
@@ -165,10 +193,13 @@ class Engine:
             if a.kind == "drain" and drained_by_us:
                 return Verdict(Outcome.SKIPPED, Reason.ALREADY_DRAINED, f"{a.node} is already drained by us")
         now = time.time()
-        last = await self.journal.call(self.db.last_acted_at, a.node, a.id)
+        # Only as strong an action counts (ACTIONS runs weakest first): a drain after a requeue, or a
+        # reboot after a drain, is an escalation the cooldown must not hold back.
+        last = await self.journal.call(self.db.last_acted_at, a.node, a.id, ACTIONS[ACTIONS.index(a.kind):])
         if last is not None and now - last < g.node_cooldown_seconds:
-            return Verdict(Outcome.SKIPPED, Reason.COOLDOWN, f"{a.node} was acted on {now - last:.0f}s ago "
-                                                             f"(cooldown {g.node_cooldown_seconds:.0f}s)")
+            return Verdict(Outcome.DEFERRED, Reason.COOLDOWN,
+                           f"{a.node} was acted on {now - last:.0f}s ago (cooldown "
+                           f"{g.node_cooldown_seconds:.0f}s)", last + g.node_cooldown_seconds)
         if self.config.dry_run:
             return None
         window = g.rate_limit_window_seconds
@@ -180,45 +211,41 @@ class Engine:
                            retry_at)
         if a.kind in ACTING_DRAINS and not drained_by_us:
             return await self._check_breaker(a)
+        if a.kind == "restart_job":
+            return await self._check_requeue_cap(a)
         return None
 
     async def _check_breaker(self, a: Action) -> Verdict | None:
+        """Count what we drained, from the journal: a backend that cannot see drains (or a human who
+        resumed a node while its alert still fires) must not let a storm through."""
         g = self.config.guardrails
         fleet = await self.backend.fleet_size()
         cap = min(g.breaker_max_nodes, max(1, math.floor(g.breaker_max_fraction * fleet)))
-        recorded = set(await self.journal.call(self.db.drained))
-        if len(recorded - {a.node}) + 1 <= cap:
-            return None  # within the cap even before pruning stale records: no cluster calls needed
-        ours = await self.drained_by_us()
+        ours = set(await self.journal.call(self.db.drained))
         would_be = len(ours - {a.node}) + 1
         if would_be <= cap:
             return None
-        reason = (f"draining {a.node} would make {would_be} nodes drained by gpuhealth; cap is {cap} "
-                  f"(breaker_max_nodes {g.breaker_max_nodes}, breaker_max_fraction "
-                  f"{g.breaker_max_fraction:g} of {fleet} nodes)")
-        state = {"open": True, "since": time.time(), "reason": reason}
-        await self.journal.call(self.db.set_meta, BREAKER, state)
-        self.metrics.breaker_open.set(1)
-        log.error("event=breaker_tripped node=%s drained_by_us=%d cap=%d fleet=%d", a.node, len(ours), cap,
-                  fleet)
-        return Verdict(Outcome.SKIPPED, Reason.BREAKER_OPEN, f"circuit breaker tripped: {reason}")
+        return await self._trip(a, f"draining {a.node} would make {would_be} nodes drained by gpuhealth; cap "
+                                   f"is {cap} (breaker_max_nodes {g.breaker_max_nodes}, breaker_max_fraction "
+                                   f"{g.breaker_max_fraction:g} of {fleet} nodes)")
 
-    async def drained_by_us(self) -> set[str]:
-        """Our drain records, pruned of nodes a human resumed or re-drained since."""
-        entries = await self.journal.call(self.db.drained)
-        ours = set()
-        for node, entry in entries.items():
-            owner = await self.journal.call(self.db.get, entry["action_id"])
-            if owner is not None and owner.state in ACTIVE_STATES:
-                ours.add(node)  # reserved by an action still under way
-                continue
-            state = await self.backend.node_state(node)
-            if state.drained and is_ours(state.reason):
-                ours.add(node)
-            else:
-                await self.journal.call(self.db.remove_drained, node)
-        self.metrics.nodes_drained.set(len(ours))
-        return ours
+    async def _check_requeue_cap(self, a: Action) -> Verdict | None:
+        """Requeueing moves work without draining, so it has its own cap: nodes in a window."""
+        g = self.config.guardrails
+        since = time.time() - g.requeue_breaker_window_seconds
+        nodes = await self.journal.call(self.db.nodes_started, "restart_job", since, a.node)
+        if nodes + 1 <= g.requeue_breaker_max_nodes:
+            return None
+        return await self._trip(a, f"requeueing on {a.node} would make {nodes + 1} nodes whose jobs "
+                                   f"gpuhealth requeued in {g.requeue_breaker_window_seconds:.0f}s; cap is "
+                                   f"{g.requeue_breaker_max_nodes} (requeue_breaker_max_nodes)")
+
+    async def _trip(self, a: Action, reason: str) -> Verdict:
+        state = {"open": True, "since": time.time(), "reason": reason}
+        await self.journal.write(self.db.set_meta, BREAKER, state)
+        self.metrics.breaker_open.set(1)
+        log.error("event=breaker_tripped id=%s kind=%s node=%s reason=%r", a.id, a.kind, a.node, reason)
+        return Verdict(Outcome.SKIPPED, Reason.BREAKER_OPEN, f"circuit breaker tripped: {reason}")
 
     async def _admit_undrain(self, a: Action) -> Verdict | None:
         entry = (await self.journal.call(self.db.drained)).get(a.node)
@@ -233,12 +260,25 @@ class Engine:
         if (await self.breaker())["open"]:
             return Verdict(Outcome.SKIPPED, Reason.BREAKER_OPEN, "the circuit breaker is open")
         state = await self._state(a.node)
-        if state is not None and not state.drained:
+        return None if state is None else self._ownership(a, state, "resume")
+
+    @staticmethod
+    def _ownership(a: Action, state: NodeState, step: str) -> Verdict | None:
+        """None when ``step`` may change the node now: it is ours to drain, or drained by us."""
+        if not state.exists:
+            return Verdict(Outcome.SKIPPED, Reason.UNKNOWN_NODE, f"the cluster has no node {a.node}",
+                           drop_drained=True)
+        if state.drained and not is_ours(state.reason):
+            return Verdict(Outcome.SKIPPED, Reason.DRAINED_BY_OTHER,
+                           f"{a.node} was drained by someone else before {step}: {state.reason!r}",
+                           drop_drained=True)
+        if step == "resume" and not state.drained:
             return Verdict(Outcome.DONE, Reason.ALREADY_RESUMED, f"{a.node} is already back in service",
                            drop_drained=True)
-        if state is not None and not is_ours(state.reason):
-            return Verdict(Outcome.SKIPPED, Reason.DRAINED_BY_OTHER,
-                           f"{a.node} was drained again by someone else: {state.reason!r}", drop_drained=True)
+        if step in ("reset_gpu", "reboot") and not state.drained:
+            return Verdict(Outcome.SKIPPED, Reason.NOT_DRAINED_BY_US,
+                           f"{a.node} was put back in service by someone else before {step}",
+                           drop_drained=True)
         return None
 
     # -- steps -------------------------------------------------------------------------------
@@ -251,17 +291,24 @@ class Engine:
                 continue
             await getattr(self, f"_step_{step}")(a, progress)
             done.append(step)
-            await self.journal.call(self.db.save_progress, a.id, progress)
+            await self._after_effect(a, self.db.save_progress, a.id, progress)
         summary = self._summary(a, progress)
         await self._conclude(a, Verdict(Outcome.DONE, Reason.OK, summary, drop_drained=a.kind == UNDRAIN))
 
+    async def _readmit(self, a: Action, step: str) -> None:
+        """Re-admission right before a step that changes the node: an operator's drain always wins."""
+        verdict = self._ownership(a, await self.backend.node_state(a.node), step)
+        if verdict is not None:
+            raise Halt(verdict)
+
     async def _step_drain(self, a: Action, progress: dict[str, Any]) -> None:
+        await self._readmit(a, "drain")
         await self.backend.drain(a.node, self._reason(a))
 
     async def _step_requeue(self, a: Action, progress: dict[str, Any]) -> None:
         if "jobs" not in progress:
             progress["jobs"] = sorted(await self.backend.jobs_on_node(a.node))
-            await self.journal.call(self.db.save_progress, a.id, progress)
+            await self.journal.write(self.db.save_progress, a.id, progress)
         retry = self.config.retry
         handled = progress.setdefault("requeued", []), progress.setdefault("exhausted", [])
         for job_id in progress["jobs"]:
@@ -271,7 +318,7 @@ class Engine:
             if job.attempts >= retry.job_max_attempts:
                 handled[1].append(job_id)
                 job.exhausted = True
-                await self.journal.call(self.db.job_requeued, a.id, progress, job)
+                await self.journal.write(self.db.job_requeued, a.id, progress, job)
                 log.warning("event=job_retry_exhausted job=%s attempts=%d nodes=%s", job_id, job.attempts,
                             ",".join([*job.excluded, a.node]))
                 continue
@@ -282,15 +329,17 @@ class Engine:
             excluded = sorted({*job.excluded, a.node})
             await self.backend.requeue(job_id, excluded)
             handled[0].append(job_id)
-            await self.journal.call(self.db.job_requeued, a.id, progress,
-                                    JobRecord(job_id, job.attempts + 1, time.time(), excluded, False, a.node))
+            record = JobRecord(job_id, job.attempts + 1, time.time(), excluded, False, a.node)
+            await self._after_effect(a, self.db.job_requeued, a.id, progress, record)
             log.info("event=job_requeued job=%s attempt=%d exclude=%s", job_id, job.attempts + 1,
                      ",".join(excluded))
 
     async def _step_reset_gpu(self, a: Action, progress: dict[str, Any]) -> None:
+        await self._readmit(a, "reset_gpu")
         await self.backend.reset_gpu(a.node, a.gpu or None, self._reason(a))
 
     async def _step_reboot(self, a: Action, progress: dict[str, Any]) -> None:
+        await self._readmit(a, "reboot")
         await self.backend.reboot(a.node, self._reason(a))
 
     async def _step_resume(self, a: Action, progress: dict[str, Any]) -> None:
@@ -299,14 +348,15 @@ class Engine:
             ok, output = await self._health_check(a.node)
             if not ok:
                 progress["health_checks_failed"] = progress.get("health_checks_failed", 0) + 1
-                await self.journal.call(self.db.save_progress, a.id, progress)
+                await self.journal.write(self.db.save_progress, a.id, progress)
                 if progress["health_checks_failed"] >= cfg.health_check_max_attempts:
-                    await self.journal.call(self.db.keep_drained, a.node)
+                    await self.journal.write(self.db.keep_drained, a.node)
                     raise Halt(Verdict(Outcome.SKIPPED, Reason.HEALTH_CHECK_FAILED,
                                        f"health check failed, node left drained: {output}"))
                 retry_at = time.time() + cfg.health_check_retry_seconds
                 raise Halt(Verdict(Outcome.DEFERRED, Reason.HEALTH_CHECK_FAILED,
                                    f"health check failed: {output}", retry_at))
+        await self._readmit(a, "resume")  # after the health check, which may take minutes
         await self.backend.resume(a.node)
 
     async def _health_check(self, node: str) -> tuple[bool, str]:
@@ -349,7 +399,7 @@ class Engine:
         else:
             fields |= {"drop_drained": a.node if v.drop_drained else None}
             state = FINAL_STATE.get(v.outcome, SKIPPED)
-        if not await self.journal.call(self.db.update, a.id, state, expect=a.state, **fields):
+        if not await self.journal.write(self.db.update, a.id, state, expect=a.state, **fields):
             log.info("event=action_changed_meanwhile id=%s kind=%s node=%s verdict=%s", a.id, a.kind, a.node,
                      v.reason.value)
             return

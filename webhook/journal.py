@@ -12,6 +12,7 @@ import asyncio
 import collections
 import concurrent.futures
 import json
+import logging
 import sqlite3
 import time
 from collections.abc import Callable, Iterable
@@ -20,9 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gpuhealth.webhook.labels import clean_text, journaled
 from gpuhealth.webhook.models import Alert, Notification
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
+JOURNAL_ERRORS = (sqlite3.Error, OSError)  # what a full, read-only or failing disk raises
+
+
+class JournalUnwritable(Exception):
+    """The journal refused a write; whatever depends on it must wait, never run twice."""
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS notifications (
@@ -106,10 +114,15 @@ class Action:
 
 @dataclass
 class Decision:
-    """What the policy chose for one firing alert, before any guardrail looked at it."""
+    """What the policy chose for one firing alert, before any guardrail looked at it.
+
+    ``problem`` (reason, detail): a value the action would use is outside its grammar, so the action
+    is journaled already skipped, with that value quoted, never passed on.
+    """
 
     kind: str
     needs_approval: bool
+    problem: tuple[str, str] | None = None
 
 
 @dataclass
@@ -119,6 +132,7 @@ class RecordResult:
     duplicates: int = 0
     resolved: int = 0
     cancelled: list[str] = field(default_factory=list)  # kinds of actions the resolution made moot
+    refused: list[tuple[str, str]] = field(default_factory=list)  # (kind, reason) skipped at intake
 
 
 @dataclass
@@ -168,25 +182,43 @@ class Journal:
         self.db.execute("INSERT INTO transitions (action_id, at, state, reason, detail) VALUES (?,?,?,?,?)",
                         (action_id, now, state, reason, detail))
 
-    def _insert_action(self, alert: Alert, kind: str, state: str, reason: str, now: float) -> int | None:
+    def _insert_action(self, alert: Alert, kind: str, state: str, reason: str, now: float,
+                       detail: str = "") -> int | None:
+        finished = state == SKIPPED  # refused at intake
         cur = self.db.execute(
             "INSERT OR IGNORE INTO actions (fingerprint, starts_at, kind, node, gpu, alertname, summary, "
-            "state, reason, next_at, received_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-            (*alert.key, kind, alert.node, alert.gpu, alert.alertname, alert.annotations.get("summary", ""),
-             state, reason, now, now, now))
+            "state, outcome, reason, detail, next_at, received_at, finished_at, updated_at) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (*alert.key, kind, *journaled(alert.node, alert.gpu, alert.alertname),
+             clean_text(alert.annotations.get("summary", "")), state,
+             SKIPPED if finished else "", reason, detail, now, now, now if finished else None, now))
         if not cur.rowcount:
             return None
-        self._transition(cur.lastrowid, state, reason, "", now)
+        self._transition(cur.lastrowid, state, reason, detail, now)
         return cur.lastrowid
 
-    def record(self, batch: list[tuple[Notification, dict[tuple[str, str], Decision]]]) -> list[RecordResult]:
+    def record(self, batch: list[tuple[Notification, dict[tuple[str, str], Decision]]]
+               ) -> list[RecordResult | Exception]:
         """Journal notifications and the actions their new alerts call for, all in one transaction.
 
         Notifications that arrive together share one commit (and one fsync): group commit is what
         lets a storm be journaled faster than the disk can sync once per request.
         """
         now = time.time()
-        return self._tx(lambda: [self._record_one(n, d, now) for n, d in batch])
+        return self._tx(lambda: [self._isolated(n, d, now) for n, d in batch])
+
+    def _isolated(self, notification: Notification, decisions: dict[tuple[str, str], Decision],
+                  now: float) -> RecordResult | Exception:
+        """One notification of a group commit, in its own savepoint: one that cannot be stored (text
+        SQLite refuses) is rolled back alone and its exception returned; its neighbours commit."""
+        self.db.execute("SAVEPOINT notification")
+        try:
+            result: RecordResult | Exception = self._record_one(notification, decisions, now)
+        except (ValueError, sqlite3.DataError, sqlite3.IntegrityError) as exc:
+            self.db.execute("ROLLBACK TO notification")
+            result = exc
+        self.db.execute("RELEASE notification")
+        return result
 
     def _record_one(self, notification: Notification, decisions: dict[tuple[str, str], Decision],
                     now: float) -> RecordResult:
@@ -217,12 +249,18 @@ class Journal:
         if not self._insert_alert(alert, "firing", now, result.notification_id):
             result.duplicates += 1
             return
-        if decision is not None:
-            state = AWAITING_APPROVAL if decision.needs_approval else PENDING
-            action_id = self._insert_action(alert, decision.kind, state,
-                                            "approval_required" if decision.needs_approval else "", now)
-            if action_id is not None:
-                result.new_actions.append(action_id)
+        if decision is None:
+            return
+        if decision.problem is not None:
+            reason, detail = decision.problem
+            if self._insert_action(alert, decision.kind, SKIPPED, reason, now, detail) is not None:
+                result.refused.append((decision.kind, reason))
+            return
+        state = AWAITING_APPROVAL if decision.needs_approval else PENDING
+        action_id = self._insert_action(alert, decision.kind, state,
+                                        "approval_required" if decision.needs_approval else "", now)
+        if action_id is not None:
+            result.new_actions.append(action_id)
 
     def _record_resolved(self, alert: Alert, now: float, result: RecordResult) -> None:
         row = self.db.execute("SELECT status FROM alerts WHERE fingerprint = ? AND starts_at = ?",
@@ -374,13 +412,26 @@ class Journal:
         rows = self.db.execute("SELECT state, COUNT(*) FROM actions GROUP BY state").fetchall()
         return {state: 0 for state in STATES} | {r[0]: r[1] for r in rows}
 
-    def last_acted_at(self, node: str, exclude_id: int) -> float | None:
-        """When an action last started acting on ``node`` (for the cooldown).
+    def last_acted_at(self, node: str, exclude_id: int, kinds: Iterable[str]) -> float | None:
+        """When an action of ``kinds`` last started acting on ``node`` (for the cooldown), unless our own
+        undrain put the node back in service since: a fresh drain then is a new incident.
 
         Only admitted actions have a start time: dry runs and skips never count.
         """
-        row = self.db.execute("SELECT MAX(started_at) FROM actions WHERE node = ? AND id != ? AND kind "
-                              "NOT IN ('none', ?)", (node, exclude_id, UNDRAIN)).fetchone()
+        wanted = tuple(kinds)
+        row = self.db.execute(
+            f"SELECT MAX(started_at) FROM actions WHERE node = ? AND id != ? AND kind IN "
+            f"({', '.join('?' * len(wanted))})", (node, exclude_id, *wanted)).fetchone()
+        undrained = self.db.execute("SELECT MAX(finished_at) FROM actions WHERE node = ? AND kind = ? AND "
+                                    "state = ? AND reason = 'ok'", (node, UNDRAIN, DONE)).fetchone()
+        if row[0] is None or (undrained[0] is not None and undrained[0] >= row[0]):
+            return None
+        return row[0]
+
+    def nodes_started(self, kind: str, since: float, exclude_node: str) -> int:
+        """How many other nodes an action of ``kind`` started on since ``since``."""
+        row = self.db.execute("SELECT COUNT(DISTINCT node) FROM actions WHERE kind = ? AND started_at >= ? "
+                              "AND node != ?", (kind, since, exclude_node)).fetchone()
         return row[0]
 
     def rate_limited_until(self, since: float, limit: int, window: float) -> float | None:
@@ -492,6 +543,7 @@ class AsyncJournal:
         self._intake_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal-intake")
         self._intake = self._intake_executor.submit(Journal, path, busy_timeout).result()
         self.sync = self._executor.submit(Journal, path, busy_timeout, False).result()
+        self.write_error: str | None = None  # set while writes fail: /healthz answers 503
         self._waiting: collections.deque[tuple[Notification, dict[tuple[str, str], Decision],
                                                concurrent.futures.Future[RecordResult]]] = collections.deque()
 
@@ -517,17 +569,43 @@ class AsyncJournal:
         try:
             results = self._intake.record([(n, d) for n, d, _ in batch])
         except Exception as exc:
-            for (_, _, done), waiting in zip(batch, live, strict=True):
-                if waiting:
-                    done.set_exception(exc)
-            return
+            if isinstance(exc, JOURNAL_ERRORS):
+                self.failed(exc)
+            results = [exc] * len(batch)
+        else:
+            self.recovered()
         for (_, _, done), waiting, result in zip(batch, live, results, strict=True):
-            if waiting:
+            if not waiting:
+                continue
+            if isinstance(result, Exception):
+                done.set_exception(result)
+            else:
                 done.set_result(result)
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    async def write(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``call`` for a write: a failure marks the journal unwritable (``JournalUnwritable``), a
+        success marks it writable again."""
+        try:
+            result = await self.call(fn, *args, **kwargs)
+        except JOURNAL_ERRORS as exc:
+            self.failed(exc)
+            raise JournalUnwritable(str(exc)) from exc
+        self.recovered()
+        return result
+
+    def failed(self, exc: BaseException) -> None:
+        if self.write_error is None:
+            log.error("event=journal_unwritable error=%r (actions wait until it can be written)", exc)
+        self.write_error = str(exc) or type(exc).__name__
+
+    def recovered(self) -> None:
+        if self.write_error is not None:
+            log.warning("event=journal_writable_again after=%r", self.write_error)
+            self.write_error = None
 
     async def close(self) -> None:
         loop = asyncio.get_running_loop()

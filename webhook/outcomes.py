@@ -24,6 +24,7 @@ class Reason(StrEnum):
     DRY_RUN = "dry_run"
     NO_NODE = "no_node"  # the alert has no node label
     INVALID_NODE = "invalid_node"  # a label a scheduler would read as many nodes ("gpu[01-64]", "ALL,x")
+    INVALID_LABEL = "invalid_label"  # a gpu or alertname outside its grammar ("0;reboot", "all", "-h")
     NOT_ALLOWED = "not_allowed"  # not on the allow list
     DENIED = "denied"  # on the deny list
     UNKNOWN_NODE = "unknown_node"
@@ -45,11 +46,11 @@ class Reason(StrEnum):
 VALID: dict[Outcome, tuple[Reason, ...]] = {
     Outcome.DONE: (Reason.OK, Reason.RECORD_ONLY, Reason.ALREADY_RESUMED),
     Outcome.DRY_RUN: (Reason.DRY_RUN,),
-    Outcome.SKIPPED: (Reason.NO_NODE, Reason.INVALID_NODE, Reason.NOT_ALLOWED, Reason.DENIED,
-                      Reason.UNKNOWN_NODE, Reason.DRAINED_BY_OTHER, Reason.ALREADY_DRAINED, Reason.COOLDOWN,
+    Outcome.SKIPPED: (Reason.NO_NODE, Reason.INVALID_NODE, Reason.INVALID_LABEL, Reason.NOT_ALLOWED,
+                      Reason.DENIED, Reason.UNKNOWN_NODE, Reason.DRAINED_BY_OTHER, Reason.ALREADY_DRAINED,
                       Reason.BREAKER_OPEN, Reason.NOT_DRAINED_BY_US, Reason.STILL_FIRING,
                       Reason.LEFT_FOR_HUMAN, Reason.HEALTH_CHECK_FAILED),
-    Outcome.DEFERRED: (Reason.RATE_LIMITED, Reason.JOB_RETRY_INTERVAL, Reason.BACKEND_ERROR,
+    Outcome.DEFERRED: (Reason.COOLDOWN, Reason.RATE_LIMITED, Reason.JOB_RETRY_INTERVAL, Reason.BACKEND_ERROR,
                        Reason.HEALTH_CHECK_FAILED),
     Outcome.FAILED: (Reason.BACKEND_ERROR,),
     Outcome.CANCELLED: (Reason.RESOLVED, Reason.OPERATOR),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from gpuhealth.webhook.config import ACTIONS, Config
 from gpuhealth.webhook.journal import Decision
+from gpuhealth.webhook.labels import clean_text, label_problem
 from gpuhealth.webhook.models import Notification
 
 # The steps each action runs, in order; a restart resumes after the last finished step.
@@ -38,7 +39,8 @@ def decide(notification: Notification, config: Config) -> dict[tuple[str, str], 
     for alert in notification.alerts:
         if alert.status == "firing":
             kind = choose_action(alert.labels, config)
-            decisions[alert.key] = Decision(kind, kind in config.guardrails.require_approval)
+            problem = None if kind == "none" else label_problem(alert.node, alert.gpu, alert.alertname)
+            decisions[alert.key] = Decision(kind, kind in config.guardrails.require_approval, problem)
     return decisions
 
 
@@ -47,8 +49,7 @@ OURS = "gpuhealth:"
 
 def drain_reason(alert_name: str, summary: str) -> str:
     """The scheduler-visible reason; its prefix is how we recognise our own drains."""
-    text = f"{OURS} {alert_name or 'alert'}" + (f": {summary}" if summary else "")
-    return " ".join(text.split())[:200]
+    return clean_text(f"{OURS} {alert_name or 'alert'}" + (f": {summary}" if summary else ""))
 
 
 def is_ours(reason: str) -> bool:

@@ -32,8 +32,11 @@ def recorder(tmp_path):
 
 
 def make(tmp_path: Path, recorder: Path, commands: dict[str, list[str]], **extra) -> CommandBackend:
+    """A backend whose commands record their calls; ``node_state`` (required with node-changing
+    commands) defaults to one that is never called here."""
     env = {"SITE_RECORD": str(tmp_path / "calls.jsonl"), **extra.pop("env", {})}
-    section = {"commands": {op: [sys.executable, str(recorder), *args] for op, args in commands.items()},
+    section = {"commands": {"node_state": ["false"],
+                            **{op: [sys.executable, str(recorder), *args] for op, args in commands.items()}},
                "fleet_size": 8, "timeout_seconds": 10, "env": env, **extra}
     return CommandBackend.from_config(section)
 
@@ -100,7 +103,8 @@ async def test_timeout_kills_the_whole_process_group(tmp_path):
         "import subprocess, sys, time\n"
         f"child = subprocess.Popen(['sleep', '60'])\nopen({str(pidfile)!r}, 'w').write(str(child.pid))\n"
         "time.sleep(60)\n")
-    backend = CommandBackend.from_config({"commands": {"reboot": [sys.executable, str(script), "{node}"]},
+    backend = CommandBackend.from_config({"commands": {"reboot": [sys.executable, str(script), "{node}"],
+                                                       "node_state": ["false"]},
                                           "fleet_size": 4, "timeout_seconds": 1.5})
     started = time.monotonic()
     with pytest.raises(BackendError) as err:
@@ -122,15 +126,15 @@ def _proc_state(pid: int) -> str:
 
 
 async def test_missing_program_is_not_retryable(tmp_path):
-    backend = CommandBackend.from_config({"commands": {"drain": [str(tmp_path / "nope"), "{node}"]},
-                                          "fleet_size": 4})
+    backend = CommandBackend.from_config({"commands": {"drain": [str(tmp_path / "nope"), "{node}"],
+                                                       "node_state": ["false"]}, "fleet_size": 4})
     with pytest.raises(BackendError) as err:
         await backend.drain("gpu01", "gpuhealth: A: b")
     assert not err.value.retryable and "cannot run" in str(err.value)
 
 
 async def test_unconfigured_operations(tmp_path, recorder):
-    backend = make(tmp_path, recorder, {"drain": ["{node}"]})
+    backend = CommandBackend.from_config({"commands": {"requeue": ["true"]}, "fleet_size": 8})
     assert await backend.node_state("gpu01") == NodeState("gpu01", exists=True, drained=False)
     assert await backend.jobs_on_node("gpu01") == []
     assert await backend.fleet_size() == 8
@@ -189,8 +193,16 @@ def test_config_lists_every_problem_at_once():
         assert expected in message, expected
 
 
+def test_node_changing_commands_need_node_state():
+    """Without node_state an operator's drain is invisible: refused at start, not warned about."""
+    for op in ("drain", "resume", "reset_gpu", "reboot"):
+        with pytest.raises(ValueError, match=rf"node_state: required with {op}: without it a node an"):
+            CommandBackend.from_config({"commands": {op: ["true"]}, "fleet_size": 4})
+
+
 def test_registry_builds_the_command_backend(tmp_path):
-    backend = create_backend({"type": "command", "fleet_size": 3, "commands": {"drain": ["true"]}})
+    backend = create_backend({"type": "command", "fleet_size": 3,
+                              "commands": {"drain": ["true"], "node_state": ["true"]}})
     assert isinstance(backend, CommandBackend) and backend.name == "command"
 
 

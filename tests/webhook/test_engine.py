@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from conftest import alert, recorded, resolved
 from gpuhealth.webhook.backends.base import BackendError
 from gpuhealth.webhook.backends.simulated import SimulatedBackend
@@ -150,14 +151,22 @@ async def test_breaker_fraction_counts_against_the_fleet(webhook):
     assert len(hook.drained) == 2  # 12.5 % of 16 nodes
 
 
-async def test_nodes_a_human_resumed_no_longer_count_against_the_breaker(webhook):
+async def test_the_breaker_counts_our_drains_from_the_journal_until_their_alerts_resolve(webhook):
+    """What the cluster reports does not shrink the count: a node a human resumed while its alert
+    still fires stays counted, and leaves the count once the alert resolves."""
     hook = await webhook(guardrails={"breaker_max_nodes": 1})
-    await hook.post(alert("gpu01", action="drain"))
+    first = alert("gpu01", action="drain")
+    await hook.post(first)
     await hook.settle()
     await hook.backend.resume("gpu01")  # an operator put it back in service
     await hook.post(alert("gpu02", action="drain"))
-    actions = await hook.settle()
-    assert actions[-1]["reason"] == "ok" and set(hook.drained) == {"gpu02"}
+    assert (await hook.settle())[-1]["reason"] == "breaker_open"
+    await hook.call("POST", "/breaker/reset")
+    await hook.post(resolved(first))
+    undrain = (await hook.settle())[-1]
+    assert (undrain["kind"], undrain["reason"]) == ("undrain", "already_resumed")
+    await hook.post(alert("gpu03", action="drain"))
+    assert (await hook.settle())[-1]["reason"] == "ok" and set(hook.drained) == {"gpu03"}
 
 
 async def test_manual_approval(webhook):
@@ -181,15 +190,25 @@ async def test_manual_approval(webhook):
     assert "approved by token" in detail["transitions"][1]["detail"]
 
 
-async def test_node_cooldown(webhook):
+async def test_cooldown_defers_and_never_holds_back_an_escalation_or_a_redrain(webhook):
     hook = await webhook(guardrails={"node_cooldown_seconds": 3600})
     await hook.post(alert("gpu01", action="restart_job"))
-    await hook.settle()
-    await hook.post(alert("gpu01", action="drain"), alert("gpu02", action="restart_job"))
+    first = (await hook.settle())[0]
+    again = alert("gpu01", action="restart_job")
+    await hook.post(again, alert("gpu02", action="restart_job"))
     actions = await hook.settle()
-    assert [(a["node"], a["reason"]) for a in actions] == [("gpu01", "ok"), ("gpu01", "cooldown"),
-                                                            ("gpu02", "ok")]
-    assert hook.drained == {}
+    assert [(a["node"], a["state"], a["reason"]) for a in actions] == [
+        ("gpu01", "done", "ok"), ("gpu01", "pending", "cooldown"), ("gpu02", "done", "ok")]
+    assert actions[1]["next_at"] == pytest.approx(first["started_at"] + 3600)
+    await hook.post(resolved(again))  # resolved while it waited: it never runs
+    assert (await hook.settle())[1]["state"] == "cancelled"
+    drain = alert("gpu01", action="drain")  # stronger than a requeue: not held back
+    await hook.post(drain)
+    assert (await hook.settle())[-1]["reason"] == "ok" and "gpu01" in hook.drained
+    await hook.post(resolved(drain))
+    assert (await hook.settle())[-1]["kind"] == "undrain" and "gpu01" not in hook.drained
+    await hook.post(alert("gpu01", action="drain"))  # flapping after our own undrain: drained again
+    assert (await hook.settle())[-1]["reason"] == "ok" and "gpu01" in hook.drained
 
 
 async def test_global_rate_limit_defers_the_excess(webhook):

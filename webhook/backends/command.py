@@ -7,9 +7,9 @@ argument, so an alert's text can never become shell syntax. The same fields are 
 timeout is a ``BackendError`` carrying the tail of the program's stderr; the whole process group is
 killed on timeout, so a hung helper cannot leave children behind.
 
-Read-only operations have safe defaults when no command is set: ``node_state`` reports the node as
-existing and not drained (so drains by others cannot be seen: configure it if that matters),
-``jobs_on_node`` reports no jobs, ``fleet_size`` comes from the ``fleet_size`` number.
+Read-only operations have safe defaults when no command is set: ``jobs_on_node`` reports no jobs,
+``fleet_size`` comes from the ``fleet_size`` number. ``node_state`` is required as soon as a command
+changes nodes: without it an operator's drain could not be seen, and it would not win.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuhealth.webhook.backends.base import BackendError, NodeState
+from gpuhealth.webhook.labels import GPU, clean_text, shown, valid_node
 
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_CHARS = 2000
-# One node, never a list, range or option: Slurm reads "gpu[01-64]", "a,b" and "ALL" as many nodes,
-# and an alert's label must not widen what we act on.
-NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-REASON_ALERTNAME = re.compile(r"^gpuhealth: (?P<alertname>[^:]+):")
+REASON_ALERTNAME = re.compile(r"^gpuhealth: (?P<alertname>[A-Za-z_:][A-Za-z0-9_:]{0,199}?)(?:: |$)")
+# Operations that change a node: each needs node_state, to leave a node someone else drained alone.
+NODE_CHANGING = ("drain", "resume", "reset_gpu", "reboot")
 
 # The placeholders each operation may use; the environment carries the same fields.
 FIELDS: dict[str, frozenset[str]] = {
@@ -117,17 +117,28 @@ def environment(operation: str, fields: Mapping[str, str], extra: Mapping[str, s
 
 def check_node(node: str) -> str:
     """``node`` if it names exactly one node; a non-retryable ``BackendError`` otherwise."""
-    if not NODE_NAME.fullmatch(node) or node.upper() == "ALL":
-        raise BackendError(f"{node!r} is not a single node name", retryable=False)
+    if not valid_node(node):
+        raise BackendError(f"{shown(node)} is not a single node name", retryable=False)
     return node
 
 
+def check_gpu(gpu: str) -> str:
+    """``gpu`` if empty (the whole node) or one GPU's index or UUID; a non-retryable error otherwise."""
+    if gpu and not GPU.fullmatch(gpu):
+        raise BackendError(f"{shown(gpu)} is neither a GPU index nor a GPU-<uuid>", retryable=False)
+    return gpu
+
+
 def alert_fields(node: str, reason: str, gpu: str | None = None) -> dict[str, str]:
-    """The fields of an alert-driven operation; the alert name is read back from our reason format."""
+    """The fields of an alert-driven operation; the alert name is read back from our reason format.
+
+    The engine checked every value already; checking again here keeps a backend safe on its own.
+    """
+    reason = clean_text(reason)
     match = REASON_ALERTNAME.match(reason)
     fields = {"node": check_node(node), "reason": reason, "alertname": match["alertname"] if match else ""}
     if gpu is not None:
-        fields["gpu"] = gpu
+        fields["gpu"] = check_gpu(gpu)
     return fields
 
 
@@ -158,6 +169,10 @@ def _settings(section: Mapping[str, Any]) -> CommandSettings:
     fleet = section.get("fleet_size")
     if fleet is not None and (isinstance(fleet, bool) or not isinstance(fleet, int) or fleet < 1):
         errors.append("backend.fleet_size: an integer >= 1")
+    changing = sorted(op for op in NODE_CHANGING if op in commands)
+    if changing and "node_state" not in commands:
+        errors.append(f"backend.commands.node_state: required with {', '.join(changing)}: without it a node "
+                      "an operator drained cannot be told from one we may act on")
     if fleet is None and "fleet_size" not in commands:
         errors.append("backend: set fleet_size (the node count) or commands.fleet_size; the circuit "
                       "breaker needs the fleet size")
@@ -184,8 +199,6 @@ class CommandBackend:
 
     def __init__(self, settings: CommandSettings) -> None:
         self.settings = settings
-        if "node_state" not in settings.commands:
-            log.warning("event=command_no_node_state (drains set by others cannot be seen)")
 
     @classmethod
     def from_config(cls, section: Mapping[str, Any]) -> CommandBackend:

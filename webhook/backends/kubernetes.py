@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from ..labels import clean_text
 from .base import BackendError, NodeState
-from .command import FIELDS, alert_fields, environment, fill, run_argv, template_errors
+from .command import FIELDS, alert_fields, check_gpu, check_node, environment, fill, run_argv, template_errors
 from .kubernetes_api import PATCH_TYPES, KubeAPIError, KubeClient, KubeSession
 from .kubernetes_config import SERVICE_ACCOUNT_DIR, Connection, from_kubeconfig, in_cluster
 
@@ -188,13 +189,14 @@ class KubernetesBackend:
         if self.settings.node_actions == "command":
             await self._run_node_command("reset_gpu", alert_fields(node, reason, gpu or ""))
         else:
-            await self._request_node_action(node, "reset-gpu", gpu or "all", reason)
+            await self._request_node_action(check_node(node), "reset-gpu", check_gpu(gpu or "") or "all",
+                                            clean_text(reason))
 
     async def reboot(self, node: str, reason: str) -> None:
         if self.settings.node_actions == "command":
             await self._run_node_command("reboot", alert_fields(node, reason))
         else:
-            await self._request_node_action(node, "reboot", None, reason)
+            await self._request_node_action(check_node(node), "reboot", None, clean_text(reason))
 
     async def _run_node_command(self, operation: str, fields: Mapping[str, str]) -> None:
         """The site's own way to reach the machine (ssh, a BMC, a job), as the command backend runs it."""

@@ -23,7 +23,6 @@ from typing import Any
 
 from gpuhealth.webhook.backends.base import BackendError, NodeState
 from gpuhealth.webhook.backends.command import (
-    NODE_NAME,
     alert_fields,
     check_node,
     environment,
@@ -31,6 +30,7 @@ from gpuhealth.webhook.backends.command import (
     run_argv,
     template_errors,
 )
+from gpuhealth.webhook.labels import clean_text, valid_node
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +103,9 @@ def _settings(section: Mapping[str, Any]) -> SlurmSettings:
 
 
 def slurm_reason(reason: str) -> str:
-    """One line, at most ``MAX_REASON_CHARS``: Slurm stores the reason and prints it in every listing."""
-    line = " ".join(reason.split())
-    return line if len(line) <= MAX_REASON_CHARS else line[:MAX_REASON_CHARS - 3].rstrip() + "..."
+    """One clean line, at most ``MAX_REASON_CHARS``: Slurm stores the reason and prints it in every
+    listing, so no control character or terminal escape may reach it."""
+    return clean_text(reason, MAX_REASON_CHARS)
 
 
 def parse_node(node: str, line: str) -> NodeState:
@@ -157,7 +157,7 @@ class SlurmBackend:
             raise
 
     async def node_state(self, node: str) -> NodeState:
-        line = await self._show_node(node) if NODE_NAME.fullmatch(node) else None
+        line = await self._show_node(node) if valid_node(node) else None
         if line is None:
             return NodeState(node, exists=False, drained=False)
         return parse_node(node, line)

@@ -1,0 +1,73 @@
+"""The grammar of every alert value an action uses, and the cleaning of free text.
+
+A label reaches a scheduler's command line, a remote shell behind ``ssh`` or a Kubernetes
+annotation, so each is held to the narrowest grammar that still names what it must: one node, one
+GPU, one alert name. Nothing outside it is passed on, and nothing a shell could parse fits it.
+Free text (the summary) only ever goes into a reason or a log, cleaned of control characters and
+terminal escape sequences first.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+from gpuhealth.webhook.outcomes import Reason
+
+# One node name: Slurm reads "gpu[01-64]", "a,b" or "ALL" as many nodes, and a label must never widen
+# what one alert acts on. ASCII only (no look-alikes), no leading "-" (never an option).
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+HOSTLIST_WORDS = frozenset({"ALL"})  # names scontrol reads as every node, in any case
+# One GPU: its index as NVML numbers it, or its NVML UUID. Never a list ("0,1"), "all" or an option.
+_HEX = "[0-9a-fA-F]"
+GPU = re.compile(rf"[0-9]{{1,3}}|GPU-{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}")
+# Prometheus's metric (and alert) name grammar, bounded.
+ALERT_NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]{0,199}")
+SHOWN_CHARS = 80  # of an invalid value, quoted, in a reason or a log
+TEXT_CHARS = 200  # of cleaned free text
+# CSI (ESC [ ... final), OSC (ESC ] ... BEL or ESC \) and two-character escapes.
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x9b[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"
+                      r"|\x1b[@-_]?")
+
+
+def valid_node(node: str) -> bool:
+    return bool(NODE_NAME.fullmatch(node)) and node.upper() not in HOSTLIST_WORDS
+
+
+def shown(value: str) -> str:
+    """An untrusted value as a reason or a log may quote it: ASCII, escaped, bounded, one line."""
+    text = ascii(value[:SHOWN_CHARS])
+    return text + ("..." if len(value) > SHOWN_CHARS else "")
+
+
+def clean_text(text: str, limit: int = TEXT_CHARS) -> str:
+    """Free text for a reason or a log: no escape sequences, control, format or surrogate characters,
+    one line of single spaces, at most ``limit`` characters."""
+    text = _ESCAPES.sub(" ", text)
+    text = "".join(" " if unicodedata.category(c) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp") else c
+                   for c in text)
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
+
+
+def journaled(node: str, gpu: str, alertname: str) -> tuple[str, str, str]:
+    """The values as an action row keeps them: each valid one as it is, an invalid one quoted."""
+    def kept(value: str, ok: bool) -> str:
+        return value if ok or not value else shown(value)
+
+    return (kept(node, valid_node(node)), kept(gpu, bool(GPU.fullmatch(gpu))),
+            kept(alertname, bool(ALERT_NAME.fullmatch(alertname))))
+
+
+def label_problem(node: str, gpu: str, alertname: str) -> tuple[Reason, str] | None:
+    """Why an alert's values cannot be acted on, or None; ``node`` must be present and valid, ``gpu``
+    and ``alertname`` valid when present."""
+    if not node:
+        return Reason.NO_NODE, "the alert has no node label"
+    if not valid_node(node):
+        return Reason.INVALID_NODE, f"node label {shown(node)} is not one node name"
+    if gpu and not GPU.fullmatch(gpu):
+        return Reason.INVALID_LABEL, f"gpu label {shown(gpu)} is neither a GPU index nor a GPU-<uuid>"
+    if alertname and not ALERT_NAME.fullmatch(alertname):
+        return Reason.INVALID_LABEL, f"alertname {shown(alertname)} is not a Prometheus alert name"
+    return None
