@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sqlite3
 import time
 from datetime import datetime
@@ -25,9 +26,11 @@ from gpuhealth.webhook.journal import (
     ACTIVE_STATES,
     AWAITING_APPROVAL,
     CANCELLED,
+    JOURNAL_ERRORS,
     PENDING,
     STATES,
     AsyncJournal,
+    JournalUnwritable,
 )
 from gpuhealth.webhook.metrics import Metrics
 from gpuhealth.webhook.models import PayloadError, parse_notification
@@ -52,6 +55,22 @@ _TEMPLATES = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).pa
 
 def _json_error(status: type[web.HTTPException], message: str) -> web.HTTPException:
     return status(text=json.dumps({"error": message}), content_type="application/json")
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every failure answers JSON: a journal that cannot be written is a 503 (retry later), a bug a 500
+    without a traceback to the client."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except (JournalUnwritable, *JOURNAL_ERRORS) as exc:
+        log.error("event=journal_error path=%s error=%r", request.path, exc)
+        raise _json_error(web.HTTPServiceUnavailable, f"journal cannot be written now: {exc}") from None
+    except Exception:
+        log.exception("event=request_error path=%s", request.path)
+        raise _json_error(web.HTTPInternalServerError, "internal error (logged)") from None
 
 
 @web.middleware
@@ -90,13 +109,20 @@ async def post_alerts(request: web.Request) -> web.Response:
     decisions = decide(notification, request.app[CONFIG])
     try:
         result = await journal.record(notification, decisions)
-    except (sqlite3.Error, OSError) as exc:
+    except JOURNAL_ERRORS as exc:
         metrics.notifications.labels("journal_error").inc()
         log.error("event=journal_write_failed error=%r", exc)
         raise _json_error(web.HTTPServiceUnavailable, f"journal cannot be written: {exc}") from None
+    except ValueError as exc:  # this notification alone could not be stored; the others of its commit were
+        metrics.notifications.labels("malformed").inc()
+        log.warning("event=notification_rejected remote=%s error=%r", request.remote, str(exc)[:300])
+        raise _json_error(web.HTTPBadRequest, f"notification cannot be stored: {exc}") from None
     request.app[WORKER].wake()
     for kind in result.cancelled:
         metrics.action(kind, Outcome.CANCELLED, Reason.RESOLVED)
+    for action_id, kind, reason, detail in result.refused:
+        metrics.action(kind, Outcome.SKIPPED, Reason(reason))
+        log.warning("event=action_skipped id=%s kind=%s reason=%s detail=%r", action_id, kind, reason, detail)
     all_seen = bool(notification.alerts) and result.duplicates == len(notification.alerts)
     outcome = "duplicate" if all_seen else "accepted"
     metrics.notifications.labels(outcome).inc()
@@ -108,20 +134,22 @@ async def post_alerts(request: web.Request) -> web.Response:
                               "duplicates": result.duplicates, "resolved": result.resolved})
 
 
+UNIX_SECONDS = re.compile(r"[0-9]{1,12}(?:\.[0-9]{1,9})?")
+ACTION_ID = re.compile(r"[0-9]{1,18}")  # fits SQLite's 64-bit integer
+
+
 def _since(value: str | None) -> float | None:
     if value is None:
         return None
-    try:
+    if UNIX_SECONDS.fullmatch(value):
         return float(value)
-    except ValueError:
-        pass
     try:
         parsed = datetime.fromisoformat(value)
     except ValueError:
-        raise _json_error(web.HTTPBadRequest, f"since: {value!r} is neither unix seconds nor an RFC 3339 "
-                                              "time") from None
+        raise _json_error(web.HTTPBadRequest, f"since: {value[:40]!r} is neither unix seconds nor an "
+                                              "RFC 3339 time") from None
     if parsed.tzinfo is None:
-        raise _json_error(web.HTTPBadRequest, f"since: {value!r} needs a time zone")
+        raise _json_error(web.HTTPBadRequest, f"since: {value[:40]!r} needs a time zone")
     return parsed.timestamp()
 
 
@@ -131,7 +159,7 @@ async def get_actions(request: web.Request) -> web.Response:
     if state is not None and state not in STATES:
         raise _json_error(web.HTTPBadRequest, f"state: one of {', '.join(STATES)}")
     limit = query.get("limit", "500")
-    if not limit.isdigit() or not 0 < int(limit) <= 10000:
+    if not re.fullmatch(r"[0-9]{1,5}", limit) or not 0 < int(limit) <= 10000:
         raise _json_error(web.HTTPBadRequest, "limit: an integer 1..10000")
     journal = request.app[JOURNAL]
     since = _since(query.get("since"))
@@ -141,8 +169,8 @@ async def get_actions(request: web.Request) -> web.Response:
 
 def _action_id(request: web.Request) -> int:
     raw = request.match_info["id"]
-    if not raw.isdigit():
-        raise _json_error(web.HTTPNotFound, f"no action {raw!r}")
+    if not ACTION_ID.fullmatch(raw):
+        raise _json_error(web.HTTPNotFound, f"no action {raw[:40]!r}")
     return int(raw)
 
 
@@ -160,7 +188,7 @@ async def _move(request: web.Request, from_states: tuple[str, ...], to: str, ver
     journal = request.app[JOURNAL]
     action_id = _action_id(request)
     who = request.app[AUTH].who(request.headers.get("Authorization"))
-    moved = await journal.call(journal.sync.try_move, action_id, from_states, to,
+    moved = await journal.write(journal.sync.try_move, action_id, from_states, to,
                                "operator" if to == CANCELLED else "approved", f"{verb} by {who}", outcome)
     if moved is None:
         current = await journal.call(journal.sync.get, action_id)
@@ -231,6 +259,8 @@ async def healthz(request: web.Request) -> web.Response:
         await journal.call(journal.sync.counts)
     except sqlite3.Error as exc:
         raise _json_error(web.HTTPServiceUnavailable, f"journal: {exc}") from None
+    if journal.write_error is not None:
+        raise _json_error(web.HTTPServiceUnavailable, f"journal cannot be written: {journal.write_error}")
     if not request.app[WORKER].alive:
         raise _json_error(web.HTTPServiceUnavailable, "action worker stopped")
     return web.json_response({"ok": True})
@@ -252,7 +282,7 @@ async def status_page(request: web.Request) -> web.Response:
 
 def create_app(config: Config, *, backend: Backend | None = None) -> web.Application:
     """The webhook application; ``backend`` defaults to the one the config names."""
-    app = web.Application(middlewares=[_require_auth], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[_json_errors, _require_auth], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[BACKEND] = backend if backend is not None else create_backend(config.backend)
     app[AUTH] = Authenticator.from_config(config)

@@ -132,7 +132,8 @@ class RecordResult:
     duplicates: int = 0
     resolved: int = 0
     cancelled: list[str] = field(default_factory=list)  # kinds of actions the resolution made moot
-    refused: list[tuple[str, str]] = field(default_factory=list)  # (kind, reason) skipped at intake
+    refused: list[tuple[int, str, str, str]] = field(default_factory=list)  # skipped at intake:
+    # (action id, kind, reason, detail)
 
 
 @dataclass
@@ -253,8 +254,9 @@ class Journal:
             return
         if decision.problem is not None:
             reason, detail = decision.problem
-            if self._insert_action(alert, decision.kind, SKIPPED, reason, now, detail) is not None:
-                result.refused.append((decision.kind, reason))
+            action_id = self._insert_action(alert, decision.kind, SKIPPED, reason, now, detail)
+            if action_id is not None:
+                result.refused.append((action_id, decision.kind, reason, detail))
             return
         state = AWAITING_APPROVAL if decision.needs_approval else PENDING
         action_id = self._insert_action(alert, decision.kind, state,
@@ -520,6 +522,10 @@ class Journal:
             return held
 
         return self._tx(run)
+
+    def probe(self) -> None:
+        """A small write: does the journal take writes again?"""
+        self._tx(lambda: self.set_meta("probe", time.time()))
 
     def get_meta(self, key: str) -> Any:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

@@ -6,6 +6,7 @@ with a clear message (Alertmanager does not retry a 4xx) and never an exception 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -113,10 +114,20 @@ def _alert(raw: Any, where: str, problems: list[str]) -> Alert | None:
     return Alert(status, labels, annotations, starts_at, ends_at, fingerprint, generator)
 
 
+def _check_encodable(body: Any) -> None:
+    """JSON may escape lone surrogates (``"\\ud800"``) that no UTF-8 store or program can take."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise PayloadError("text that is not valid Unicode (a lone surrogate escape such as "
+                           "\\ud800)") from None
+
+
 def parse_notification(body: Any) -> Notification:
     """Validate decoded JSON; ``PayloadError`` lists the first problems found."""
     if not isinstance(body, dict):
         raise PayloadError("expected a JSON object (Alertmanager webhook payload)")
+    _check_encodable(body)
     problems: list[str] = []
     if body.get("version") != "4":
         problems.append(f"version: expected \"4\", got {body.get('version')!r:.40}")
@@ -132,8 +143,8 @@ def parse_notification(body: Any) -> Notification:
         truncated = 0
     raw_alerts = body.get("alerts")
     alerts: list[Alert] = []
-    if not isinstance(raw_alerts, list):
-        problems.append("alerts: expected a list")
+    if not isinstance(raw_alerts, list) or not raw_alerts:
+        problems.append("alerts: expected a non-empty list (Alertmanager sends at least one alert)")
     else:
         for i, raw in enumerate(raw_alerts):
             alert = _alert(raw, f"alerts[{i}]", problems)

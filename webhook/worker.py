@@ -14,13 +14,16 @@ import sqlite3
 import time
 
 from gpuhealth.webhook.engine import Engine
-from gpuhealth.webhook.journal import Action, AsyncJournal
+from gpuhealth.webhook.journal import Action, AsyncJournal, JournalUnwritable
 
 log = logging.getLogger(__name__)
 
 CONCURRENCY = 8
 IDLE_POLL_SECONDS = 5.0  # re-read the journal at least this often (clock jumps, manual edits)
 PRUNE_EVERY_SECONDS = 3600.0
+# While the journal refuses writes nothing is started; a probe write is tried this often, doubling.
+WRITE_RETRY_INITIAL_SECONDS = 0.5
+WRITE_RETRY_MAX_SECONDS = 30.0
 
 
 class Worker:
@@ -31,6 +34,9 @@ class Worker:
         self.retention_seconds = retention_seconds
         self.concurrency = concurrency
         self._pruned_at = 0.0
+        self._write_retry = WRITE_RETRY_INITIAL_SECONDS
+        self._write_retry_at = 0.0
+        self._write_failed_at = float("-inf")
         self._wake = asyncio.Event()
         self._busy: dict[str, asyncio.Task[None]] = {}
         self._loop_task: asyncio.Task[None] | None = None
@@ -66,6 +72,8 @@ class Worker:
             self._wake.clear()
             try:
                 timeout = await self._dispatch()
+            except JournalUnwritable:  # logged by the journal; _writable paces the next attempt
+                timeout = max(0.01, self._write_retry_at - time.monotonic())
             except sqlite3.Error as exc:  # a locked or failing journal: keep trying, never die
                 log.error("event=journal_read_failed error=%r", exc)
                 timeout = IDLE_POLL_SECONDS
@@ -75,12 +83,32 @@ class Worker:
                 async with asyncio.timeout(timeout):
                     await self._wake.wait()
 
+    async def _writable(self) -> bool:
+        """False while the journal refuses writes: nothing may start then, since what a step did could
+        not be recorded. One attempt (a probe write, then the due actions) per back-off period, which
+        doubles while failures go on, so a full disk costs neither a spin nor a flood of log lines."""
+        now = time.monotonic()
+        if self.journal.write_error is None:
+            if now - self._write_failed_at > WRITE_RETRY_MAX_SECONDS:
+                self._write_retry = WRITE_RETRY_INITIAL_SECONDS
+            return True
+        self._write_failed_at = now
+        if now < self._write_retry_at:
+            return False
+        self._write_retry_at = now + self._write_retry
+        self._write_retry = min(self._write_retry * 2, WRITE_RETRY_MAX_SECONDS)
+        with contextlib.suppress(JournalUnwritable):
+            await self.journal.write(self.journal.sync.probe)
+        return self.journal.write_error is None
+
     async def _dispatch(self) -> float:
         """Start what is due; return how long to sleep unless woken."""
         db = self.journal.sync
+        if not await self._writable():
+            return max(0.01, self._write_retry_at - time.monotonic())
         if time.monotonic() - self._pruned_at > PRUNE_EVERY_SECONDS or not self._pruned_at:
             self._pruned_at = time.monotonic()
-            pruned = await self.journal.call(db.prune, time.time() - self.retention_seconds)
+            pruned = await self.journal.write(db.prune, time.time() - self.retention_seconds)
             if any(pruned.values()):
                 log.info("event=journal_pruned %s", " ".join(f"{k}={v}" for k, v in pruned.items()))
         free = self.concurrency - len(self._busy)
