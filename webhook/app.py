@@ -73,17 +73,24 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
         raise _json_error(web.HTTPInternalServerError, "internal error (logged)") from None
 
 
+ACTOR = web.RequestKey("actor", str)  # the audit name of who made the request
+
+
 @web.middleware
 async def _require_auth(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every request that changes something needs credentials; reads stay open."""
-    if request.method not in ("GET", "HEAD", "OPTIONS") and \
-            not request.app[AUTH].allows(request.headers.get("Authorization")):
-        if request.path == "/alerts":
-            request.app[METRICS].notifications.labels("unauthorized").inc()
-        log.warning("event=unauthorized path=%s remote=%s", request.path, request.remote)
-        raise web.HTTPUnauthorized(text=json.dumps({"error": "missing or wrong credentials"}),
-                                   content_type="application/json",
-                                   headers={"WWW-Authenticate": 'Bearer realm="gpuhealth-webhook"'})
+    """Every request that changes something needs credentials (alerts: intake; the rest: operator);
+    reads stay open."""
+    if request.method not in ("GET", "HEAD", "OPTIONS"):
+        intake = request.path == "/alerts"
+        who = request.app[AUTH].identify(request.headers.get("Authorization"), operator=not intake)
+        if who is None:
+            if intake:
+                request.app[METRICS].notifications.labels("unauthorized").inc()
+            log.warning("event=unauthorized path=%r remote=%s", request.path[:100], request.remote)
+            raise web.HTTPUnauthorized(text=json.dumps({"error": "missing or wrong credentials"}),
+                                       content_type="application/json",
+                                       headers={"WWW-Authenticate": 'Bearer realm="gpuhealth-webhook"'})
+        request[ACTOR] = who
     return await handler(request)
 
 
@@ -187,7 +194,7 @@ async def _move(request: web.Request, from_states: tuple[str, ...], to: str, ver
                 outcome: str = "") -> web.Response:
     journal = request.app[JOURNAL]
     action_id = _action_id(request)
-    who = request.app[AUTH].who(request.headers.get("Authorization"))
+    who = request[ACTOR]
     moved = await journal.write(journal.sync.try_move, action_id, from_states, to,
                                "operator" if to == CANCELLED else "approved", f"{verb} by {who}", outcome)
     if moved is None:
@@ -212,7 +219,7 @@ async def cancel(request: web.Request) -> web.Response:
 
 
 async def reset_breaker(request: web.Request) -> web.Response:
-    who = request.app[AUTH].who(request.headers.get("Authorization"))
+    who = request[ACTOR]
     state = await request.app[ENGINE].reset_breaker(who)
     request.app[WORKER].wake()
     return web.json_response({"breaker": state})

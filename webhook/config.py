@@ -34,10 +34,19 @@ class BasicAuth:
 
 
 @dataclass(frozen=True)
+class OperatorAuth:
+    """Credentials for approve, cancel and breaker reset; the intake ones are then refused for those."""
+
+    token_file: Path | None = None
+    basic_auth: BasicAuth | None = None
+
+
+@dataclass(frozen=True)
 class AuthConfig:
     disabled: bool = False
     token_file: Path | None = None  # None: <state_dir>/token, created with a random token if absent
     basic_auth: BasicAuth | None = None
+    operator: OperatorAuth | None = None
 
 
 @dataclass(frozen=True)
@@ -188,19 +197,31 @@ def _non_negative(v: float) -> bool:
     return v >= 0
 
 
+def _basic_auth(data: Any, path: str, base: Path, errors: list[str]) -> BasicAuth | None:
+    if data is None:
+        return None
+    sec = _Section(data, path, errors, {"username", "password_file"})
+    username = sec.get("username", str, None, expect="a user name")
+    password_file = sec.path_value("password_file", base)
+    if username is None or password_file is None:
+        errors.append(f"{path}: needs both username and password_file")
+        return None
+    return BasicAuth(username, password_file)
+
+
 def _auth(top: _Section, base: Path, errors: list[str]) -> AuthConfig:
-    sec = _Section(top.data.get("auth"), "auth", errors, {"disabled", "token_file", "basic_auth"})
-    basic = None
-    if sec.data.get("basic_auth") is not None:
-        bsec = _Section(sec.data["basic_auth"], "auth.basic_auth", errors, {"username", "password_file"})
-        username = bsec.get("username", str, None, expect="a user name")
-        password_file = bsec.path_value("password_file", base)
-        if username is None or password_file is None:
-            errors.append("auth.basic_auth: needs both username and password_file")
-        else:
-            basic = BasicAuth(username, password_file)
+    sec = _Section(top.data.get("auth"), "auth", errors, {"disabled", "token_file", "basic_auth", "operator"})
+    operator = None
+    if sec.data.get("operator") is not None:
+        osec = _Section(sec.data["operator"], "auth.operator", errors, {"token_file", "basic_auth"})
+        basic = _basic_auth(osec.data.get("basic_auth"), "auth.operator.basic_auth", base, errors)
+        operator = OperatorAuth(osec.path_value("token_file", base), basic)
+        if operator.token_file is None and operator.basic_auth is None:
+            errors.append("auth.operator: needs token_file, basic_auth or both")
     return AuthConfig(disabled=sec.get("disabled", bool, False),
-                      token_file=sec.path_value("token_file", base), basic_auth=basic)
+                      token_file=sec.path_value("token_file", base),
+                      basic_auth=_basic_auth(sec.data.get("basic_auth"), "auth.basic_auth", base, errors),
+                      operator=operator)
 
 
 def _tls(top: _Section, base: Path, errors: list[str]) -> TLSConfig | None:

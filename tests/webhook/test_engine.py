@@ -187,7 +187,7 @@ async def test_manual_approval(webhook):
     await hook.call("POST", "/actions/999/cancel", expect=404)
     detail = await hook.call("GET", f"/actions/{first['id']}")
     assert [t["state"] for t in detail["transitions"]] == ["awaiting_approval", "pending", "running", "done"]
-    assert "approved by token" in detail["transitions"][1]["detail"]
+    assert "approved by intake token" in detail["transitions"][1]["detail"]
 
 
 async def test_cooldown_defers_and_never_holds_back_an_escalation_or_a_redrain(webhook):
