@@ -21,8 +21,8 @@ HOSTLIST_WORDS = frozenset({"ALL"})  # names scontrol reads as every node, in an
 # One GPU: its index as NVML numbers it, or its NVML UUID. Never a list ("0,1"), "all" or an option.
 _HEX = "[0-9a-fA-F]"
 GPU = re.compile(rf"[0-9]{{1,3}}|GPU-{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}")
-# Prometheus's metric (and alert) name grammar, bounded.
-ALERT_NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]{0,199}")
+# Prometheus's metric (and alert) name grammar, bounded so that a reason still has room for it.
+ALERT_NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]{0,119}")
 SHOWN_CHARS = 80  # of an invalid value, quoted, in a reason or a log
 TEXT_CHARS = 200  # of cleaned free text
 # CSI (ESC [ ... final), OSC (ESC ] ... BEL or ESC \) and two-character escapes.

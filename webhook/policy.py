@@ -49,6 +49,7 @@ OURS = "gpuhealth:"
 
 def drain_reason(alert_name: str, summary: str) -> str:
     """The scheduler-visible reason; its prefix is how we recognise our own drains."""
+    summary = clean_text(summary)
     return clean_text(f"{OURS} {alert_name or 'alert'}" + (f": {summary}" if summary else ""))
 
 

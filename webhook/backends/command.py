@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import signal
 import string
 from collections.abc import Mapping, Sequence
@@ -32,7 +33,7 @@ from gpuhealth.webhook.labels import GPU, clean_text, shown, valid_node
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_CHARS = 2000
-REASON_ALERTNAME = re.compile(r"^gpuhealth: (?P<alertname>[A-Za-z_:][A-Za-z0-9_:]{0,199}?)(?:: |$)")
+REASON_ALERTNAME = re.compile(r"^gpuhealth: (?P<alertname>[A-Za-z_:][A-Za-z0-9_:]{0,119}?)(?:: |$)")
 # Operations that change a node: each needs node_state, to leave a node someone else drained alone.
 NODE_CHANGING = ("drain", "resume", "reset_gpu", "reboot")
 
@@ -85,17 +86,32 @@ async def run_argv(argv: Sequence[str], *, env: Mapping[str, str] | None, timeou
     return stdout.decode(errors="replace")
 
 
+class _Template(string.Formatter):
+    """``{reason!q}``: the value quoted for a POSIX shell, for an argument a remote shell will parse
+    (``ssh`` joins its arguments into one line)."""
+
+    def convert_field(self, value: Any, conversion: str | None) -> Any:
+        return shlex.quote(value) if conversion == "q" else super().convert_field(value, conversion)
+
+
+_TEMPLATE = _Template()
+
+
 def template_errors(name: str, template: Any, allowed: frozenset[str]) -> list[str]:
-    """Every problem with one argv template: its type and any placeholder ``allowed`` does not hold."""
+    """Every problem with one argv template: its type, any placeholder ``allowed`` does not hold, and any
+    conversion but ``!q``."""
     if not isinstance(template, list) or not template or not all(isinstance(a, str) for a in template):
         return [f"{name}: a non-empty list of strings (argv, no shell)"]
     errors = []
     for arg in template:
         try:
-            names = {f for _, f, _, _ in string.Formatter().parse(arg) if f is not None}
+            parsed = [(f, conv) for _, f, _, conv in _TEMPLATE.parse(arg) if f is not None]
         except ValueError as exc:
             errors.append(f"{name}: bad placeholder in {arg!r}: {exc}")
             continue
+        names = {f for f, _ in parsed}
+        errors.extend(f"{name}: in {arg!r}, !{conv} is not a conversion; use !q to quote for a remote shell"
+                      for _, conv in parsed if conv not in (None, "q"))
         unknown = sorted(names - allowed)
         if unknown:
             known = ", ".join("{" + a + "}" for a in sorted(allowed)) or "none"
@@ -105,8 +121,9 @@ def template_errors(name: str, template: Any, allowed: frozenset[str]) -> list[s
 
 
 def fill(template: Sequence[str], fields: Mapping[str, str]) -> list[str]:
-    """Substitute placeholders argument by argument; values are inserted verbatim, never re-parsed."""
-    return [arg.format_map(fields) for arg in template]
+    """Substitute placeholders argument by argument; values are inserted verbatim (``!q``: shell-quoted),
+    never re-parsed."""
+    return [_TEMPLATE.vformat(arg, (), fields) for arg in template]
 
 
 def environment(operation: str, fields: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:

@@ -1,0 +1,201 @@
+"""Hostile alert values: nothing outside its grammar is journaled as actionable or reaches a backend argv,
+not even through a remote shell behind ``ssh``; free text reaches reasons and logs cleaned."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import alert
+from gpuhealth.webhook.backends.base import BackendError
+from gpuhealth.webhook.backends.command import CommandBackend, alert_fields, check_gpu
+from gpuhealth.webhook.labels import ALERT_NAME, GPU, clean_text, label_problem
+from gpuhealth.webhook.policy import drain_reason
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+# What an attacker or a careless rule would put in a label.
+GPU_ATTACKS = ["0; touch PWNED", "$(touch PWNED)", "`touch PWNED`", "0\ntouch PWNED", "0 && touch PWNED",
+               "0|touch PWNED", "0,1,2,3", "all", "--all", "-h", "0 -r", " 0", "0\x00", "\uff10", "٣", "0'",
+               "GPU-12345678-1234-1234-1234-123456789abc; touch PWNED", "1" * 5000, "gpu0", ""]
+NODE_ATTACKS = ["ALL", "all", "gpu[01-64]", "gpu01,gpu02", "-h", "--all", "gpu01\nevent=forged", "gpu01 x",
+                "gpu01;id", "\uff47\uff50\uff5501", "gpu01\x00", "$(id)", "a" * 300]
+ALERTNAME_ATTACKS = ["X; touch PWNED", "$(touch PWNED)", "-h", "A B", "A\nB", "A\x1b[2J", "Ä", "1abc"]
+
+# OpenSSH joins the words after the host with single spaces and the remote shell parses the line.
+SSH_STANDIN = """\
+import os, subprocess, sys
+args = sys.argv[1:]
+while args and args[0].startswith("-") and args[0] != "--":
+    args = args[2:] if args[0] in ("-p", "-l", "-i", "-o", "-F", "-J") else args[1:]
+if args and args[0] == "--":
+    args = args[1:]
+host, line = args[0], " ".join(args[1:])
+with open(os.environ["SSH_LOG"], "a") as log:
+    log.write(host + "\\n")
+sys.exit(subprocess.run(["sh", "-c", line], cwd=os.environ["REMOTE_HOME"]).returncode)
+"""
+REMOTE_TOOL = """\
+import json, os, sys
+with open(os.environ["REMOTE_LOG"], "a") as log:
+    log.write(json.dumps(sys.argv[1:]) + "\\n")
+"""
+SAFE_TEMPLATES = {  # as webhook/SLURM.md documents them for remote execution
+    "reset_gpu": ["ssh", "--", "{node}", "nvidia-smi", "-r", "-i", "{gpu}"],
+    "reboot": ["ssh", "--", "{node}", "site-reboot", "--alert", "{alertname}", "--", "{reason!q}"],
+}
+
+
+class Remote:
+    """A stand-in ``ssh`` on PATH, a remote home, and the argv every remote tool received."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.bin = root / "bin"
+        self.home = root / "remote-home"
+        self.bin.mkdir()
+        self.home.mkdir()
+        self._script("ssh", SSH_STANDIN)
+        for tool in ("nvidia-smi", "site-reboot", "touch", "id"):  # remote "touch" logs, never creates
+            self._script(tool, REMOTE_TOOL)
+        self.env = {"PATH": f"{self.bin}:{os.environ['PATH']}", "SSH_LOG": str(root / "ssh.log"),
+                    "REMOTE_LOG": str(root / "remote.log"), "REMOTE_HOME": str(self.home)}
+
+    def _script(self, name: str, body: str) -> None:
+        path = self.bin / name
+        path.write_text(f"#!{sys.executable}\n{body}")
+        path.chmod(0o755)
+
+    def calls(self) -> list[list[str]]:
+        path = self.root / "remote.log"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def backend(self, commands: dict[str, list[str]]) -> CommandBackend:
+        return CommandBackend.from_config({"commands": {"node_state": ["false"], **commands}, "fleet_size": 4,
+                                           "timeout_seconds": 20, "env": self.env})
+
+
+@pytest.fixture
+def remote(tmp_path: Path) -> Remote:
+    return Remote(tmp_path)
+
+
+def test_the_ssh_standin_really_lets_the_remote_shell_parse_a_verbatim_argument(remote):
+    """The stand-in is only proof if a naive template is exploitable through it."""
+    env = {**os.environ, **remote.env}
+    subprocess.run(["ssh", "gpu01", "nvidia-smi", "-i", "0; touch PWNED"], env=env, check=True)
+    assert remote.calls() == [["-i", "0"], ["PWNED"]]
+
+
+@pytest.mark.parametrize("gpu", GPU_ATTACKS)
+def test_hostile_gpu_labels_are_refused(gpu):
+    problem = label_problem("gpu01", gpu, "GPUHealthXid")
+    if gpu == "":
+        assert problem is None  # no gpu label: the whole node
+        return
+    assert problem is not None and problem[0] == "invalid_label"
+    assert "\n" not in problem[1] and "\x00" not in problem[1] and len(problem[1]) < 200
+    with pytest.raises(BackendError, match="neither a GPU index nor a GPU-<uuid>"):
+        check_gpu(gpu)
+
+
+@pytest.mark.parametrize("node", NODE_ATTACKS)
+def test_hostile_node_labels_are_refused(node):
+    problem = label_problem(node, "0", "GPUHealthXid")
+    assert problem is not None and problem[0] == "invalid_node"
+    assert "\n" not in problem[1] and "\x00" not in problem[1]
+
+
+@pytest.mark.parametrize("name", ALERTNAME_ATTACKS)
+def test_hostile_alert_names_are_refused(name):
+    problem = label_problem("gpu01", "0", name)
+    assert problem is not None and problem[0] == "invalid_label"
+
+
+async def test_documented_remote_templates_run_exactly_the_tool_asked_for(remote):
+    backend = remote.backend(SAFE_TEMPLATES)
+    uuid = "GPU-0a1b2c3d-4e5f-6789-abcd-ef0123456789"
+    reason = drain_reason("GPUHealthXidFatal", "XID 79 $(touch PWNED); `id` && rm -rf / 'quoted' \"x\"")
+    await backend.reset_gpu("gpu01", "3", reason)
+    await backend.reset_gpu("gpu02", uuid, reason)
+    await backend.reboot("gpu03", reason)
+    assert remote.calls() == [["-r", "-i", "3"], ["-r", "-i", uuid],
+                              ["--alert", "GPUHealthXidFatal", "--", reason]]
+    assert list(remote.home.iterdir()) == []
+
+
+_text = st.text(st.characters(codec="utf-8"), max_size=40)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(gpu=st.one_of(_text, st.from_regex(GPU, fullmatch=True), st.sampled_from(GPU_ATTACKS)),
+       name=st.one_of(_text, st.from_regex(ALERT_NAME, fullmatch=True), st.sampled_from(ALERTNAME_ATTACKS)),
+       summary=_text)
+def test_fuzzed_values_reach_a_remote_shell_only_as_the_arguments_they_are(tmp_path_factory, gpu, name,
+                                                                             summary):
+    """The rule: a value outside its grammar never reaches an argv; one inside reaches the remote tool
+    as exactly one argument, whatever the remote shell makes of the joined line."""
+    remote = Remote(tmp_path_factory.mktemp("remote"))
+    backend = remote.backend(SAFE_TEMPLATES)
+    problem = label_problem("gpu01", gpu, name)
+    reason = drain_reason(name, summary)
+    if problem is not None:
+        if gpu and not GPU.fullmatch(gpu):
+            with pytest.raises(BackendError):
+                alert_fields("gpu01", reason, gpu)
+        else:  # a name the engine refused: the backend reads none out of the reason but a valid one
+            read = alert_fields("gpu01", reason, gpu)["alertname"]
+            assert read == "" or ALERT_NAME.fullmatch(read)
+        return
+    asyncio.run(backend.reset_gpu("gpu01", gpu, reason))
+    asyncio.run(backend.reboot("gpu01", reason))
+    fields = alert_fields("gpu01", reason, gpu)
+    assert fields["alertname"] == (name or "alert")
+    assert remote.calls() == [["-r", "-i", gpu] if gpu else ["-r", "-i"],
+                              ["--alert", fields["alertname"], "--", fields["reason"]]]
+    assert list(remote.home.iterdir()) == []
+
+
+def test_free_text_is_cleaned_of_controls_escapes_and_nul():
+    text = "XID 79\x00 on \x1b[31mGPU 0\x1b[0m\x1b]0;title\x07 line\nforged=1\r\x9b2J \u202eevil\u2028x\ud800"
+    cleaned = clean_text(text)
+    assert cleaned == "XID 79 on GPU 0 line forged=1 evil x"
+    assert drain_reason("A", "\x00\x1b[2J") == "gpuhealth: A"
+
+
+async def test_hostile_labels_through_the_app_are_skipped_at_intake_and_logged_quoted(webhook, caplog):
+    hook = await webhook()
+    alerts = [alert("gpu01", action="drain_reset_gpu", gpu=g) for g in GPU_ATTACKS if g] + \
+             [alert(n, action="drain", gpu="0") for n in NODE_ATTACKS] + \
+             [alert("gpu02", action="drain_reboot", alertname=a) for a in ALERTNAME_ATTACKS]
+    with caplog.at_level(logging.INFO, logger="gpuhealth.webhook"):
+        body = await hook.post(*alerts)
+        actions = await hook.settle()
+    assert body["new_actions"] == []  # nothing was queued
+    assert {(a["state"], a["reason"]) for a in actions} == {("skipped", "invalid_label"),
+                                                             ("skipped", "invalid_node")}
+    assert len(actions) == len(alerts)
+    assert hook.backend.history == [] and hook.drained == {}
+    assert await hook.metric("gpuhealth_webhook_actions_total", action="drain_reset_gpu", outcome="skipped",
+                             reason="invalid_label") == len(GPU_ATTACKS) - 1
+    for action in actions:
+        for key in ("node", "gpu", "alertname", "detail"):
+            assert action[key].isascii() and action[key].isprintable(), action
+    for record in caplog.records:
+        message = record.getMessage()
+        assert "\n" not in message and "\x00" not in message and "\x1b" not in message, message
+        assert "event=forged" not in message.replace("\\nevent=forged", "")
+
+
+async def test_a_nul_or_escape_in_the_summary_still_drains_with_a_clean_reason(webhook):
+    hook = await webhook()
+    await hook.post(alert("gpu04", action="drain", summary="XID 79\x00 \x1b[2J\x1b[31mfell off\nthe bus"))
+    [action] = await hook.settle()
+    assert (action["state"], action["reason"]) == ("done", "ok")
+    assert hook.drained == {"gpu04": "gpuhealth: GPUHealthXidFatal: XID 79 fell off the bus"}
