@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpuhealth.webhook.backends.base import Backend, BackendError, NodeState
@@ -59,6 +59,7 @@ class Verdict:
     detail: str
     retry_at: float | None = None  # for DEFERRED
     drop_drained: bool = False
+    started: bool = False  # the action was moved to running before this verdict (dry-run)
 
 
 class Halt(Exception):
@@ -117,7 +118,8 @@ class Engine:
                 async with self._admission:
                     verdict = await self._admit(action)
                 if verdict is not None:
-                    await self._conclude(action, verdict)
+                    await self._conclude(replace(action, state=RUNNING) if verdict.started else action,
+                                         verdict)
                     return
                 refreshed = await self.journal.call(self.db.get, action.id)
                 if refreshed is None or refreshed.state != RUNNING:
@@ -153,12 +155,14 @@ class Engine:
         verdict = await (self._admit_undrain(a) if a.kind == UNDRAIN else self._admit_action(a))
         if verdict is not None:
             return verdict
-        if self.config.dry_run:
-            return Verdict(Outcome.DRY_RUN, Reason.DRY_RUN, "would " + self._plan(a))
         reserve = None
         if a.kind in ACTING_DRAINS:
             reserve = (a.node, self._reason(a), a.kind == "replace")
         started = await self.journal.write(self.db.start, a.id, reserve)
+        if self.config.dry_run:  # started and reserved as the real one would be, so that every guardrail
+            # (rate limit, cooldown, breaker) counts it; it ends here, having done nothing
+            return Verdict(Outcome.DRY_RUN, Reason.DRY_RUN, "would " + self._plan(a), started=started,
+                           drop_drained=a.kind == UNDRAIN)
         if started:
             log.info("event=action_started id=%s kind=%s node=%s gpu=%s alertname=%s plan=%r", a.id, a.kind,
                      a.node, a.gpu, a.alertname, self._plan(a))
@@ -200,8 +204,6 @@ class Engine:
             return Verdict(Outcome.DEFERRED, Reason.COOLDOWN,
                            f"{a.node} was acted on {now - last:.0f}s ago (cooldown "
                            f"{g.node_cooldown_seconds:.0f}s)", last + g.node_cooldown_seconds)
-        if self.config.dry_run:
-            return None
         window = g.rate_limit_window_seconds
         retry_at = await self.journal.call(self.db.rate_limited_until, now - window, g.rate_limit_actions,
                                            window)
@@ -219,8 +221,15 @@ class Engine:
         """Count what we drained, from the journal: a backend that cannot see drains (or a human who
         resumed a node while its alert still fires) must not let a storm through."""
         g = self.config.guardrails
-        fleet = await self.backend.fleet_size()
-        cap = min(g.breaker_max_nodes, max(1, math.floor(g.breaker_max_fraction * fleet)))
+        fleet: int | None = None  # dry-run without a reachable cluster: only breaker_max_nodes applies
+        try:
+            fleet = await self.backend.fleet_size()
+        except BackendError:
+            if not self.config.dry_run:
+                raise
+        cap = g.breaker_max_nodes
+        if fleet is not None:
+            cap = min(cap, max(1, math.floor(g.breaker_max_fraction * fleet)))
         ours = set(await self.journal.call(self.db.drained))
         would_be = len(ours - {a.node}) + 1
         if would_be <= cap:
@@ -259,8 +268,9 @@ class Engine:
             return Verdict(Outcome.SKIPPED, Reason.LEFT_FOR_HUMAN, "undrain mode is manual")
         if (await self.breaker())["open"]:
             return Verdict(Outcome.SKIPPED, Reason.BREAKER_OPEN, "the circuit breaker is open")
-        state = await self._state(a.node)
-        return None if state is None else self._ownership(a, state, "resume")
+        if self.config.dry_run:
+            return None  # a node drained in dry-run was never drained: it would be resumed
+        return self._ownership(a, await self.backend.node_state(a.node), "resume")
 
     @staticmethod
     def _ownership(a: Action, state: NodeState, step: str) -> Verdict | None:
