@@ -313,7 +313,8 @@ def create_app(config: Config, *, backend: Backend | None = None) -> web.Applica
 async def _runtime(app: web.Application):
     """Open the journal and start the worker; on shutdown stop the worker before closing the journal."""
     config = app[CONFIG]
-    journal = AsyncJournal(config.journal_path, config.journal_busy_timeout_seconds)
+    journal = AsyncJournal(config.journal_path, config.journal_busy_timeout_seconds,
+                           on_failure=app[METRICS].journal_write_failures.inc)
     engine = Engine(config, app[BACKEND], journal, app[METRICS])
     worker = Worker(engine, journal, config.journal_retention_days * 86400)
     app[JOURNAL], app[ENGINE], app[WORKER] = journal, engine, worker

@@ -544,7 +544,9 @@ class AsyncJournal:
     sent again, and backends are idempotent).
     """
 
-    def __init__(self, path: Path, busy_timeout: float = 5.0) -> None:
+    def __init__(self, path: Path, busy_timeout: float = 5.0,
+                 on_failure: Callable[[], object] | None = None) -> None:
+        self._on_failure = on_failure  # counts refused writes (a metric)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal")
         self._intake_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal-intake")
         self._intake = self._intake_executor.submit(Journal, path, busy_timeout).result()
@@ -604,6 +606,8 @@ class AsyncJournal:
         return result
 
     def failed(self, exc: BaseException) -> None:
+        if self._on_failure is not None:
+            self._on_failure()
         if self.write_error is None:
             log.error("event=journal_unwritable error=%r (actions wait until it can be written)", exc)
         self.write_error = str(exc) or type(exc).__name__

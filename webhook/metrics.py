@@ -31,6 +31,10 @@ class Metrics:
         self.nodes_drained = Gauge(
             "gpuhealth_webhook_nodes_drained", "Nodes currently drained by this webhook.",
             registry=self.registry)
+        self.journal_write_failures = Counter(
+            "gpuhealth_webhook_journal_write_failures",
+            "Journal writes refused (disk full, read-only, I/O error); nothing starts while they fail.",
+            registry=self.registry)
         for outcome in NOTIFICATION_OUTCOMES:
             self.notifications.labels(outcome)
         for action in STEPS:
