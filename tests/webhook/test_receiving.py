@@ -7,10 +7,14 @@ import base64
 import json
 import sqlite3
 import time
+from dataclasses import replace
 
 import pytest
 from conftest import FIXTURES, TOKEN, alert, notification, recorded
+from gpuhealth.webhook.config import parse_config
+from gpuhealth.webhook.journal import Journal
 from gpuhealth.webhook.models import PayloadError, parse_notification
+from gpuhealth.webhook.policy import decide
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -177,3 +181,43 @@ async def test_a_sender_hanging_up_mid_request_does_not_lose_the_notification(we
         await asyncio.sleep(0.02)
     [action] = await hook.settle()
     assert (action["node"], action["state"]) == ("gpu05", "done")
+
+
+async def test_one_bad_notification_in_a_group_commit_leaves_its_neighbours_committed(webhook):
+    hook = await webhook()
+    bodies = [notification(alert(f"gpu{i % 16 + 1:02d}", action="none")) for i in range(59)]
+    bad = notification(alert("gpu01", action="none"))
+    bad["alerts"][0]["labels"]["team"] = "\ud800"  # a lone surrogate: JSON allows it, UTF-8 does not
+    bodies.insert(30, bad)
+    answers = await asyncio.gather(*[hook.client.post("/alerts", data=json.dumps(b), headers=hook.auth)
+                                     for b in bodies])
+    statuses = [r.status for r in answers]
+    assert statuses.count(200) == 59 and statuses[30] == 400, statuses
+    assert "not valid Unicode" in (await answers[30].json())["error"]
+    assert len(await hook.actions(limit="1000")) == 59
+
+
+def test_the_journal_isolates_each_notification_of_a_batch(tmp_path):
+    journal = Journal(tmp_path / "journal.sqlite3")
+    good = [parse_notification(notification(alert(f"gpu0{i}", action="drain"))) for i in range(1, 4)]
+    broken = replace(good[0], receiver="\ud800")  # text SQLite cannot encode
+    batch = [(n, decide(n, parse_config({"backend": {"type": "simulated"}}))) for n in
+             (good[0], broken, good[1], good[2])]
+    results = journal.record(batch)
+    assert isinstance(results[1], UnicodeEncodeError)
+    assert [len(r.new_actions) for r in (results[0], results[2], results[3])] == [1, 1, 1]
+    assert sorted(a.node for a in journal.list_actions()) == ["gpu01", "gpu02", "gpu03"]
+    journal.close()
+
+
+@pytest.mark.parametrize(("path", "status"), [
+    ("/actions/\u00b2", 404), ("/actions/99999999999999999999999999", 404), ("/actions/-1", 404),
+    ("/actions?limit=\u00b2", 400), ("/actions?limit=99999999999999999999", 400), ("/actions?limit=0", 400),
+    ("/actions?since=nan", 400), ("/actions?since=1e999", 400), ("/actions?since=\u0663", 400),
+    ("/actions?since=1700000000.5", 200), ("/actions?since=2026-11-30T05:00:00Z", 200),
+])
+async def test_numeric_query_parameters_are_strict(webhook, path, status):
+    hook = await webhook()
+    resp = await hook.client.get(path)
+    assert resp.status == status, await resp.text()
+    assert resp.content_type == "application/json"
