@@ -7,6 +7,7 @@ be written, which is the one case where Alertmanager's retry helps.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -318,6 +319,9 @@ async def _runtime(app: web.Application):
     engine = Engine(config, app[BACKEND], journal, app[METRICS])
     worker = Worker(engine, journal, config.journal_retention_days * 86400)
     app[JOURNAL], app[ENGINE], app[WORKER] = journal, engine, worker
+    track_helpers = getattr(app[BACKEND], "track_helpers", None)  # backends that run site programs
+    if track_helpers is not None:
+        await asyncio.to_thread(track_helpers, config.state_dir / "helpers")
     breaker = await engine.breaker()
     app[METRICS].breaker_open.set(int(breaker["open"]))
     log.info("event=started journal=%s backend=%s dry_run=%s breaker_open=%s", config.journal_path,

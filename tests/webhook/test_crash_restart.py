@@ -101,3 +101,70 @@ def test_sigkill_mid_action_then_restart_completes_every_action_exactly_once(tmp
     assert all(job["node"] is None and job["requeues"] == 1 for job in cluster["jobs"].values())
     log = (tmp_path / "webhook.log").read_text()
     assert log.count("event=started") == 3
+
+
+SLOW_DRAIN = """\
+import os, sys, time
+from pathlib import Path
+node, site = os.environ["GPUHEALTH_NODE"], Path(os.environ["SITE_DIR"])
+def log(line):
+    with open(site / "drains.log", "a") as out:
+        out.write(line + "\\n")
+marker = site / f"running-{node}"
+if marker.exists():
+    old = int(marker.read_text())
+    try:
+        alive = Path(f"/proc/{old}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        alive = False
+    if alive:
+        log(f"OVERLAP {node} {old}")
+marker.write_text(str(os.getpid()))
+log(f"start {node} {os.getpid()}")
+time.sleep(float(os.environ["SITE_SLEEP"]))
+log(f"end {node}")
+marker.unlink()
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_command_helper_kills_it_before_the_step_runs_again(tmp_path):
+    """The killed webhook's helper lives on in its own session; the restarted webhook kills it and waits
+    for it to die before running the interrupted drain again, so two runs never overlap."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "drain.py").write_text(SLOW_DRAIN)
+    hook = Webhook(tmp_path)
+    nodes = NODES[:3]
+    hook.config.write_text(yaml.safe_dump({
+        "listen": f"127.0.0.1:{hook.port}", "state_dir": "state", "auth": {"token_file": "token"},
+        "backend": {"type": "command", "fleet_size": 8, "timeout_seconds": 60,
+                    "env": {"SITE_DIR": str(site), "SITE_SLEEP": "4"},
+                    "commands": {
+                        "node_state": ["sh", "-c", "echo '{{\"exists\": true, \"drained\": false}}'"],
+                        "drain": [sys.executable, str(site / "drain.py")]}},
+        "guardrails": {"node_cooldown_seconds": 0, "breaker_max_nodes": 8, "breaker_max_fraction": 1.0},
+    }))
+    drains = site / "drains.log"
+
+    def lines() -> list[str]:
+        return drains.read_text().splitlines() if drains.exists() else []
+
+    try:
+        hook.start()
+        hook.request("/alerts", notification(*[alert(n, action="drain") for n in nodes]))
+        wait_until(lambda: sum(line.startswith("start") for line in lines()) == len(nodes), timeout=30,
+                   interval=0.02, what="every drain helper to start")
+        hook.kill()  # right after the 200, mid-drain
+        survivors = [int(line.split()[2]) for line in lines() if line.startswith("start")]
+        assert all(Path(f"/proc/{pid}").exists() for pid in survivors), "helpers outlive the webhook"
+        hook.start()
+        wait_until(lambda: all(a["state"] == "done" for a in hook.actions()), timeout=60, interval=0.1,
+                   what="every drain to complete")
+    finally:
+        if hook.proc is not None:
+            hook.proc.stop()
+    log = lines()
+    assert [line for line in log if line.startswith("OVERLAP")] == []
+    assert sorted(line for line in log if line.startswith("end")) == [f"end {n}" for n in nodes]
+    assert (tmp_path / "webhook.log").read_text().count("event=helper_killed") == len(nodes)

@@ -25,9 +25,11 @@ import signal
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gpuhealth.webhook.backends.base import BackendError, NodeState
+from gpuhealth.webhook.backends.helpers import HelperRegistry
 from gpuhealth.webhook.labels import GPU, clean_text, shown, valid_node
 
 log = logging.getLogger(__name__)
@@ -57,10 +59,12 @@ def _tail(data: bytes) -> str:
 
 
 async def run_argv(argv: Sequence[str], *, env: Mapping[str, str] | None, timeout: float,
-                   cwd: str | None = None, permanent_exit_codes: frozenset[int] = frozenset()) -> str:
+                   cwd: str | None = None, permanent_exit_codes: frozenset[int] = frozenset(),
+                   helpers: HelperRegistry | None = None) -> str:
     """Run ``argv`` with no shell and return its stdout; ``BackendError`` on failure or timeout.
 
     Missing programs and ``permanent_exit_codes`` are not retryable; other failures and timeouts are.
+    ``helpers`` records the process group while it runs, for a restarted webhook to kill.
     """
     what = " ".join(argv)
     try:
@@ -71,14 +75,21 @@ async def run_argv(argv: Sequence[str], *, env: Mapping[str, str] | None, timeou
     except OSError as exc:
         raise BackendError(f"{what}: cannot run {argv[0]!r}: {exc.strerror}", retryable=False) from None
     try:
+        if helpers is not None:
+            helpers.started(proc.pid)
         stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout)
-    except (TimeoutError, asyncio.CancelledError) as exc:
+    except (TimeoutError, asyncio.CancelledError, OSError) as exc:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
         if isinstance(exc, asyncio.CancelledError):
             raise
+        if isinstance(exc, OSError):
+            raise BackendError(f"{what}: cannot record the helper process: {exc}") from None
         raise BackendError(f"{what}: timed out after {timeout:g}s") from None
+    finally:
+        if helpers is not None:
+            helpers.finished(proc.pid)
     if proc.returncode != 0:
         detail = _tail(stderr) or _tail(stdout) or "no output"
         raise BackendError(f"{what}: exit {proc.returncode}: {detail}",
@@ -216,6 +227,14 @@ class CommandBackend:
 
     def __init__(self, settings: CommandSettings) -> None:
         self.settings = settings
+        self._helpers: HelperRegistry | None = None
+
+    def track_helpers(self, directory: Path) -> int:
+        """Record running helpers in ``directory`` from now on, after killing (and waiting for) any a
+        previous webhook left running there; how many groups were killed. Called before the worker
+        starts, so an interrupted step is resumed only once its previous run is dead."""
+        self._helpers = HelperRegistry(directory)
+        return self._helpers.reap()
 
     @classmethod
     def from_config(cls, section: Mapping[str, Any]) -> CommandBackend:
@@ -231,7 +250,7 @@ class CommandBackend:
         log.info("event=command_run operation=%s argv=%s", operation, json.dumps(argv))
         return await run_argv(argv, env=environment(operation, fields, self.settings.env),
                               timeout=self.settings.timeout_seconds, cwd=self.settings.cwd,
-                              permanent_exit_codes=self.settings.permanent_exit_codes)
+                              permanent_exit_codes=self.settings.permanent_exit_codes, helpers=self._helpers)
 
     async def node_state(self, node: str) -> NodeState:
         if "node_state" not in self.settings.commands:

@@ -1,0 +1,97 @@
+"""Site helper processes that outlive a killed webhook: recorded while they run, killed on restart.
+
+Each helper runs in its own process group (so a timeout can kill its whole tree). A webhook killed
+with SIGKILL cannot kill them, and the restarted webhook would run the interrupted step again beside
+the old run. So every helper's group is recorded (a file named for the group id, holding the
+leader's start time) before the webhook waits on it, and at start-up every recorded group still
+alive is killed and waited for, before any step is resumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+REAP_TIMEOUT_SECONDS = 10.0
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat fields after the command name (field 3 onwards), or None if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> str | None:
+    fields = _stat(pid)
+    return fields[19] if fields else None  # field 22: start time in clock ticks since boot
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes whose process group is ``pgid``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat(int(entry.name))
+            if fields and fields[0] != "Z" and fields[2] == str(pgid):
+                members.append(int(entry.name))
+    return members
+
+
+class HelperRegistry:
+    """The process groups of running helpers, as files in ``directory`` (on the journal's disk)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def started(self, pid: int) -> None:
+        """Record a helper that leads its own process group; fsync'd, so a crash cannot lose it."""
+        path = self.directory / str(pid)
+        with open(path, "w") as out:
+            out.write(start_time(pid) or "")
+            out.flush()
+            os.fsync(out.fileno())
+
+    def finished(self, pid: int) -> None:
+        (self.directory / str(pid)).unlink(missing_ok=True)
+
+    def reap(self) -> int:
+        """Kill every recorded group that still has live members and wait until they are gone; how many
+        groups were killed. A group whose leader's pid now belongs to another process is not ours."""
+        killed = 0
+        for path in sorted(self.directory.iterdir()):
+            if not path.name.isdigit():
+                continue
+            pgid = int(path.name)
+            recorded = path.read_text().strip()
+            leader = start_time(pgid)
+            if leader is not None and recorded and leader != recorded:
+                path.unlink()  # the pid was reused: the old group is long gone
+                continue
+            if group_members(pgid):
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                else:
+                    killed += 1
+                    log.warning("event=helper_killed pgid=%d (left running by a previous webhook)", pgid)
+                self._wait_gone(pgid)
+            path.unlink()
+        return killed
+
+    @staticmethod
+    def _wait_gone(pgid: int) -> None:
+        deadline = time.monotonic() + REAP_TIMEOUT_SECONDS
+        while group_members(pgid):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"helper process group {pgid} survives SIGKILL; refusing to resume "
+                                   "steps beside it")
+            time.sleep(0.02)
