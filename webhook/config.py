@@ -115,6 +115,7 @@ class Config:
     max_body_bytes: int = 8 * 1024 * 1024
     journal_busy_timeout_seconds: float = 5.0  # then answer 503 and let Alertmanager retry
     journal_retention_days: float = 90.0  # finished history older than this is pruned
+    connection_idle_timeout_seconds: float = 15.0  # a connection with no request for this long is closed
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TLSConfig | None = None
     backend: dict[str, Any] = field(default_factory=lambda: {"type": "slurm"})
@@ -322,7 +323,8 @@ def parse_config(data: Any, base: Path = Path("."),
     errors: list[str] = []
     top = _Section(data, "", errors, {"listen", "state_dir", "dry_run", "max_body_bytes", "auth", "tls",
                                       "backend", "policy", "guardrails", "retry", "undrain",
-                                      "journal_busy_timeout_seconds", "journal_retention_days"})
+                                      "journal_busy_timeout_seconds", "journal_retention_days",
+                                      "connection_idle_timeout_seconds"})
     host, port = Config.listen_host, Config.listen_port
     listen = top.get("listen", str, None, expect="HOST:PORT")
     if listen is not None:
@@ -346,6 +348,9 @@ def parse_config(data: Any, base: Path = Path("."),
                                              Config.journal_busy_timeout_seconds, _positive, "seconds > 0"),
         journal_retention_days=top.get("journal_retention_days", float, Config.journal_retention_days,
                                        _positive, "days > 0"),
+        connection_idle_timeout_seconds=top.get("connection_idle_timeout_seconds", float,
+                                                Config.connection_idle_timeout_seconds, _positive,
+                                                "seconds > 0"),
         auth=_auth(top, base, errors),
         tls=_tls(top, base, errors),
         backend=backend,

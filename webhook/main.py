@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import resource
 import sqlite3
 import ssl
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,12 +103,53 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, AuthSetupError, OSError, ssl.SSLError, sqlite3.Error) as exc:
         print(f"gpuhealth-webhook: {exc}", file=sys.stderr)
         return 2
+    files = _raise_file_limit()
+    logging.getLogger("asyncio").addFilter(_AcceptErrors())
     app = create_app(config, backend=backend)
-    log.info("event=listening host=%s port=%d tls=%s", config.listen_host, config.listen_port,
-             context is not None)
+    log.info("event=listening host=%s port=%d tls=%s open_files_limit=%d idle_timeout=%g", config.listen_host,
+             config.listen_port, context is not None, files, config.connection_idle_timeout_seconds)
     web.run_app(app, host=config.listen_host, port=config.listen_port, ssl_context=context, print=None,
-                access_log=None, handle_signals=True)
+                access_log=None, handle_signals=True,
+                keepalive_timeout=config.connection_idle_timeout_seconds)
     return 0
+
+
+class _AcceptErrors(logging.Filter):
+    """asyncio logs a traceback for every accept() refused for want of descriptors, hundreds a
+    second; keep one line per ``interval`` seconds, with the count of those left out."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        super().__init__()
+        self.interval = interval
+        self.last = float("-inf")
+        self.left_out = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("socket.accept() out of system resource"):
+            return True
+        now = time.monotonic()
+        if now - self.last < self.interval:
+            self.left_out += 1
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        record.msg, record.args, record.exc_info, record.exc_text = (
+            "event=accept_failed error=%r left_out=%d (out of descriptors: raise LimitNOFILE or lower "
+            "connection_idle_timeout_seconds)", (error, self.left_out), None, None)
+        self.last, self.left_out = now, 0
+        return True
+
+
+def _raise_file_limit() -> int:
+    """Raise the soft open-files limit to the hard one: every connection holds a descriptor, and
+    clients that connect and idle must not starve /healthz or Alertmanager. The limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("event=open_files_limit_unchanged soft=%d hard=%d error=%r", soft, hard, exc)
+    return soft
 
 
 if __name__ == "__main__":

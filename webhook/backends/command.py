@@ -78,15 +78,15 @@ async def run_argv(argv: Sequence[str], *, env: Mapping[str, str] | None, timeou
         if helpers is not None:
             helpers.started(proc.pid)
         stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout)
-    except (TimeoutError, asyncio.CancelledError, OSError) as exc:
+    except (OSError, asyncio.CancelledError) as exc:  # TimeoutError is an OSError
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
-        if isinstance(exc, asyncio.CancelledError):
-            raise
-        if isinstance(exc, OSError):
+        if isinstance(exc, TimeoutError):
+            raise BackendError(f"{what}: timed out after {timeout:g}s") from None
+        if isinstance(exc, OSError):  # a helper that could not be recorded must not run unrecorded
             raise BackendError(f"{what}: cannot record the helper process: {exc}") from None
-        raise BackendError(f"{what}: timed out after {timeout:g}s") from None
+        raise
     finally:
         if helpers is not None:
             helpers.finished(proc.pid)
