@@ -398,6 +398,8 @@ class Journal:
         for row in rows:
             if row["node"] in seen:
                 continue
+            if row["reason"] == "cooldown" and row["state"] == PENDING and row["next_at"] > now:
+                continue  # not started, waiting out a cooldown: a stronger action behind it may go first
             seen.add(row["node"])
             if row["next_at"] <= now:
                 due.append(_action(row))

@@ -200,11 +200,11 @@ async def test_cooldown_defers_and_never_holds_back_an_escalation_or_a_redrain(w
     assert [(a["node"], a["state"], a["reason"]) for a in actions] == [
         ("gpu01", "done", "ok"), ("gpu01", "pending", "cooldown"), ("gpu02", "done", "ok")]
     assert actions[1]["next_at"] == pytest.approx(first["started_at"] + 3600)
+    drain = alert("gpu01", action="drain")  # stronger than a requeue: neither the cooldown nor the
+    await hook.post(drain)                  # requeue waiting it out ahead of it hold it back
+    assert (await hook.settle())[-1]["reason"] == "ok" and "gpu01" in hook.drained
     await hook.post(resolved(again))  # resolved while it waited: it never runs
     assert (await hook.settle())[1]["state"] == "cancelled"
-    drain = alert("gpu01", action="drain")  # stronger than a requeue: not held back
-    await hook.post(drain)
-    assert (await hook.settle())[-1]["reason"] == "ok" and "gpu01" in hook.drained
     await hook.post(resolved(drain))
     assert (await hook.settle())[-1]["kind"] == "undrain" and "gpu01" not in hook.drained
     await hook.post(alert("gpu01", action="drain"))  # flapping after our own undrain: drained again

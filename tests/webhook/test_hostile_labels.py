@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import alert
+from conftest import NODES, alert
 from gpuhealth.webhook.backends.base import BackendError
 from gpuhealth.webhook.backends.command import CommandBackend, alert_fields, check_gpu
-from gpuhealth.webhook.labels import ALERT_NAME, GPU, clean_text, label_problem
+from gpuhealth.webhook.config import ACTIONS
+from gpuhealth.webhook.labels import ALERT_NAME, GPU, clean_text, label_problem, valid_node
 from gpuhealth.webhook.policy import drain_reason
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -199,3 +200,35 @@ async def test_a_nul_or_escape_in_the_summary_still_drains_with_a_clean_reason(w
     [action] = await hook.settle()
     assert (action["state"], action["reason"]) == ("done", "ok")
     assert hook.drained == {"gpu04": "gpuhealth: GPUHealthXidFatal: XID 79 fell off the bus"}
+
+
+async def test_fuzzed_alerts_through_the_app_never_give_a_backend_an_invalid_value(webhook):
+    """The rule end to end: whatever the labels, every value a backend receives is in its grammar."""
+    hook = await webhook()
+    alerts: list[dict] = []
+
+    @settings(max_examples=60, deadline=None)
+    @given(node=st.one_of(st.sampled_from(NODES), st.sampled_from(NODE_ATTACKS), _text),
+           gpu=st.one_of(st.none(), st.from_regex(GPU, fullmatch=True), st.sampled_from(GPU_ATTACKS),
+                         _text),
+           name=st.one_of(st.from_regex(ALERT_NAME, fullmatch=True), st.sampled_from(ALERTNAME_ATTACKS),
+                          _text),
+           summary=_text, action=st.sampled_from(ACTIONS))
+    def draw(node, gpu, name, summary, action):  # hypothesis drives a sync function; sent afterwards
+        alerts.append(alert(node, gpu=gpu, alertname=name, summary=summary, action=action))
+
+    draw()
+    for start in range(0, len(alerts), 10):
+        await hook.post(*alerts[start:start + 10])
+    await hook.settle(timeout=30)
+    assert hook.backend.history, "the fuzzing never reached the backend: it proves nothing"
+    for op, *args in hook.backend.history:
+        if op == "requeue":
+            continue  # job ids come from the cluster, not from alerts
+        node, rest = args[0], args[1:]
+        assert valid_node(node), (op, args)
+        if op == "reset_gpu":
+            gpu, rest = rest[0], rest[1:]
+            assert gpu is None or GPU.fullmatch(gpu), (op, args)
+        for reason in rest:
+            assert reason == clean_text(reason) and reason.isprintable(), (op, args)
