@@ -115,8 +115,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _AcceptErrors(logging.Filter):
-    """asyncio logs a traceback for every accept() refused for want of descriptors, hundreds a
-    second; keep one line per ``interval`` seconds, with the count of those left out."""
+    """When descriptors run out, asyncio logs a traceback for every refused accept() and for every
+    retry it schedules (hundreds a second, and a burst at shutdown); keep one line per ``interval``
+    seconds, with the count of those left out."""
+
+    PREFIXES = ("socket.accept() out of system resource",
+                "Exception in callback BaseSelectorEventLoop._start_serving")
 
     def __init__(self, interval: float = 10.0) -> None:
         super().__init__()
@@ -125,7 +129,7 @@ class _AcceptErrors(logging.Filter):
         self.left_out = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith("socket.accept() out of system resource"):
+        if not str(record.msg).startswith(self.PREFIXES):
             return True
         now = time.monotonic()
         if now - self.last < self.interval:
