@@ -43,9 +43,9 @@ def shown(value: str) -> str:
 def clean_text(text: str, limit: int = TEXT_CHARS) -> str:
     """Free text for a reason or a log: no escape sequences, control, format or surrogate characters,
     one line of single spaces, at most ``limit`` characters."""
-    text = _ESCAPES.sub(" ", text)
-    text = "".join(" " if unicodedata.category(c) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp") else c
-                   for c in text)
+    if not text.isprintable():  # printable text (the usual case) holds no control or escape at all
+        text = _ESCAPES.sub(" ", text)
+        text = "".join(c if c.isprintable() or unicodedata.category(c) == "Zs" else " " for c in text)
     text = " ".join(text.split())
     return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
 
