@@ -32,10 +32,12 @@ def test_example_config_is_valid_and_safe():
 def test_every_problem_is_listed_at_once(tmp_path):
     bad = {
         "listen": "nowhere", "dry_run": "yes", "surprise": 1,
-        "auth": {"basic_auth": {"username": "am"}},
+        "auth": {"basic_auth": {"username": "am"}, "operator": {"colour": "red"}},
         "backend": {"type": "simulated", "nodes": []},
         "policy": {"rules": [{"match": {"alertname": "("}, "action": "explode"}]},
-        "guardrails": {"breaker_max_fraction": 2, "require_approval": ["reboot"], "rate_limit_actions": 0},
+        "guardrails": {"breaker_max_fraction": 2, "require_approval": ["reboot"], "rate_limit_actions": 0,
+                       "requeue_breaker_max_nodes": 0},
+        "connection_idle_timeout_seconds": -1,
         "undrain": {"mode": "sometimes"},
     }
     path = tmp_path / "bad.yaml"
@@ -46,9 +48,11 @@ def test_every_problem_is_listed_at_once(tmp_path):
     for needle in ("listen: 'nowhere'", "dry_run: expected bool", "surprise: unknown key",
                    "auth.basic_auth: needs both", "policy.rules[0].action", "policy.rules[0].match.alertname",
                    "breaker_max_fraction", "'reboot' is not one of", "rate_limit_actions",
-                   "undrain.mode"):
+                   "undrain.mode", "auth.operator.colour: unknown key",
+                   "auth.operator: needs token_file, basic_auth or both", "requeue_breaker_max_nodes",
+                   "connection_idle_timeout_seconds"):
         assert needle in text, needle
-    assert len(caught.value.errors) == 10
+    assert len(caught.value.errors) == 14
 
 
 def test_backend_problems_are_listed_with_the_rest(tmp_path, capsys):
