@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import sys
 import time
 from pathlib import Path
@@ -175,3 +176,50 @@ async def test_operator_actions_take_the_operator_credential_only(webhook, tmp_p
     approvals = [(await hook.call("GET", f"/actions/{i}"))["transitions"][1]["detail"]
                  for i in (first, second)]
     assert approvals == ["approved by operator token", "approved by operator basic user alice"]
+
+
+SITE = """\
+import json, os, sys
+from pathlib import Path
+state = Path(os.environ["SITE_STATE"]) / (os.environ["GPUHEALTH_NODE"] + ".json")
+op = os.environ["GPUHEALTH_OPERATION"]
+with open(Path(os.environ["SITE_STATE"]) / "calls.log", "a") as log:
+    log.write(op + " " + os.environ["GPUHEALTH_NODE"] + "\\n")
+idle = {"exists": True, "drained": False, "reason": ""}
+current = json.loads(state.read_text()) if state.exists() else idle
+if op == "drain" and not current["drained"]:
+    current = {"exists": True, "drained": True, "reason": os.environ["GPUHEALTH_REASON"]}
+elif op == "resume":
+    current = idle
+state.write_text(json.dumps(current))
+if op == "node_state":
+    print(json.dumps(current))
+"""
+
+
+async def test_on_a_command_backend_undrain_leaves_a_node_the_operator_redrained(webhook, tmp_path):
+    """The same race on a site's own commands: the operator's drain, written where the site's
+    node_state reads it, wins over our undrain."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "site.py").write_text(SITE)
+    command = [sys.executable, str(site / "site.py")]
+    backend = CommandBackend.from_config({
+        "fleet_size": 16, "timeout_seconds": 20, "env": {"SITE_STATE": str(site)},
+        "commands": {op: command for op in ("node_state", "drain", "resume")}})
+    healthy = tmp_path / "healthy"
+    check = [sys.executable, "-c", f"import os, sys; sys.exit(0 if os.path.exists({str(healthy)!r}) else 1)"]
+    hook = await webhook(backend=backend, undrain={"health_check": check, "health_check_retry_seconds": 0.2,
+                                                   "health_check_max_attempts": 10})
+    firing = alert("gpu05", action="drain")
+    await hook.post(firing)
+    assert (await hook.settle(timeout=30))[0]["reason"] == "ok"
+    [undrain_id] = (await hook.post(resolved(firing)))["new_actions"]
+    await wait_for(hook, undrain_id, lambda a: a["reason"] == "health_check_failed")
+    (site / "gpu05.json").write_text(json.dumps({"exists": True, "drained": True, "reason": OPERATOR_REASON}))
+    healthy.touch()
+    undrain = await wait_for(hook, undrain_id, lambda a: a["state"] not in ("pending", "running"))
+    assert (undrain["state"], undrain["reason"]) == ("skipped", "drained_by_other"), undrain
+    calls = (site / "calls.log").read_text().split("\n")
+    assert "resume gpu05" not in calls and "drain gpu05" in calls
+    assert json.loads((site / "gpu05.json").read_text())["reason"] == OPERATOR_REASON
