@@ -21,6 +21,7 @@ import jinja2
 from aiohttp import web
 from gpuhealth.webhook.auth import Authenticator
 from gpuhealth.webhook.backends import Backend, create_backend
+from gpuhealth.webhook.backends.helpers import TracksHelpers
 from gpuhealth.webhook.config import Config
 from gpuhealth.webhook.engine import Engine
 from gpuhealth.webhook.journal import (
@@ -319,9 +320,8 @@ async def _runtime(app: web.Application):
     engine = Engine(config, app[BACKEND], journal, app[METRICS])
     worker = Worker(engine, journal, config.journal_retention_days * 86400)
     app[JOURNAL], app[ENGINE], app[WORKER] = journal, engine, worker
-    track_helpers = getattr(app[BACKEND], "track_helpers", None)  # backends that run site programs
-    if track_helpers is not None:
-        await asyncio.to_thread(track_helpers, config.state_dir / "helpers")
+    if isinstance(app[BACKEND], TracksHelpers):  # kill what a killed webhook left running first
+        await asyncio.to_thread(app[BACKEND].track_helpers, config.state_dir / "helpers")
     breaker = await engine.breaker()
     app[METRICS].breaker_open.set(int(breaker["open"]))
     log.info("event=started journal=%s backend=%s dry_run=%s breaker_open=%s", config.journal_path,

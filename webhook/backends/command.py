@@ -25,11 +25,10 @@ import signal
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from gpuhealth.webhook.backends.base import BackendError, NodeState
-from gpuhealth.webhook.backends.helpers import HelperRegistry
+from gpuhealth.webhook.backends.helpers import HelperRegistry, TracksHelpers
 from gpuhealth.webhook.labels import GPU, clean_text, shown, valid_node
 
 log = logging.getLogger(__name__)
@@ -220,21 +219,13 @@ def _settings(section: Mapping[str, Any]) -> CommandSettings:
                            dict(env), cwd, frozenset(codes))
 
 
-class CommandBackend:
+class CommandBackend(TracksHelpers):
     """Runs one configured program per operation; an operation with no command fails clearly."""
 
     name = "command"
 
     def __init__(self, settings: CommandSettings) -> None:
         self.settings = settings
-        self._helpers: HelperRegistry | None = None
-
-    def track_helpers(self, directory: Path) -> int:
-        """Record running helpers in ``directory`` from now on, after killing (and waiting for) any a
-        previous webhook left running there; how many groups were killed. Called before the worker
-        starts, so an interrupted step is resumed only once its previous run is dead."""
-        self._helpers = HelperRegistry(directory)
-        return self._helpers.reap()
 
     @classmethod
     def from_config(cls, section: Mapping[str, Any]) -> CommandBackend:
@@ -250,7 +241,7 @@ class CommandBackend:
         log.info("event=command_run operation=%s argv=%s", operation, json.dumps(argv))
         return await run_argv(argv, env=environment(operation, fields, self.settings.env),
                               timeout=self.settings.timeout_seconds, cwd=self.settings.cwd,
-                              permanent_exit_codes=self.settings.permanent_exit_codes, helpers=self._helpers)
+                              permanent_exit_codes=self.settings.permanent_exit_codes, helpers=self.helpers)
 
     async def node_state(self, node: str) -> NodeState:
         if "node_state" not in self.settings.commands:

@@ -95,3 +95,16 @@ class HelperRegistry:
                 raise RuntimeError(f"helper process group {pgid} survives SIGKILL; refusing to resume "
                                    "steps beside it")
             time.sleep(0.02)
+
+
+class TracksHelpers:
+    """For a backend that runs site programs: ``track_helpers`` is called once at start-up, before
+    the worker, and the programs are then run with ``helpers=self.helpers``."""
+
+    helpers: HelperRegistry | None = None
+
+    def track_helpers(self, directory: Path) -> int:
+        """Record running helpers in ``directory`` from now on, after killing (and waiting for) any a
+        previous webhook left running there; how many groups were killed."""
+        self.helpers = HelperRegistry(directory)
+        return self.helpers.reap()

@@ -20,6 +20,7 @@ from urllib.parse import quote
 from ..labels import clean_text
 from .base import BackendError, NodeState
 from .command import FIELDS, alert_fields, check_gpu, check_node, environment, fill, run_argv, template_errors
+from .helpers import TracksHelpers
 from .kubernetes_api import PATCH_TYPES, KubeAPIError, KubeClient, KubeSession
 from .kubernetes_config import SERVICE_ACCOUNT_DIR, Connection, from_kubeconfig, in_cluster
 
@@ -62,7 +63,7 @@ _CHOICES = {"patch_type": tuple(PATCH_TYPES), "node_actions": ("annotate", "comm
 _CONNECTION_KEYS = {"type", "kubeconfig", "context", "service_account_dir", "insecure_skip_tls_verify"}
 
 
-class KubernetesBackend:
+class KubernetesBackend(TracksHelpers):
     """Acts through the API server with the rights of the ClusterRole in ``KUBERNETES.md``."""
 
     name = "kubernetes"
@@ -207,7 +208,7 @@ class KubernetesBackend:
         argv = fill(template, fields)
         log.info("event=kube_node_command operation=%s node=%s argv=%r", operation, fields["node"], argv)
         await run_argv(argv, env=environment(operation, fields, {}),
-                       timeout=self.settings.node_command_timeout_seconds)
+                       timeout=self.settings.node_command_timeout_seconds, helpers=self.helpers)
 
     async def _request_node_action(self, node: str, action: str, gpu: str | None, reason: str) -> None:
         """Record the request on the node for the node-local agent, which clears it when done."""

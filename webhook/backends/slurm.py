@@ -30,6 +30,7 @@ from gpuhealth.webhook.backends.command import (
     run_argv,
     template_errors,
 )
+from gpuhealth.webhook.backends.helpers import TracksHelpers
 from gpuhealth.webhook.labels import clean_text, valid_node
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ def _flags(line: str) -> set[str]:
     return set(state[1].split("+")) if state else set()
 
 
-class SlurmBackend:
+class SlurmBackend(TracksHelpers):
     """Acts with the rights of the user it runs as: ``scontrol update`` and ``requeue`` need an operator."""
 
     name = "slurm"
@@ -248,7 +249,7 @@ class SlurmBackend:
                                "reset_gpu_fallback is 'error'", retryable=False)
         fields = alert_fields(node, reason, gpu or "")
         await run_argv(fill(command, fields), env=environment("reset_gpu", fields, self._env),
-                       timeout=self.settings.timeout_seconds)
+                       timeout=self.settings.timeout_seconds, helpers=self.helpers)
         log.info("event=slurm_reset_gpu node=%s gpu=%s", node, gpu)
 
     async def reboot(self, node: str, reason: str) -> None:
