@@ -68,10 +68,10 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
     except web.HTTPException:
         raise
     except (JournalUnwritable, *JOURNAL_ERRORS) as exc:
-        log.error("event=journal_error path=%s error=%r", request.path, exc)
+        log.error("event=journal_error path=%r error=%r", request.path[:100], exc)
         raise _json_error(web.HTTPServiceUnavailable, f"journal cannot be written now: {exc}") from None
     except Exception:
-        log.exception("event=request_error path=%s", request.path)
+        log.exception("event=request_error path=%r", request.path[:100])
         raise _json_error(web.HTTPInternalServerError, "internal error (logged)") from None
 
 
@@ -111,7 +111,7 @@ async def post_alerts(request: web.Request) -> web.Response:
         log.warning("event=notification_rejected remote=%s error=%r", request.remote, message[:300])
         raise _json_error(web.HTTPBadRequest, message) from None
     if notification.truncated_alerts:
-        log.warning("event=notification_truncated receiver=%s dropped_alerts=%d (raise max_alerts in the "
+        log.warning("event=notification_truncated receiver=%r dropped_alerts=%d (raise max_alerts in the "
                     "Alertmanager receiver or group alerts more finely)", notification.receiver,
                     notification.truncated_alerts)
     journal = request.app[JOURNAL]
@@ -135,8 +135,8 @@ async def post_alerts(request: web.Request) -> web.Response:
     all_seen = bool(notification.alerts) and result.duplicates == len(notification.alerts)
     outcome = "duplicate" if all_seen else "accepted"
     metrics.notifications.labels(outcome).inc()
-    log.info("event=notification_%s id=%s receiver=%s alerts=%d new_actions=%d duplicates=%d resolved=%d",
-             outcome, result.notification_id, notification.receiver, len(notification.alerts),
+    log.info("event=notification_%s id=%s receiver=%r alerts=%d new_actions=%d duplicates=%d resolved=%d",
+             outcome, result.notification_id, notification.receiver[:100], len(notification.alerts),
              len(result.new_actions), result.duplicates, result.resolved)
     return web.json_response({"status": outcome, "notification": result.notification_id,
                               "alerts": len(notification.alerts), "new_actions": result.new_actions,

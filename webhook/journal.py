@@ -608,6 +608,7 @@ class AsyncJournal:
         return result
 
     def failed(self, exc: BaseException) -> None:
+        log.debug("event=journal_write_refused error=%r", exc)
         if self._on_failure is not None:
             self._on_failure()
         if self.write_error is None:

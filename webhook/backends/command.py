@@ -66,16 +66,22 @@ async def run_argv(argv: Sequence[str], *, env: Mapping[str, str] | None, timeou
     ``helpers`` records the process group while it runs, for a restarted webhook to kill.
     """
     what = " ".join(argv)
+    try:  # the record is made before the program starts: recording it then needs no new space
+        slot = helpers.reserve() if helpers is not None else None
+    except OSError as exc:
+        raise BackendError(f"{what}: not run, its process cannot be recorded: {exc}") from None
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env=dict(env) if env is not None else None, cwd=cwd,
             start_new_session=True)
     except OSError as exc:
+        if helpers is not None and slot is not None:
+            helpers.release(slot)
         raise BackendError(f"{what}: cannot run {argv[0]!r}: {exc.strerror}", retryable=False) from None
     try:
-        if helpers is not None:
-            helpers.started(proc.pid)
+        if helpers is not None and slot is not None:
+            helpers.started(slot, proc.pid)
         stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout)
     except (OSError, asyncio.CancelledError) as exc:  # TimeoutError is an OSError
         with contextlib.suppress(ProcessLookupError):

@@ -13,11 +13,14 @@ import logging
 import os
 import signal
 import time
+import uuid
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 REAP_TIMEOUT_SECONDS = 10.0
+SLOT_PREFIX = "reserved-"
+SLOT_BYTES = 32  # room for a start time in clock ticks
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -51,13 +54,27 @@ class HelperRegistry:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
 
-    def started(self, pid: int) -> None:
-        """Record a helper that leads its own process group; fsync'd, so a crash cannot lose it."""
-        path = self.directory / str(pid)
-        with open(path, "w") as out:
-            out.write(start_time(pid) or "")
+    def reserve(self) -> Path:
+        """A record written (and fsync'd) before the helper starts; ``OSError`` (a full disk) means the
+        helper must not start, since what it then did could not be known after a crash."""
+        slot = self.directory / f"{SLOT_PREFIX}{uuid.uuid4().hex}"
+        with open(slot, "w") as out:
+            out.write(" " * SLOT_BYTES)
             out.flush()
             os.fsync(out.fileno())
+        return slot
+
+    def started(self, slot: Path, pid: int) -> None:
+        """Fill in a reserved record for a helper that leads its own process group: written in place
+        and renamed, so it needs no new space."""
+        with open(slot, "r+") as out:
+            out.write((start_time(pid) or "").ljust(SLOT_BYTES)[:SLOT_BYTES])
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(slot, self.directory / str(pid))
+
+    def release(self, slot: Path) -> None:
+        slot.unlink(missing_ok=True)
 
     def finished(self, pid: int) -> None:
         (self.directory / str(pid)).unlink(missing_ok=True)
@@ -67,6 +84,9 @@ class HelperRegistry:
         groups were killed. A group whose leader's pid now belongs to another process is not ours."""
         killed = 0
         for path in sorted(self.directory.iterdir()):
+            if path.name.startswith(SLOT_PREFIX):
+                path.unlink()  # never filled in: its helper never started (or died with the webhook)
+                continue
             if not path.name.isdigit():
                 continue
             pgid = int(path.name)
