@@ -43,9 +43,6 @@ from gpuhealth.webhook.policy import STEPS, drain_reason, is_ours
 log = logging.getLogger(__name__)
 
 ACTING_DRAINS = (*DRAINING_KINDS, "replace")
-# Steps that change the node itself: ownership is checked again right before each, since an operator
-# may have drained (or resumed) the node while the action waited.
-NODE_CHANGING = ("drain", "reset_gpu", "reboot", "resume")
 FINAL_STATE = {Outcome.DONE: DONE, Outcome.DRY_RUN: DONE, Outcome.FAILED: FAILED,
                Outcome.CANCELLED: CANCELLED}  # anything else ends SKIPPED
 
