@@ -32,6 +32,7 @@ class Settings:
     listen: str = f":{DEFAULT_PORT}"
     state_dir: Path | None = None
     procfs: Path = Path("/proc")
+    sysfs: Path | None = None       # None: /sys for nvml; the sim counts its own GPUs
     sampling_interval: float = 1.0
     sampling_window: float = 15.0
     nvml_timeout: float = 2.0
@@ -48,7 +49,7 @@ class Settings:
         return host.strip("[]"), int(port)
 
 
-_PATHS = {"sim_scenario", "kmsg_path", "state_dir", "procfs", "tls_cert_file", "tls_key_file"}
+_PATHS = {"sim_scenario", "kmsg_path", "state_dir", "procfs", "sysfs", "tls_cert_file", "tls_key_file"}
 _FLOATS = {"sampling_interval", "sampling_window", "nvml_timeout"}
 _WEB_KEYS = {"tls_cert_file", "tls_key_file", "basic_auth_users"}
 

@@ -13,9 +13,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuhealth.exporter.metrics import RECOVERY_ACTIONS
+
 log = logging.getLogger(__name__)
 
-RECOVERY_ACTION_CODES = {0: "none", 1: "gpu_reset", 2: "node_reboot", 3: "drain_p2p", 4: "drain_and_reset"}
+RECOVERY_ACTION_CODES = dict(enumerate(RECOVERY_ACTIONS))  # NVML codes, as XID 154 prints them
 
 _KMSG_PREFIX = re.compile(r"^(\d+),(\d+),(\d+),[^;]*;")
 _PCI = r"(?:PCI:)?([0-9a-fA-F]{1,8}):([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})(?:\.([0-7]))?"

@@ -43,14 +43,16 @@ def build_parser(collector_names: dict[str, str]) -> argparse.ArgumentParser:
     add("--state-dir", metavar="DIR", help="where to keep the last kernel log sequence number, so that "
         "a restart does not count old events again (default: skip what is in the log at start-up)")
     add("--path.procfs", dest="procfs", metavar="DIR", help="procfs mount point (default /proc)")
+    add("--path.sysfs", dest="sysfs", metavar="DIR", help="sysfs mount point, where the expected GPUs are "
+        "counted on the PCI bus (default /sys with --backend nvml)")
     add("--sampling.interval", dest="sampling_interval", type=float, metavar="SECONDS",
         help="how often collectors sample (default 1)")
     add("--sampling.window", dest="sampling_window", type=float, metavar="SECONDS",
         help="window of the max-over-window features, about the scrape interval (default 15)")
     add("--nvml.timeout", dest="nvml_timeout", type=float, metavar="SECONDS",
         help="deadline for one GPU's NVML sample before it counts as a timeout (default 2)")
-    add("--gpus-expected", type=int, metavar="N", help="GPUs this node should have (default: the count "
-        "NVML sees at start-up)")
+    add("--gpus-expected", type=int, metavar="N", help="GPUs this node should have (default: NVIDIA GPUs "
+        "on the PCI bus, else the count NVML sees first)")
     add("--web.tls-cert-file", dest="tls_cert_file", metavar="FILE", help="serve HTTPS with this certificate")
     add("--web.tls-key-file", dest="tls_key_file", metavar="FILE", help="private key of the certificate")
     add("--log-level", choices=("debug", "info", "warning", "error"), help="default info")
@@ -80,8 +82,9 @@ def _settings(argv: list[str] | None) -> tuple[Settings | None, argparse.Namespa
     return build_settings(file_values, flags, list(registrations), problems), args
 
 
-def _open_nvml(settings: Settings, kmsg_path: Path | None) -> Any:
-    """The NVML module for the backend, initialised. Exits 2 with one line when NVML is missing."""
+def _nvml_module(settings: Settings, kmsg_path: Path | None) -> Any:
+    """The NVML module for the backend, not yet initialised: the gpu collector initialises it under
+    a deadline and keeps retrying, so a node with a broken driver still exports ``gpuhealth_nvml_up 0``."""
     if settings.backend == "sim":
         from gpuhealth.exporter.sim.nvml import SimulatedNvml
         from gpuhealth.exporter.sim.scenario import load_scenario
@@ -89,16 +92,10 @@ def _open_nvml(settings: Settings, kmsg_path: Path | None) -> Any:
         if kmsg_path is not None and kmsg_path.exists() and not kmsg_path.is_file():
             log.info("simulated kernel lines are not written to a device path=%s", kmsg_path)
             kmsg_path = None  # never inject fake XIDs into the real /dev/kmsg
-        nvml: Any = SimulatedNvml(load_scenario(settings.sim_scenario), kmsg_path)
-    else:
-        import pynvml as nvml
-    try:
-        nvml.nvmlInit()
-    except nvml.NVMLError as exc:
-        print(f"gpuhealth-exporter: cannot use NVML ({exc}); on a machine without NVIDIA GPUs or driver, "
-              "run with --backend sim", file=sys.stderr)
-        raise SystemExit(2) from None
-    return nvml
+        return SimulatedNvml(load_scenario(settings.sim_scenario), kmsg_path)
+    import pynvml
+
+    return pynvml
 
 
 def _build_info(backend: str):
@@ -122,7 +119,7 @@ def run(settings: Settings) -> int:
         else:
             kmsg_path = Path("/dev/kmsg")
     try:
-        nvml = _open_nvml(settings, kmsg_path)
+        nvml = _nvml_module(settings, kmsg_path)
     except ScenarioError as exc:
         for problem in exc.problems:
             print(f"gpuhealth-exporter: {settings.sim_scenario}: {problem}", file=sys.stderr)
@@ -131,12 +128,11 @@ def run(settings: Settings) -> int:
         print(f"gpuhealth-exporter: cannot use the kernel log {kmsg_path}: {exc.strerror or exc}",
               file=sys.stderr)
         return 2
-    ctx = Context(nvml=nvml, procfs=settings.procfs, kmsg_path=None if settings.no_kmsg else kmsg_path,
-                  state_dir=settings.state_dir, gpus_expected=settings.gpus_expected,
-                  window_seconds=settings.sampling_window, nvml_timeout_seconds=settings.nvml_timeout)
-    ctx.inventory.driver_version = str(nvml.nvmlSystemGetDriverVersion())
-    if ctx.gpus_expected is None:
-        ctx.gpus_expected = nvml.nvmlDeviceGetCount()
+    sysfs = settings.sysfs or (Path("/sys") if settings.backend == "nvml" else None)
+    ctx = Context(nvml=nvml, procfs=settings.procfs, sysfs=sysfs,
+                  kmsg_path=None if settings.no_kmsg else kmsg_path, state_dir=settings.state_dir,
+                  gpus_expected=settings.gpus_expected, window_seconds=settings.sampling_window,
+                  nvml_timeout_seconds=settings.nvml_timeout)
     collectors = {name: reg.factory(ctx) for name, reg in load_collectors().items()
                   if settings.collectors.get(name, reg.default_enabled)}
     sampler = Sampler(collectors, _build_info(settings.backend), settings.sampling_interval)

@@ -67,6 +67,7 @@ class GpuState:
     nvlink_errors: dict[tuple[int, str], float] = field(default_factory=dict)
     lost: bool = False
     hung: bool = False
+    recovery_action: int = 0  # NVML_GPU_RECOVERY_ACTION_*, what XID 154 announces
 
     @property
     def pci_kernel(self) -> str:
@@ -181,6 +182,7 @@ class FaultRun:
                 94: "pid=4242, name=python, Contained: SM (0x1). RST: No, D-RST: No",
                 95: "pid=4242, name=python, Uncontained: FBHUB. RST: Yes, D-RST: No"}[xid]
         self._xid(gpu, xid, text)
+        gpu.recovery_action = pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
         self._xid(gpu, 154, "GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)")
 
     def _fail_thermal_runaway(self, gpu: GpuState) -> None:
@@ -259,6 +261,7 @@ class Node:
         self.runs = [FaultRun(f, self.emit) for f in scenario.faults]
         for gpu in self.gpus:
             gpu.lost = gpu.hung = False
+            gpu.recovery_action = 0
             gpu.nvlink_down.clear()
             gpu.remap_pending = gpu.retired_pending = 0
             gpu.ecc_corrected_volatile = gpu.ecc_uncorrected_volatile = 0.0

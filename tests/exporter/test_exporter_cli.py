@@ -101,8 +101,8 @@ def test_scenario_defaults_and_file_loading(tmp_path: Path) -> None:
         parse_scenario([1, 2])
 
 
-def test_nvml_backend_without_a_driver_is_one_line_naming_the_simulator(tmp_path: Path) -> None:
-    """Without libnvidia-ml (CI) the nvml backend exits 2 with one line; with a GPU it must serve."""
+def test_nvml_backend_without_a_driver_keeps_serving_nvml_up_0(tmp_path: Path) -> None:
+    """Without libnvidia-ml (CI) the exporter stays up and says so; with a GPU it must serve the GPU."""
     import pynvml
 
     try:
@@ -113,17 +113,15 @@ def test_nvml_backend_without_a_driver_is_one_line_naming_the_simulator(tmp_path
         have_nvml = False
     port = free_port()
     argv = [*EXPORTER, "--backend", "nvml", "--listen", f"127.0.0.1:{port}", "--no-kmsg"]
+    with ManagedProcess("exporter", argv, tmp_path / "exporter.log") as proc:
+        proc.start().wait_ready(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=30)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
     if have_nvml:
-        with ManagedProcess("exporter", argv, tmp_path / "exporter.log") as proc:
-            proc.start().wait_ready(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=30)
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-                text = resp.read().decode()
         assert 'backend="nvml"' in text and 'gpuhealth_gpu_up{gpu="0"} 1.0' in text
         return
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--backend sim" in lines[0]
+    assert "gpuhealth_nvml_up 0.0" in text
+    assert 'gpuhealth_nvml_init_errors_total{error="library_not_found"} 1.0' in text
 
 
 def test_hash_password_round_trip() -> None:

@@ -107,10 +107,11 @@ def test_pcie_and_nvlink_degradation(clock: FakeClock) -> None:
     assert value(text, "gpuhealth_gpu_pcie_link_width_lanes", gpu="1") == 8
     assert value(text, "gpuhealth_gpu_pcie_link_downgraded", gpu="1") == 1
     assert value(text, "gpuhealth_gpu_pcie_link_downgraded", gpu="0") == 0
-    assert value(text, "gpuhealth_gpu_nvlink_errors_total", gpu="6", link="11", type="crc_flit") > 1000
-    assert value(text, "gpuhealth_gpu_nvlink_errors_total", gpu="6", link="10", type="crc_flit") == 0
+    # Hopper: link-scoped DL field values, in one batched call
+    assert value(text, "gpuhealth_gpu_nvlink_errors_total", gpu="6", link="11", type="crc") > 1000
+    assert value(text, "gpuhealth_gpu_nvlink_errors_total", gpu="6", link="10", type="crc") == 0
     per_link = [v for k, v in samples(text, "gpuhealth_gpu_nvlink_errors_total").items() if ("gpu", "6") in k]
-    assert len(per_link) == 18 * 4   # links x error types
+    assert len(per_link) == 18 * 3   # links x (crc, replay, recovery)
     # The per-GPU total is the sum over links and types: one series per GPU for the rules.
     assert value(text, "gpuhealth_gpu_nvlink_errors_all_links_total", gpu="6") == sum(per_link)
     assert value(text, "gpuhealth_gpu_nvlink_errors_all_links_total", gpu="0") == 0
@@ -127,7 +128,7 @@ def test_fallen_off_bus_gpu_is_down_others_keep_reporting(clock: FakeClock) -> N
     clock.advance(10)
     text = scrape(collector)
     assert value(text, "gpuhealth_gpu_up", gpu="3") == 0
-    assert value(text, "gpuhealth_gpu_nvml_errors_total", gpu="3", error="gpu_is_lost") == 1
+    assert value(text, "gpuhealth_gpu_nvml_errors_total", gpu="3", error="gpu_is_lost", query="sample") == 1
     assert value(text, "gpuhealth_gpus_visible") == 7
     assert value(text, "gpuhealth_gpus_expected") == 8
     assert value(text, "gpuhealth_gpu_temperature_celsius", gpu="3") is None
@@ -148,7 +149,7 @@ def test_hung_gpu_times_out_and_stays_down_without_blocking(clock: FakeClock) ->
         first = scrape(collector)
         second = scrape(collector)  # the stuck call is still running: fails at once, no new thread
         assert value(first, "gpuhealth_gpu_up", gpu="1") == 0
-        assert value(second, "gpuhealth_gpu_nvml_errors_total", gpu="1", error="timeout") == 2
+        assert value(second, "gpuhealth_gpu_nvml_errors_total", gpu="1", error="timeout", query="sample") == 2
         assert value(second, "gpuhealth_gpu_nvml_latency_seconds", gpu="1") == pytest.approx(0.3)
         assert value(second, "gpuhealth_gpu_up", gpu="0") == 1
         assert value(second, "gpuhealth_gpus_visible") == 2  # enumerated, just not answering

@@ -6,6 +6,7 @@ other test here and fail on the first real GPU.
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
@@ -36,4 +37,20 @@ def test_name_exists_in_pynvml_and_simulator(name: str) -> None:
 
 def test_reader_builds_on_the_real_module() -> None:
     reader = NvmlReader(pynvml)  # touches constants only: no library needed
-    assert reader.optional(lambda: (_ for _ in ()).throw(pynvml.NVMLError_NotSupported())) is None
+    assert reader.ask(None, 0, lambda handle: (_ for _ in ()).throw(pynvml.NVMLError_NotSupported()), None) \
+        is None
+
+
+def _parameters(fn) -> list[tuple[str, bool]]:
+    return [(p.name, p.default is inspect.Parameter.empty)
+            for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+
+
+@pytest.mark.parametrize("name", sorted(n for n in used_names() if n.startswith("nvml") and
+                                        callable(getattr(pynvml, n))))
+def test_simulator_takes_the_same_arguments_as_pynvml(name: str) -> None:
+    """Same parameter count and required ones: a call that works on the simulator works on pynvml."""
+    real, sim = getattr(pynvml, name), getattr(SimulatedNvml(Scenario()), name)
+    real_params, sim_params = _parameters(real), _parameters(sim)
+    assert len(sim_params) == len(real_params), f"{name}: {sim_params} vs pynvml {real_params}"
+    assert [required for _, required in sim_params] == [required for _, required in real_params], name

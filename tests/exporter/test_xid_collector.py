@@ -59,8 +59,10 @@ def test_kernel_log_golden(tmp_path: Path, clock: FakeClock) -> None:
     assert value(text, "gpuhealth_xid_events_total", gpu="0", xid="31") == 2  # repeats are not lost
     assert value(text, "gpuhealth_xid_events_total", gpu="1", xid="13") == 1  # legacy format
     assert value(text, "gpuhealth_xid_events_total", gpu="unknown", xid="79") == 1
-    assert value(text, "gpuhealth_gpu_recovery_action", gpu="1", action="node_reboot") == 1
-    assert value(text, "gpuhealth_gpu_recovery_action", gpu="1", action="none") == 0
+    gpus = scrape(make_collector("gpu", ctx))  # a driver before R565: XID 154 is the only source
+    assert value(gpus, "gpuhealth_gpu_recovery_action", gpu="1", action="node_reboot") == 1
+    assert value(gpus, "gpuhealth_gpu_recovery_action", gpu="1", action="none") == 0
+    assert value(gpus, "gpuhealth_gpu_recovery_action", gpu="0", action="none") == 1  # always present
     assert value(text, "gpuhealth_gpu_fallen_off_bus_total", gpu="1") == 1
     assert value(text, "gpuhealth_sxid_events_total", device="nvswitch2", sxid="20034", severity="fatal") == 1
     assert value(text, "gpuhealth_pcie_aer_errors_total", pci_bus_id="00000000:18:00.0", severity="corrected",
@@ -118,3 +120,19 @@ def test_deduplicator_pairs_across_sources_only() -> None:
     assert not dedup.is_new("nvml", "0", 79, 4.0)
     assert dedup.is_new("nvml", "1", 79, 4.0)       # another GPU
     assert dedup.is_new("kmsg", "1", 79, 20.0)      # too late to pair: a new event
+
+
+def test_logged_recovery_action_survives_a_restart(tmp_path: Path, clock: FakeClock) -> None:
+    ctx = kmsg_context(tmp_path, clock)
+    ctx.state_dir = tmp_path
+    collector = make_collector("xid", ctx)
+    scrape(collector)
+    write(ctx, "3,200,6000,-;NVRM: Xid (PCI:0000:2a:00): 154, GPU recovery action changed from 0x0 (None) to "
+               "0x1 (GPU Reset Required)")
+    scrape(collector)
+    collector.close()
+    restarted = kmsg_context(tmp_path, clock)  # a new exporter process: the XID 154 line is not read again
+    restarted.state_dir = tmp_path
+    scrape(make_collector("xid", restarted))
+    text = scrape(make_collector("gpu", restarted))
+    assert value(text, "gpuhealth_gpu_recovery_action", gpu="1", action="gpu_reset") == 1
