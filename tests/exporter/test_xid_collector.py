@@ -136,3 +136,19 @@ def test_logged_recovery_action_survives_a_restart(tmp_path: Path, clock: FakeCl
     scrape(make_collector("xid", restarted))
     text = scrape(make_collector("gpu", restarted))
     assert value(text, "gpuhealth_gpu_recovery_action", gpu="1", action="gpu_reset") == 1
+
+
+def test_simulator_writes_every_real_format_and_each_is_counted(tmp_path: Path, clock: FakeClock) -> None:
+    """GPU i gets format i: escaped-newline record, short form, one-line notice; three AER spellings."""
+    faults = [{"kind": "fell_off_bus", "gpu": i, "start": 3} for i in range(3)]
+    faults += [{"kind": "pcie_degradation", "gpu": i, "precursor": 100} for i in range(3, 6)]
+    ctx = kmsg_context(tmp_path, clock, {"gpus": 6, "nvlinks": 0, "faults": faults})
+    collector = make_collector("xid", ctx)
+    clock.advance(90)
+    text = scrape(collector)
+    for gpu in ("0", "1", "2"):
+        assert value(text, "gpuhealth_gpu_fallen_off_bus_total", gpu=gpu) == 1
+    for gpu in ("3", "4", "5"):
+        assert sum(v for k, v in samples(text, "gpuhealth_pcie_aer_errors_total").items()
+                   if ("gpu", gpu) in k) > 10
+    assert value(text, "gpuhealth_kmsg_lines_total", result="malformed") == 0
