@@ -291,8 +291,10 @@ class NvmlReader:
         """Probing: a link number past the GPU's last answers InvalidArgument (or NotSupported)."""
         try:
             return self.nvml.nvmlDeviceGetNvLinkState(handle, link)
-        except self.nvml.NVMLError as exc:
+        except Exception as exc:
             how = reaction(self.nvml, exc)
+            if how is None:
+                raise
             if how in (Reaction.GPU_DOWN, Reaction.NVML_DOWN):
                 cls = NvmlDown if how is Reaction.NVML_DOWN else GpuDown
                 raise cls(error_label(exc), "nv_link_state") from exc

@@ -36,6 +36,7 @@ class NvmlSession:
         self._worker = GuardedWorker("nvml-init")
         self._retry_at = 0.0
         self._backoff = BACKOFF_FIRST
+        self._stale = False
         self._lock = threading.Lock()
 
     def ensure(self) -> bool:
@@ -61,6 +62,12 @@ class NvmlSession:
             return True
 
     def _init(self) -> str:
+        if self._stale:  # release the old library state first (the binding counts initialisations)
+            self._stale = False
+            try:
+                self.nvml.nvmlShutdown()
+            except self.nvml.NVMLError as exc:  # a stale library may refuse; initialising still works
+                log.debug("nvml shutdown failed error=%s", exc)
         self.nvml.nvmlInit()
         return str(self.nvml.nvmlSystemGetDriverVersion())
 
@@ -70,12 +77,6 @@ class NvmlSession:
             if not self.up:
                 return
             self.up = False
+            self._stale = True
             self._retry_at = 0.0
         log.warning("nvml lost error=%s; initialising again", reason)
-        self._worker.submit(self._shutdown)
-
-    def _shutdown(self) -> None:
-        try:
-            self.nvml.nvmlShutdown()
-        except self.nvml.NVMLError as exc:  # a stale library may refuse; initialising again still works
-            log.debug("nvml shutdown failed error=%s", exc)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -92,13 +93,15 @@ class GpuCollector:
         if self.expected is None:  # no readable sysfs: the count NVML sees first
             self.expected = count
         indices = sorted(set(range(count)) | set(ctx.inventory.gpus) | set(self.tracks))
-        deadlines = {i: ctx.clock() + ctx.nvml_timeout_seconds for i in indices}
+        # Each GPU's own deadline from its submission, in real time (what the guard waits in); the
+        # waits overlap, so a run takes one timeout at most however many GPUs hang.
+        deadlines = {i: time.monotonic() + ctx.nvml_timeout_seconds for i in indices}
         futures = {i: self._worker(i).submit(functools.partial(self._sample, i, i in ctx.inventory.gpus))
                    for i in indices}
         outcomes: dict[int, tuple | BaseException] = {}
         for index, future in futures.items():
             try:
-                outcomes[index] = GuardedWorker.result(future, deadlines[index] - ctx.clock())
+                outcomes[index] = GuardedWorker.result(future, deadlines[index] - time.monotonic())
             except (DeadlineExceeded, GpuDown) as exc:
                 outcomes[index] = exc
         timed_out = [i for i, o in outcomes.items() if isinstance(o, DeadlineExceeded)]

@@ -152,3 +152,54 @@ def test_simulator_writes_every_real_format_and_each_is_counted(tmp_path: Path, 
         assert sum(v for k, v in samples(text, "gpuhealth_pcie_aer_errors_total").items()
                    if ("gpu", gpu) in k) > 10
     assert value(text, "gpuhealth_kmsg_lines_total", result="malformed") == 0
+
+
+def test_event_set_failure_never_stops_the_kernel_log(tmp_path: Path, clock: FakeClock) -> None:
+    import pynvml
+
+    ctx = kmsg_context(tmp_path, clock)
+    ctx.nvml.inject["nvmlEventSetCreate"] = pynvml.NVMLError_Unknown()
+    collector = make_collector("xid", ctx)
+    scrape(collector)
+    write(ctx, LINES[0])
+    text = scrape(collector)
+    assert value(text, "gpuhealth_xid_events_total", gpu="0", xid="31") == 1
+    assert samples(text, "gpuhealth_xid_nvml_registered") == {}
+    del ctx.nvml.inject["nvmlEventSetCreate"]
+    ctx.nvml.inject["nvmlDeviceRegisterEvents"] = pynvml.NVMLError_NotSupported()
+    clock.advance(5)  # past the backoff
+    text = scrape(collector)
+    assert value(text, "gpuhealth_xid_nvml_registered", gpu="0") == 0
+    del ctx.nvml.inject["nvmlDeviceRegisterEvents"]
+    clock.advance(60)  # unregistered GPUs are retried
+    text = scrape(collector)
+    assert value(text, "gpuhealth_xid_nvml_registered", gpu="0") == 1
+    assert value(text, "gpuhealth_xid_nvml_registered", gpu="1") == 1
+
+
+def test_a_lost_gpu_in_the_event_set_does_not_silence_the_others(tmp_path: Path, clock: FakeClock) -> None:
+    faults = [{"kind": "fell_off_bus", "gpu": 1, "start": 5},
+              {"kind": "hbm_degradation", "gpu": 0, "start": 10, "precursor": 10, "xid": 48}]
+    ctx = sim_context({"gpus": 2, "nvlinks": 0, "faults": faults}, clock)  # NVML events only
+    collector = make_collector("xid", ctx)
+    scrape(collector)
+    for _ in range(30):
+        clock.advance(1)
+        text = scrape(collector)
+    assert value(text, "gpuhealth_xid_events_total", gpu="1", xid="79") == 1
+    assert value(text, "gpuhealth_xid_nvml_wait_errors_total", error="gpu_is_lost") >= 1
+    assert value(text, "gpuhealth_xid_nvml_registered", gpu="1") == 0
+    assert value(text, "gpuhealth_xid_events_total", gpu="0", xid="48") == 1  # after the loss
+
+
+def test_an_event_whose_device_has_no_index_counts_as_unknown(tmp_path: Path, clock: FakeClock) -> None:
+    import pynvml
+
+    ctx = sim_context({"gpus": 1, "nvlinks": 0, "faults": [{"kind": "fell_off_bus", "gpu": 0, "start": 2}]},
+                      clock)
+    collector = make_collector("xid", ctx)
+    scrape(collector)
+    ctx.nvml.inject["nvmlDeviceGetIndex"] = pynvml.NVMLError_GpuIsLost()
+    clock.advance(3)
+    text = scrape(collector)
+    assert value(text, "gpuhealth_xid_events_total", gpu="unknown", xid="79") == 1
