@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import getpass
 import logging
+import resource
 import shutil
 import signal
+import ssl
 import sys
 import tempfile
 import threading
@@ -18,7 +21,8 @@ from gpuhealth.exporter.collector import Context, load_collectors
 from gpuhealth.exporter.config import DEFAULT_PORT, ConfigError, Settings, build_settings, read_yaml
 from gpuhealth.exporter.metrics import SPECS
 from gpuhealth.exporter.sampler import Sampler
-from gpuhealth.exporter.web import hash_password, make_server
+from gpuhealth.exporter.sim.profiles import PROFILES
+from gpuhealth.exporter.web import hash_password, make_server, tls_context
 from prometheus_client.core import GaugeMetricFamily
 
 log = logging.getLogger("gpuhealth.exporter")
@@ -35,6 +39,10 @@ def build_parser(collector_names: dict[str, str]) -> argparse.ArgumentParser:
     add("--backend", choices=("nvml", "sim"), help="real NVML, or the simulator for machines without "
         "GPUs (default: nvml)")
     add("--sim-scenario", metavar="FILE", help="simulator scenario (YAML); default: 8 healthy H100s")
+    add("--sim-profile", choices=sorted(PROFILES), help="simulated hardware: model, memory, NVLink "
+        "generation and which queries answer (default h100-sxm; sets the scenario's model and NVLinks)")
+    add("--sim-mig", action="store_true", default=None, help="simulate MIG mode inside a container: no "
+        "utilisation, NoPermission on some queries")
     add("--kmsg-path", metavar="PATH", help="kernel log to follow: /dev/kmsg (default with nvml) or a "
         "file in kmsg or plain format; with sim, the simulator also writes its kernel lines there")
     add("--no-kmsg", action="store_true", default=None, help="do not read the kernel log")
@@ -53,6 +61,8 @@ def build_parser(collector_names: dict[str, str]) -> argparse.ArgumentParser:
         help="deadline for one GPU's NVML sample before it counts as a timeout (default 2)")
     add("--gpus-expected", type=int, metavar="N", help="GPUs this node should have (default: NVIDIA GPUs "
         "on the PCI bus, else the count NVML sees first)")
+    add("--web.config.file", dest="web_config_file", metavar="FILE", help="Prometheus exporter-toolkit web "
+        "configuration (tls_server_config, basic_auth_users with bcrypt hashes)")
     add("--web.tls-cert-file", dest="tls_cert_file", metavar="FILE", help="serve HTTPS with this certificate")
     add("--web.tls-key-file", dest="tls_key_file", metavar="FILE", help="private key of the certificate")
     add("--log-level", choices=("debug", "info", "warning", "error"), help="default info")
@@ -87,12 +97,17 @@ def _nvml_module(settings: Settings, kmsg_path: Path | None) -> Any:
     a deadline and keeps retrying, so a node with a broken driver still exports ``gpuhealth_nvml_up 0``."""
     if settings.backend == "sim":
         from gpuhealth.exporter.sim.nvml import SimulatedNvml
+        from gpuhealth.exporter.sim.profiles import DEFAULT_PROFILE, load_profile
         from gpuhealth.exporter.sim.scenario import load_scenario
 
         if kmsg_path is not None and kmsg_path.exists() and not kmsg_path.is_file():
             log.info("simulated kernel lines are not written to a device path=%s", kmsg_path)
             kmsg_path = None  # never inject fake XIDs into the real /dev/kmsg
-        return SimulatedNvml(load_scenario(settings.sim_scenario), kmsg_path)
+        profile = load_profile(settings.sim_profile or DEFAULT_PROFILE)
+        scenario = load_scenario(settings.sim_scenario)
+        if settings.sim_profile is not None:
+            scenario = dataclasses.replace(scenario, model=profile.model, nvlinks=profile.nvlinks)
+        return SimulatedNvml(scenario, kmsg_path, profile=profile, mig=settings.sim_mig)
     import pynvml
 
     return pynvml
@@ -105,6 +120,16 @@ def _build_info(backend: str):
         family.add_metric([__version__, backend], 1)
         return [family]
     return families
+
+
+def _raise_file_limit() -> None:
+    """Soft file limit up to the hard one, as Go programs do: sockets and NVML share it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            log.info("file limit unchanged soft=%d hard=%d error=%s", soft, hard, exc)
 
 
 def run(settings: Settings) -> int:
@@ -138,9 +163,11 @@ def run(settings: Settings) -> int:
     sampler = Sampler(collectors, _build_info(settings.backend), settings.sampling_interval)
     host, port = settings.host_port
     try:
-        server = make_server(host, port, sampler, settings.tls_cert_file, settings.tls_key_file,
-                             settings.basic_auth_users)
-    except OSError as exc:
+        tls = None if settings.tls_cert_file is None else tls_context(
+            settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file,
+            settings.tls_client_auth_type, settings.tls_min_version)
+        server = make_server(host, port, sampler, users=settings.basic_auth_users, tls=tls)
+    except (OSError, ssl.SSLError) as exc:
         print(f"gpuhealth-exporter: cannot serve on {settings.listen}: {exc.strerror or exc}",
               file=sys.stderr)
         return 2
@@ -159,6 +186,7 @@ def run(settings: Settings) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, reload)
+    _raise_file_limit()
     # A scrape arriving mid-sample waits for the GIL; a 1 ms switch interval (default 5 ms) bounds that.
     sys.setswitchinterval(0.001)
     sampler.start()
