@@ -71,13 +71,12 @@ LINK_FIELDS = (
 )
 
 
-def field_value(nvml: Any, value: Any) -> float:
-    """The number in a ``c_nvmlFieldValue_t``, whatever its value type."""
-    member = {nvml.NVML_VALUE_TYPE_DOUBLE: "dVal", nvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
-              nvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal", nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
-              nvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal", nvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
-              nvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal"}.get(value.valueType, "ullVal")
-    return float(getattr(value.value, member))
+def value_members(nvml: Any) -> dict[int, str]:
+    """Which member of a ``c_nvmlFieldValue_t``'s value union holds the number, by value type."""
+    return {nvml.NVML_VALUE_TYPE_DOUBLE: "dVal", nvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+            nvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal", nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+            nvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal", nvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
+            nvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal"}
 
 
 def ber(raw: float) -> float:

@@ -33,7 +33,7 @@ from gpuhealth.exporter.nvml_fields import (
     RECOVERY_ACTION_FIELD,
     FieldSpec,
     ber,
-    field_value,
+    value_members,
 )
 
 CLOCK_EVENT_REASONS = {  # label -> pynvml constant suffix
@@ -69,6 +69,10 @@ class GpuReading:
             self.samples.append((name, labels, float(value)))
 
 
+def _stable(value: Any) -> Any:
+    return value if isinstance(value, int | float | str) else type(value).__name__
+
+
 def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
@@ -83,16 +87,27 @@ class NvmlReader:
         self._lock = threading.Lock()
         self._reasons = {label: getattr(nvml, f"nvmlClocksEventReason{suffix}")
                          for label, suffix in CLOCK_EVENT_REASONS.items()}
+        # field ids and value types resolved once: a sample asks for hundreds of fields
+        self._device_fields = [(spec, getattr(nvml, spec.field)) for spec in DEVICE_FIELDS]
+        self._link_fields = [(spec, getattr(nvml, spec.field)) for spec in LINK_FIELDS]
+        self._recovery_field = getattr(nvml, RECOVERY_ACTION_FIELD)
+        self._value_members = value_members(nvml)
+        self._success = nvml.NVML_SUCCESS
+        self._requests: dict[int, tuple[int, list]] = {}
+        self._absent_version = 0
 
     def forget(self) -> None:
         """After NVML was initialised again (a driver reload): ask every feature afresh."""
         with self._lock:
             self._absent.clear()
             self._links.clear()
+            self._absent_version += 1
 
     @staticmethod
     def _key(index: int, fn: Callable[..., Any], args: tuple) -> tuple:
-        return index, getattr(fn, "__name__", fn), repr(args[1:])  # args[0] is the handle
+        """What identifies a query: the function and its plain arguments (args[0] is the handle; an
+        output buffer such as ``byref(struct)`` or a list of fields counts by its type)."""
+        return index, getattr(fn, "__name__", fn), tuple(map(_stable, args[1:]))
 
     def _is_absent(self, index: int, fn: Callable[..., Any], *args: Any) -> bool:
         return self._key(index, fn, args) in self._absent
@@ -114,11 +129,15 @@ class NvmlReader:
             if how is Reaction.NVML_DOWN:
                 raise NvmlDown(label, query) from exc
             if how is Reaction.ABSENT:
-                with self._lock:
-                    self._absent.add(key)
+                self._remember_absent(key)
             if r is not None and label not in UNCOUNTED:
                 r.errors[(label, query)] += 1
             return None
+
+    def _remember_absent(self, key: tuple) -> None:
+        with self._lock:
+            self._absent.add(key)
+            self._absent_version += 1
 
     def core(self, fn: Callable[..., Any], *args: Any) -> Any:
         """A query without which the GPU cannot be sampled: any NVML error marks the GPU down."""
@@ -182,8 +201,8 @@ class NvmlReader:
             state = opt(nvml.nvmlDeviceGetNvLinkState, link)
             if state is not None:
                 r.add("gpuhealth_gpu_nvlink_up", int(state == nvml.NVML_FEATURE_ENABLED), str(link))
-        self._field_values(r, index, handle, links)
-        self._legacy_nvlink(r, opt, links)
+        if not self._field_values(r, index, handle, links):  # no NVLink counter among the fields
+            self._legacy_nvlink(r, opt, links)
         self._fabric(r, opt)
         procs = opt(nvml.nvmlDeviceGetComputeRunningProcesses)
         if procs is not None:
@@ -300,36 +319,46 @@ class NvmlReader:
                 raise cls(error_label(exc), "nv_link_state") from exc
             return None
 
-    def _field_values(self, r: GpuReading, index: int, handle: Any, links: list[int]) -> None:
-        """Every field value in one call; pairs the GPU does not support are left out from then on."""
-        nvml = self.nvml
-        # (spec, scope, field id); spec None: the recovery action
-        requests: list[tuple[FieldSpec | None, int, int]] = [
-            *((spec, 0, getattr(nvml, spec.field)) for spec in DEVICE_FIELDS),
-            (None, 0, getattr(nvml, RECOVERY_ACTION_FIELD)),
-            *((spec, link, getattr(nvml, spec.field)) for link in links for spec in LINK_FIELDS)]
+    def _field_requests(self, index: int, links: list[int]) -> list[tuple[FieldSpec | None, int, int]]:
+        """(spec, scope, field id) still worth asking this GPU; spec None is the recovery action.
+
+        Rebuilt only when something became absent: a sample reads the cached list.
+        """
         with self._lock:
-            requests = [q for q in requests if (index, "field", q[2], q[1]) not in self._absent]
+            cached = self._requests.get(index)
+            if cached is not None and cached[0] == self._absent_version:
+                return cached[1]
+            everything = [*((spec, 0, field_id) for spec, field_id in self._device_fields),
+                          (None, 0, self._recovery_field),
+                          *((spec, link, field_id) for link in links for spec, field_id in self._link_fields)]
+            requests = [q for q in everything if (index, "field", q[2], q[1]) not in self._absent]
+            self._requests[index] = (self._absent_version, requests)
+            return requests
+
+    def _field_values(self, r: GpuReading, index: int, handle: Any, links: list[int]) -> bool:
+        """Every field value in one call; pairs the GPU does not support are left out from then on.
+        True when an NVLink error counter answered (the per-GPU total is then published)."""
+        nvml = self.nvml
+        requests = self._field_requests(index, links)
         if not requests:
-            return
+            return False
         pairs = [(field_id, scope) for _, scope, field_id in requests]  # pynvml's (field, scope) form
         values = self.ask(r, index, nvml.nvmlDeviceGetFieldValues, handle, pairs)
         if values is None:
-            return
+            return False
         total: float | None = None
         for (spec, scope, field_id), value in zip(requests, values, strict=True):
-            if value.nvmlReturn != nvml.NVML_SUCCESS:
+            if value.nvmlReturn != self._success:
                 exc = nvml.NVMLError(value.nvmlReturn)  # pynvml picks the subclass for the code
                 if reaction(nvml, exc) is Reaction.ABSENT:
-                    with self._lock:
-                        self._absent.add((index, "field", field_id, scope))
+                    self._remember_absent((index, "field", field_id, scope))
                 if error_label(exc) not in UNCOUNTED:
                     r.errors[(error_label(exc), "field_values")] += 1
                 continue
-            number = field_value(nvml, value)
+            number = float(getattr(value.value, self._value_members.get(value.valueType, "ullVal")))
             if spec is None:
-                r.recovery_action = RECOVERY_ACTIONS[int(number)] if 0 <= number < len(RECOVERY_ACTIONS) \
-                    else "unknown"
+                if 0 <= number < len(RECOVERY_ACTIONS):
+                    r.recovery_action = RECOVERY_ACTIONS[int(number)]
                 continue
             if spec.metric == "gpuhealth_gpu_nvlink_bit_error_rate":
                 number = ber(number)
@@ -341,11 +370,10 @@ class NvmlReader:
                 total = (total or 0) + number
         if total is not None:
             r.add("gpuhealth_gpu_nvlink_errors_all_links_total", total)
+        return total is not None
 
     def _legacy_nvlink(self, r: GpuReading, opt: Callable[..., Any], links: list[int]) -> None:
         """Before Hopper's field values: ``nvmlDeviceGetNvLinkErrorCounter`` (gone on Blackwell)."""
-        if any(name == "gpuhealth_gpu_nvlink_errors_all_links_total" for name, _, _ in r.samples):
-            return
         nvml = self.nvml
         total: float | None = None
         for link in links:

@@ -139,3 +139,14 @@ def test_mig_mode_gpu_is_up_and_an_idle_trained_down_link_is_no_downgrade(clock:
     assert value(text, "gpuhealth_gpu_pcie_link_downgraded", gpu="0") == 0
     assert value(text, "gpuhealth_gpu_nvml_errors_total", gpu="0", error="no_permission",
                  query="compute_running_processes") == 1
+
+
+def test_an_absent_query_with_an_output_buffer_is_remembered_too(clock: FakeClock) -> None:
+    """nvmlDeviceGetGpuFabricInfoV takes byref(struct), a new object every call."""
+    ctx, collector = _node(clock, "nvmlDeviceGetGpuFabricInfoV", pynvml.NVMLError_NotSupported())
+    scrape(collector)
+    ctx.nvml.inject["nvmlDeviceGetGpuFabricInfoV"] = pynvml.NVMLError_GpuIsLost()
+    clock.advance(1)
+    text = scrape(collector)
+    assert value(text, "gpuhealth_gpu_up", gpu="0") == 1  # not asked again
+    assert samples(text, "gpuhealth_gpu_fabric_state") == {}
