@@ -168,3 +168,29 @@ def test_gsp_precursor_shows_as_nvml_latency() -> None:
     text = scrape(collector)
     slow, fast = (value(text, "gpuhealth_gpu_nvml_latency_seconds", gpu=g) for g in ("0", "1"))
     assert slow >= 0.15 and fast < slow / 2
+
+
+def test_driver_clock_event_counters_win_over_sampling(clock: FakeClock) -> None:
+    """Where the driver counts time in a reason (field values, ns), that exact figure is published."""
+    import pynvml
+    from gpuhealth.exporter.collector import Context
+    from gpuhealth.exporter.sim.nvml import SimulatedNvml
+    from gpuhealth.exporter.sim.scenario import parse_scenario
+
+    class DriverTimed(SimulatedNvml):
+        def _field(self, gpu, field_id, scope):
+            if field_id == pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN:
+                return 2_500_000_000
+            return super()._field(gpu, field_id, scope)
+
+    scenario = {"gpus": 1, "nvlinks": 0, "faults": [{"kind": "thermal_runaway", "gpu": 0, "precursor": 100}]}
+    nvml = DriverTimed(parse_scenario(scenario), clock=clock)
+    collector = make_collector("gpu", Context(nvml=nvml, clock=clock))
+    for _ in range(95):
+        clock.advance(1)
+        text = scrape(collector)
+    assert value(text, "gpuhealth_gpu_clock_event_active", gpu="0", reason="sw_thermal_slowdown") == 1
+    seconds = samples(text, "gpuhealth_gpu_clock_event_seconds_total")
+    assert seconds[(("gpu", "0"), ("reason", "sw_thermal_slowdown"))] == 2.5  # the driver's counter
+    assert seconds[(("gpu", "0"), ("reason", "hw_slowdown"))] > 0  # no counter for it: sampled
+    promtool_check(text)
