@@ -56,6 +56,8 @@ class GpuReading:
     """Instant values by metric name (labels after ``gpu``) plus what the derived features need."""
 
     samples: list[tuple[str, tuple[str, ...], float]] = field(default_factory=list)
+    slow: list[tuple[str, tuple[str, ...], float]] = field(default_factory=list)  # only when ``full``
+    full: bool = True
     temperature: float | None = None
     slowdown_threshold: float | None = None
     clock_events: dict[str, bool] = field(default_factory=dict)
@@ -163,16 +165,44 @@ class NvmlReader:
             vbios_version=_text(self.ask(None, index, nvml.nvmlDeviceGetVbiosVersion, handle) or ""),
         )
 
-    def read(self, index: int) -> GpuReading:
+    def read(self, index: int, full: bool = True) -> GpuReading:
+        """Every second the fast-moving values; with ``full``, also the counters, health and link
+        state (``slow``), which change slowly and cost most of a sample (see FULL_EVERY_SECONDS)."""
         nvml = self.nvml
         handle = self.core(nvml.nvmlDeviceGetHandleByIndex, index)
-        r = GpuReading()
+        r = GpuReading(full=full)
 
         def opt(fn: Callable[..., Any], *args: Any) -> Any:
             return self.ask(r, index, fn, handle, *args)
 
         r.temperature = self._temperature(r, index, handle)
         r.add("gpuhealth_gpu_temperature_celsius", r.temperature)
+        power = opt(nvml.nvmlDeviceGetPowerUsage)
+        r.add("gpuhealth_gpu_power_watts", None if power is None else power / 1000)
+        limit = opt(nvml.nvmlDeviceGetEnforcedPowerLimit)
+        r.add("gpuhealth_gpu_power_limit_watts", None if limit is None else limit / 1000)
+        for name, clock in (("sm", nvml.NVML_CLOCK_SM), ("memory", nvml.NVML_CLOCK_MEM)):
+            mhz = opt(nvml.nvmlDeviceGetClockInfo, clock)
+            r.add(f"gpuhealth_gpu_{name}_clock_hertz", None if mhz is None else mhz * 1e6)
+        self._clock_events(r, opt)
+        util = opt(nvml.nvmlDeviceGetUtilizationRates)
+        if util is not None:
+            r.add("gpuhealth_gpu_utilization_ratio", util.gpu / 100)
+            r.add("gpuhealth_gpu_memory_utilization_ratio", util.memory / 100)
+        self._memory(r, index, opt)
+        procs = opt(nvml.nvmlDeviceGetComputeRunningProcesses)
+        if procs is not None:
+            r.pids = [p.pid for p in procs]
+            r.add("gpuhealth_gpu_processes", len(procs))
+        if full:
+            fast = len(r.samples)
+            self._slow(r, index, handle, opt, busy=None if util is None else util.gpu > 0)
+            r.samples, r.slow = r.samples[:fast], r.samples[fast:]
+        return r
+
+    def _slow(self, r: GpuReading, index: int, handle: Any, opt: Callable[..., Any],
+              busy: bool | None) -> None:
+        nvml = self.nvml
         r.slowdown_threshold = opt(nvml.nvmlDeviceGetTemperatureThreshold,
                                    nvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN)
         r.add("gpuhealth_gpu_temperature_slowdown_threshold_celsius", r.slowdown_threshold)
@@ -180,22 +210,11 @@ class NvmlReader:
               opt(nvml.nvmlDeviceGetTemperatureThreshold, nvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN))
         r.add("gpuhealth_gpu_memory_temperature_threshold_celsius",
               opt(nvml.nvmlDeviceGetTemperatureThreshold, nvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX))
-        power = opt(nvml.nvmlDeviceGetPowerUsage)
-        r.add("gpuhealth_gpu_power_watts", None if power is None else power / 1000)
-        limit = opt(nvml.nvmlDeviceGetEnforcedPowerLimit)
-        r.add("gpuhealth_gpu_power_limit_watts", None if limit is None else limit / 1000)
         for name, clock in (("sm", nvml.NVML_CLOCK_SM), ("memory", nvml.NVML_CLOCK_MEM)):
-            for suffix, fn in (("", nvml.nvmlDeviceGetClockInfo), ("_max", nvml.nvmlDeviceGetMaxClockInfo)):
-                mhz = opt(fn, clock)
-                r.add(f"gpuhealth_gpu_{name}_clock{suffix}_hertz", None if mhz is None else mhz * 1e6)
-        self._clock_events(r, opt)
-        util = opt(nvml.nvmlDeviceGetUtilizationRates)
-        if util is not None:
-            r.add("gpuhealth_gpu_utilization_ratio", util.gpu / 100)
-            r.add("gpuhealth_gpu_memory_utilization_ratio", util.memory / 100)
-        self._memory(r, index, opt)
+            mhz = opt(nvml.nvmlDeviceGetMaxClockInfo, clock)
+            r.add(f"gpuhealth_gpu_{name}_clock_max_hertz", None if mhz is None else mhz * 1e6)
         self._memory_errors(r, opt)
-        self._pcie(r, opt, busy=None if util is None else util.gpu > 0)
+        self._pcie(r, opt, busy)
         links = self._discover_links(index, handle)
         for link in links:
             state = opt(nvml.nvmlDeviceGetNvLinkState, link)
@@ -204,11 +223,6 @@ class NvmlReader:
         if not self._field_values(r, index, handle, links):  # no NVLink counter among the fields
             self._legacy_nvlink(r, opt, links)
         self._fabric(r, opt)
-        procs = opt(nvml.nvmlDeviceGetComputeRunningProcesses)
-        if procs is not None:
-            r.pids = [p.pid for p in procs]
-            r.add("gpuhealth_gpu_processes", len(procs))
-        return r
 
     def _temperature(self, r: GpuReading, index: int, handle: Any) -> float | None:
         """``nvmlDeviceGetTemperatureV`` (current); the deprecated call only where V is missing."""

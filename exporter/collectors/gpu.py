@@ -27,6 +27,9 @@ from prometheus_client.core import Metric
 log = logging.getLogger(__name__)
 
 PREINITIALISED_ERRORS = ("gpu_is_lost", "timeout", "unknown")
+# Counters, health fields and link state move slowly and cost most of a sample: read them every few
+# seconds (still several times per 15 s scrape), the temperatures, clocks and load every second.
+FULL_EVERY_SECONDS = 5.0
 SAMPLE = "sample"  # the query label of errors that marked the GPU down
 
 
@@ -42,6 +45,10 @@ class GpuTrack:
     clock_event_seconds: dict[str, float] = field(default_factory=dict)
     last_sample: float | None = None
     reading: GpuReading | None = None
+    slow: list = field(default_factory=list)      # the last full reading's slow samples
+    slowdown_threshold: float | None = None
+    driver_clock_event_reasons: set = field(default_factory=set)
+    last_full: float | None = None
     recovery_action: str | None = None  # last polled from NVML
 
 
@@ -63,12 +70,17 @@ class GpuCollector:
             self.workers[index] = GuardedWorker(f"nvml-gpu{index}")
         return self.workers[index]
 
-    def _sample(self, index: int, known: bool) -> tuple[GpuIdentity | None, GpuReading, float]:
+    def _sample(self, index: int, known: bool, full: bool) -> tuple[GpuIdentity | None, GpuReading, float]:
         """Runs on the GPU's worker; shared state is only updated by the sampling thread."""
         start = self.ctx.clock()
         identity = None if known else self.reader.identity(index)
-        reading = self.reader.read(index)
+        reading = self.reader.read(index, full)
         return identity, reading, self.ctx.clock() - start
+
+    def _full_due(self, index: int) -> bool:
+        track = self.tracks.get(index)
+        return track is None or track.last_full is None or \
+            self.ctx.clock() - track.last_full >= FULL_EVERY_SECONDS
 
     def collect(self) -> Iterator[Metric]:
         ctx, session = self.ctx, self.ctx.session
@@ -96,7 +108,8 @@ class GpuCollector:
         # Each GPU's own deadline from its submission, in real time (what the guard waits in); the
         # waits overlap, so a run takes one timeout at most however many GPUs hang.
         deadlines = {i: time.monotonic() + ctx.nvml_timeout_seconds for i in indices}
-        futures = {i: self._worker(i).submit(functools.partial(self._sample, i, i in ctx.inventory.gpus))
+        futures = {i: self._worker(i).submit(functools.partial(self._sample, i, i in ctx.inventory.gpus,
+                                                               self._full_due(i)))
                    for i in indices}
         outcomes: dict[int, tuple | BaseException] = {}
         for index, future in futures.items():
@@ -115,7 +128,7 @@ class GpuCollector:
                 session.lost(outcome.error)
                 self._down(index, track, outcome, index < count)
             elif stalled:
-                track.reading = None  # no fresh data; not a lost GPU either
+                track.reading, track.slow = None, []  # no fresh data; not a lost GPU either
                 self._remember(track, ctx.clock(), None, ctx.nvml_timeout_seconds)
             elif isinstance(outcome, BaseException):
                 self._down(index, track, outcome, index < count)
@@ -136,7 +149,7 @@ class GpuCollector:
         track.up = False
         track.visible = enumerated and error != "gpu_is_lost"
         track.errors[(error, SAMPLE)] += 1
-        track.reading = None
+        track.reading, track.slow, track.last_full = None, [], None
         self.ctx.inventory.processes.pop(index, None)
         now = self.ctx.clock()
         latency = self.ctx.nvml_timeout_seconds if error == "timeout" else 0.0
@@ -146,8 +159,12 @@ class GpuCollector:
         now = self.ctx.clock()
         if not track.up and track.last_sample is not None:
             log.info("gpu up gpu=%d", index)
+        if reading.full:
+            track.slow, track.last_full = reading.slow, now
+            track.slowdown_threshold = reading.slowdown_threshold
+            track.driver_clock_event_reasons = reading.driver_clock_event_reasons
         for reason, active in reading.clock_events.items():
-            if reason in reading.driver_clock_event_reasons:
+            if reason in track.driver_clock_event_reasons:
                 continue  # the driver's own counter is exact
             seconds = track.clock_event_seconds.setdefault(reason, 0.0)
             if active and track.up and track.last_sample is not None:
@@ -193,14 +210,14 @@ class GpuCollector:
                 f.add("gpuhealth_gpu_recovery_action", int(action == requested), [gpu, action])
             if track.reading is None:
                 continue
-            for name, labels, value in track.reading.samples:
+            for name, labels, value in (*track.reading.samples, *track.slow):
                 f.add(name, value, [gpu, *labels])
             temperatures = [t for _, t, _ in track.window if t is not None]
             if temperatures:
                 f.add("gpuhealth_gpu_temperature_max_celsius", max(temperatures), [gpu])
-                if track.reading.slowdown_threshold is not None:
+                if track.slowdown_threshold is not None:
                     f.add("gpuhealth_gpu_temperature_slowdown_margin_celsius",
-                          track.reading.slowdown_threshold - max(temperatures), [gpu])
+                          track.slowdown_threshold - max(temperatures), [gpu])
             for reason in CLOCK_EVENT_REASONS:
                 if reason in track.clock_event_seconds:
                     f.add("gpuhealth_gpu_clock_event_seconds_total", track.clock_event_seconds[reason],

@@ -194,3 +194,22 @@ def test_driver_clock_event_counters_win_over_sampling(clock: FakeClock) -> None
     assert seconds[(("gpu", "0"), ("reason", "sw_thermal_slowdown"))] == 2.5  # the driver's counter
     assert seconds[(("gpu", "0"), ("reason", "hw_slowdown"))] > 0  # no counter for it: sampled
     promtool_check(text)
+
+
+def test_counters_are_read_every_few_seconds_and_load_every_second(clock: FakeClock) -> None:
+    from gpuhealth.exporter.collectors.gpu import FULL_EVERY_SECONDS
+
+    scenario = {"gpus": 1, "nvlinks": 0,
+                "faults": [{"kind": "hbm_degradation", "gpu": 0, "start": 0, "precursor": 100}]}
+    collector = make_collector("gpu", sim_context(scenario, clock))
+    clock.advance(50)
+    first = scrape(collector)
+    clock.advance(1)
+    second = scrape(collector)
+    clock.advance(FULL_EVERY_SECONDS)
+    third = scrape(collector)
+    ecc = [value(t, "gpuhealth_gpu_ecc_errors_total", gpu="0", type="corrected", counter="volatile")
+           for t in (first, second, third)]
+    power = [value(t, "gpuhealth_gpu_power_watts", gpu="0") for t in (first, second)]
+    assert ecc[0] == ecc[1] < ecc[2]  # counters: the last full read until the next one
+    assert power[0] != power[1]       # load: every second

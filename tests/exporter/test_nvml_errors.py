@@ -10,6 +10,7 @@ from __future__ import annotations
 import pynvml
 import pytest
 from exporter_helpers import FakeClock, make_collector, samples, scrape, sim_context, value
+from gpuhealth.exporter.collectors.gpu import FULL_EVERY_SECONDS
 from gpuhealth.exporter.nvml_errors import Reaction, reaction
 
 ERRORS = sorted({cls for cls in vars(pynvml).values() if isinstance(cls, type)
@@ -62,7 +63,7 @@ def test_every_error_in_an_optional_query(clock: FakeClock, query: str) -> None:
     for error in _all_errors():
         ctx.nvml.inject[query] = error
         ctx.inventory.gpus.clear()  # identity is read again, so its optional queries meet the error too
-        clock.advance(1)
+        clock.advance(FULL_EVERY_SECONDS)  # every query is asked
         text = scrape(collector)  # a traceback would fail the test here
         name = type(error).__name__
         down = name in GPU_DOWN | NVML_DOWN
@@ -72,7 +73,7 @@ def test_every_error_in_an_optional_query(clock: FakeClock, query: str) -> None:
                 query == "nvmlDeviceGetPowerUsage", (query, name)
         del ctx.nvml.inject[query]
         collector.reader.forget()
-        clock.advance(1)
+        clock.advance(FULL_EVERY_SECONDS)  # every query is asked
         assert value(scrape(collector), "gpuhealth_gpu_up", gpu="0") == 1, (query, name)
 
 
@@ -82,18 +83,18 @@ def test_every_error_in_a_core_query_marks_the_gpu_down(clock: FakeClock, query:
     for error in ERRORS:
         ctx.nvml.inject[query] = error()
         ctx.inventory.gpus.clear()
-        clock.advance(1)
+        clock.advance(FULL_EVERY_SECONDS)  # every query is asked
         text = scrape(collector)
         assert value(text, "gpuhealth_gpu_up", gpu="0") == 0, (query, error.__name__)
         del ctx.nvml.inject[query]
-        clock.advance(1)
+        clock.advance(FULL_EVERY_SECONDS)  # every query is asked
         assert value(scrape(collector), "gpuhealth_gpu_up", gpu="0") == 1, (query, error.__name__)
 
 
 def test_no_permission_leaves_the_series_out_counts_once_and_is_not_asked_again(clock: FakeClock) -> None:
     ctx, collector = _node(clock, "nvmlDeviceGetRemappedRows", pynvml.NVMLError_NoPermission())
     for _ in range(3):
-        clock.advance(1)
+        clock.advance(FULL_EVERY_SECONDS)  # every query is asked
         text = scrape(collector)
     assert value(text, "gpuhealth_gpu_up", gpu="0") == 1
     assert samples(text, "gpuhealth_gpu_remapped_rows") == {}
@@ -101,16 +102,16 @@ def test_no_permission_leaves_the_series_out_counts_once_and_is_not_asked_again(
                  query="remapped_rows") == 1
     # not asked again: an error that would mark the GPU down is never met
     ctx.nvml.inject["nvmlDeviceGetRemappedRows"] = pynvml.NVMLError_GpuIsLost()
-    clock.advance(1)
+    clock.advance(FULL_EVERY_SECONDS)  # every query is asked
     assert value(scrape(collector), "gpuhealth_gpu_up", gpu="0") == 1
     # a driver reload: NVML is initialised again and every feature asked afresh
     del ctx.nvml.inject["nvmlDeviceGetRemappedRows"]
     ctx.nvml.driver_reloaded = True
-    clock.advance(1)
+    clock.advance(FULL_EVERY_SECONDS)  # every query is asked
     text = scrape(collector)
     assert value(text, "gpuhealth_nvml_up") == 0
     assert value(text, "gpuhealth_gpu_up", gpu="0") == 0
-    clock.advance(1)
+    clock.advance(FULL_EVERY_SECONDS)  # every query is asked
     text = scrape(collector)
     assert value(text, "gpuhealth_nvml_up") == 1
     assert value(text, "gpuhealth_gpu_up", gpu="0") == 1
@@ -146,7 +147,7 @@ def test_an_absent_query_with_an_output_buffer_is_remembered_too(clock: FakeCloc
     ctx, collector = _node(clock, "nvmlDeviceGetGpuFabricInfoV", pynvml.NVMLError_NotSupported())
     scrape(collector)
     ctx.nvml.inject["nvmlDeviceGetGpuFabricInfoV"] = pynvml.NVMLError_GpuIsLost()
-    clock.advance(1)
+    clock.advance(FULL_EVERY_SECONDS)  # every query is asked
     text = scrape(collector)
     assert value(text, "gpuhealth_gpu_up", gpu="0") == 1  # not asked again
     assert samples(text, "gpuhealth_gpu_fabric_state") == {}
