@@ -86,8 +86,12 @@ def parse_line(line: str) -> Event:
     text = unescape_record(text)
     if (at := text.find("NVRM: Xid")) >= 0:
         return _xid(text, at, seq)
-    if "fallen off the bus" in text and (match := _FALLEN.match(text, max(text.find("NVRM: "), 0))):
-        return Event("fallen_off_bus", pci_bus_id(*match.group(1, 2, 3, 4)), seq=seq)
+    if (at := text.find("NVRM: ")) >= 0 and (match := _FALLEN.match(text, at)):
+        pci = pci_bus_id(*match.group(1, 2, 3, 4))
+        # the notice's first line alone (a text log splits the record): remembered by the caller
+        return Event("fallen_off_bus" if "fallen off the bus" in text else "ignored", pci, seq=seq)
+    if at >= 0 and text.startswith("NVRM: fallen off the bus", at):
+        return Event("fallen_off_bus", "", seq=seq)  # the GPU is named on the notice's first line
     if (at := text.find(": SXid (")) >= 0:
         start = text.rfind("nvidia-nvswitch", max(at - 24, 0), at)
         if start >= 0 and (match := _SXID.match(text, start)):

@@ -52,6 +52,7 @@ class XidCollector:
         self.aer: collections.Counter = collections.Counter()           # (pci_bus_id, severity, gpu)
         self.fallen: collections.Counter = collections.Counter()        # gpu
         self.lines = collections.Counter(dict.fromkeys(KMSG_RESULTS, 0))
+        self._notice_pci = ""  # the GPU of a fallen-off-the-bus notice whose first line was just read
 
     def collect(self) -> Iterator[Metric]:
         """No NVML failure may stop the kernel log's XIDs, SXIDs and AER errors from counting."""
@@ -102,7 +103,13 @@ class XidCollector:
                 gpu = inventory.gpu_for_pci(event.pci_bus_id)
                 self.aer[(event.pci_bus_id, event.severity, "" if gpu == "unknown" else gpu)] += 1
             elif event.kind == "fallen_off_bus":
-                self.fallen[inventory.gpu_for_pci(event.pci_bus_id)] += 1
+                self.fallen[inventory.gpu_for_pci(event.pci_bus_id or self._notice_pci)] += 1
+            # A text log (journalctl, dmesg, syslog) prints the driver's three-line notice as lines:
+            # the GPU is named on the first, "fallen off the bus" comes on the third.
+            if event.kind == "ignored" and event.pci_bus_id:
+                self._notice_pci = event.pci_bus_id
+            elif event.kind != "ignored":
+                self._notice_pci = ""
         self.follower.save_state()
 
     def _families(self) -> Iterator[Metric]:

@@ -55,7 +55,12 @@ CASES = [
     ("NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.", Event("fallen_off_bus", "00000000:3B:00.0")),
     ("Dec 01 10:00:00 gpu-a17 kernel: NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.",
      Event("fallen_off_bus", "00000000:3B:00.0")),
-    ("NVRM: GPU at PCI:0000:3b:00: GPU-4b7a8c4e-9d2f-11ee-8c90-0242ac120002", Event("ignored")),
+    ("NVRM: GPU at PCI:0000:3b:00: GPU-4b7a8c4e-9d2f-11ee-8c90-0242ac120002",
+     Event("ignored", "00000000:3B:00.0")),
+    # the notice as a text log prints it, one line each: the GPU on the first, the fall on the third
+    ("NVRM: The NVIDIA GPU 0000:b3:00.0 (PCI ID: 10de:2330)", Event("ignored", "00000000:B3:00.0")),
+    ("NVRM: installed in this system has", Event("ignored")),
+    ("NVRM: fallen off the bus and is not responding to commands.", Event("fallen_off_bus", "")),
     # the same lines as syslog or journalctl print them
     ("Nov 30 05:22:20 gpu-a17 kernel: [ 1234.5678] NVRM: Xid (PCI:0000:3b:00): 48, pid=9, DBE (0x1,0x2)",
      Event("xid", "00000000:3B:00.0", code=48)),

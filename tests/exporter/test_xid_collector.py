@@ -203,3 +203,14 @@ def test_an_event_whose_device_has_no_index_counts_as_unknown(tmp_path: Path, cl
     clock.advance(3)
     text = scrape(collector)
     assert value(text, "gpuhealth_xid_events_total", gpu="unknown", xid="79") == 1
+
+
+def test_a_notice_split_over_text_log_lines_lands_on_its_gpu(tmp_path: Path, clock: FakeClock) -> None:
+    ctx = kmsg_context(tmp_path, clock)
+    collector = make_collector("xid", ctx)
+    scrape(collector)
+    write(ctx, "Dec 01 10:00:00 gpu-a17 kernel: NVRM: The NVIDIA GPU 0000:2a:00.0 (PCI ID: 10de:2330)",
+          "Dec 01 10:00:00 gpu-a17 kernel: NVRM: installed in this system has",
+          "Dec 01 10:00:00 gpu-a17 kernel: NVRM: fallen off the bus and is not responding to commands.")
+    text = scrape(collector)
+    assert value(text, "gpuhealth_gpu_fallen_off_bus_total", gpu="1") == 1
