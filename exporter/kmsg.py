@@ -23,6 +23,7 @@ RECOVERY_ACTION_CODES = dict(enumerate(RECOVERY_ACTIONS))  # NVML codes, as XID 
 MAX_RECORD_CHARS = 4096  # the kernel's own limit is 1 KiB of text per record; more is not a kernel line
 MAX_READ_BYTES = 1 << 20  # per sampling run from a file: a flood is read over several runs, in bounded memory
 
+_DICTIONARY = re.compile(r" [A-Z_]{1,32}=")
 _KMSG_PREFIX = re.compile(r"^(\d+),(\d+),(\d+),[^;]{0,16};")
 _PCI = r"(?:PCI:)?([0-9a-fA-F]{1,8}):([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})(?:\.([0-7]))?"
 # Every pattern is matched at a position found with str.find, never searched across the record:
@@ -81,8 +82,8 @@ def split_record(line: str) -> tuple[int | None, float | None, str]:
 def parse_line(line: str) -> Event:
     """Classify one kernel log line or kmsg record (prefix optional). Never raises; linear time."""
     seq, _, text = split_record(line[:MAX_RECORD_CHARS].rstrip("\n"))
-    if text.startswith(" ") or not text.strip():
-        return Event("ignored", seq=seq)  # /dev/kmsg dictionary continuation lines and blanks
+    if not text.strip() or _DICTIONARY.match(text):
+        return Event("ignored", seq=seq)  # blanks and /dev/kmsg dictionary lines (" SUBSYSTEM=pci")
     text = unescape_record(text)
     if (at := text.find("NVRM: Xid")) >= 0:
         return _xid(text, at, seq)

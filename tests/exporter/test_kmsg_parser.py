@@ -61,6 +61,9 @@ CASES = [
     ("NVRM: The NVIDIA GPU 0000:b3:00.0 (PCI ID: 10de:2330)", Event("ignored", "00000000:B3:00.0")),
     ("NVRM: installed in this system has", Event("ignored")),
     ("NVRM: fallen off the bus and is not responding to commands.", Event("fallen_off_bus", "")),
+    # journalctl indents the later lines of a multi-line record
+    ("                                  NVRM: fallen off the bus and is not responding to commands.",
+     Event("fallen_off_bus", "")),
     # the same lines as syslog or journalctl print them
     ("Nov 30 05:22:20 gpu-a17 kernel: [ 1234.5678] NVRM: Xid (PCI:0000:3b:00): 48, pid=9, DBE (0x1,0x2)",
      Event("xid", "00000000:3B:00.0", code=48)),
