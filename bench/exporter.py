@@ -2,9 +2,9 @@
 
 Both run side by side on loopback for the same duration and are scraped alternately, several times
 a second each (Prometheus scrapes every 15 s; more scrapes give a steadier p99). gpuhealth-exporter
-simulates 8 H100s with 18 NVLinks each and samples every second.
+simulates 8 GPUs of the chosen profile (default H100 SXM) with 18 NVLinks each and samples every second.
 
-    .venv/bin/python bench/exporter.py --duration 300
+    .venv/bin/python bench/exporter.py --duration 300 [--sim-profile b200]
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=300, help="seconds of measurement (default 300)")
     parser.add_argument("--scrape-interval", type=float, default=0.25,
                         help="seconds between scrapes of each target (default 0.25)")
+    parser.add_argument("--sim-profile", help="simulator hardware profile (h100-sxm, h200, b200, gb200)")
     args = parser.parse_args()
     node_exporter = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
     if node_exporter is None:
@@ -76,7 +77,9 @@ def main() -> int:
     exporter = Path(sys.executable).parent / "gpuhealth-exporter"
     targets = [
         Target("gpuhealth-exporter", [str(exporter), "--backend", "sim", "--listen", f"127.0.0.1:{gh_port}",
-                                      "--sampling.interval", "1"], gh_port, workdir),
+                                      "--sampling.interval", "1",
+                                      *(["--sim-profile", args.sim_profile] if args.sim_profile else [])],
+               gh_port, workdir),
         Target("node_exporter", [node_exporter, f"--web.listen-address=127.0.0.1:{ne_port}"], ne_port,
                workdir),
     ]
@@ -97,7 +100,8 @@ def main() -> int:
         for target in targets:
             target.process.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    print(f"duration {elapsed:.0f} s, {len(targets[0].latencies)} scrapes each, "
+    print(f"profile {args.sim_profile or 'default (h100-sxm)'}, duration {elapsed:.0f} s, "
+          f"{len(targets[0].latencies)} scrapes each, "
           f"{args.scrape_interval:g} s apart, alternating")
     print(f"{'target':<20}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'CPU %':>8}{'RSS MB start':>14}"
           f"{'RSS MB end':>12}{'RSS MB max':>12}{'body KB':>9}")

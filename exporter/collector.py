@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gpuhealth.exporter.inventory import Inventory
+from gpuhealth.exporter.nvml_session import NvmlSession
 from prometheus_client.core import Metric
 
 
@@ -26,7 +27,9 @@ class Context:
     """The injected adapters and settings collectors use instead of globals."""
 
     nvml: Any = None
+    session: NvmlSession | None = None  # None: nvml is already initialised (tests)
     procfs: Path = Path("/proc")
+    sysfs: Path | None = None  # where gpus_expected is counted on the PCI bus; None: NVML's first count
     kmsg_path: Path | None = Path("/dev/kmsg")
     state_dir: Path | None = None
     inventory: Inventory = field(default_factory=Inventory)
@@ -34,6 +37,10 @@ class Context:
     window_seconds: float = 15.0
     nvml_timeout_seconds: float = 2.0
     clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        if self.session is None and self.nvml is not None:
+            self.session = NvmlSession(self.nvml, self.nvml_timeout_seconds, self.clock)
 
 
 class Collector(Protocol):

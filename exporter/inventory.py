@@ -7,6 +7,7 @@ fell off the bus still maps to its index.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class Inventory:
     driver_version: str = ""
     gpus: dict[int, GpuIdentity] = field(default_factory=dict)
     processes: dict[int, list[int]] = field(default_factory=dict)  # GPU index -> compute pids
+    logged_recovery: dict[str, str] = field(default_factory=dict)  # gpu -> action from XID 154
 
     def add(self, identity: GpuIdentity) -> None:
         self.gpus[identity.index] = identity
@@ -40,3 +42,28 @@ class Inventory:
             if _pci_key(identity.pci_bus_id) == key:
                 return str(identity.index)
         return "unknown"
+
+
+NVIDIA_VENDOR = "0x10de"
+GPU_CLASSES = ("0x0300", "0x0302")  # VGA and 3D controllers; NVSwitches are bridges (0x0680)
+
+
+def nvidia_gpus_on_pci(sysfs: Path) -> int | None:
+    """NVIDIA GPUs the PCI bus enumerates (``<sysfs>/bus/pci/devices``), whatever NVML sees.
+
+    The PCI bus lists a GPU whose driver failed to attach, so a GPU missing at boot still counts as
+    expected. None when the directory cannot be read.
+    """
+    try:
+        devices = list((sysfs / "bus" / "pci" / "devices").iterdir())
+    except OSError:
+        return None
+    count = 0
+    for device in devices:
+        try:
+            vendor = (device / "vendor").read_text().strip().lower()
+            pci_class = (device / "class").read_text().strip().lower()
+        except OSError:
+            continue
+        count += vendor == NVIDIA_VENDOR and pci_class.startswith(GPU_CLASSES)
+    return count

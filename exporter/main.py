@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import getpass
 import logging
+import resource
 import shutil
 import signal
+import ssl
 import sys
 import tempfile
 import threading
@@ -18,7 +21,8 @@ from gpuhealth.exporter.collector import Context, load_collectors
 from gpuhealth.exporter.config import DEFAULT_PORT, ConfigError, Settings, build_settings, read_yaml
 from gpuhealth.exporter.metrics import SPECS
 from gpuhealth.exporter.sampler import Sampler
-from gpuhealth.exporter.web import hash_password, make_server
+from gpuhealth.exporter.sim.profiles import PROFILES
+from gpuhealth.exporter.web import hash_password, make_server, tls_context
 from prometheus_client.core import GaugeMetricFamily
 
 log = logging.getLogger("gpuhealth.exporter")
@@ -35,6 +39,10 @@ def build_parser(collector_names: dict[str, str]) -> argparse.ArgumentParser:
     add("--backend", choices=("nvml", "sim"), help="real NVML, or the simulator for machines without "
         "GPUs (default: nvml)")
     add("--sim-scenario", metavar="FILE", help="simulator scenario (YAML); default: 8 healthy H100s")
+    add("--sim-profile", choices=sorted(PROFILES), help="simulated hardware: model, memory, NVLink "
+        "generation and which queries answer (default h100-sxm; sets the scenario's model and NVLinks)")
+    add("--sim-mig", action="store_true", default=None, help="simulate MIG mode inside a container: no "
+        "utilisation, NoPermission on some queries")
     add("--kmsg-path", metavar="PATH", help="kernel log to follow: /dev/kmsg (default with nvml) or a "
         "file in kmsg or plain format; with sim, the simulator also writes its kernel lines there")
     add("--no-kmsg", action="store_true", default=None, help="do not read the kernel log")
@@ -43,14 +51,18 @@ def build_parser(collector_names: dict[str, str]) -> argparse.ArgumentParser:
     add("--state-dir", metavar="DIR", help="where to keep the last kernel log sequence number, so that "
         "a restart does not count old events again (default: skip what is in the log at start-up)")
     add("--path.procfs", dest="procfs", metavar="DIR", help="procfs mount point (default /proc)")
+    add("--path.sysfs", dest="sysfs", metavar="DIR", help="sysfs mount point, where the expected GPUs are "
+        "counted on the PCI bus (default /sys with --backend nvml)")
     add("--sampling.interval", dest="sampling_interval", type=float, metavar="SECONDS",
         help="how often collectors sample (default 1)")
     add("--sampling.window", dest="sampling_window", type=float, metavar="SECONDS",
         help="window of the max-over-window features, about the scrape interval (default 15)")
     add("--nvml.timeout", dest="nvml_timeout", type=float, metavar="SECONDS",
         help="deadline for one GPU's NVML sample before it counts as a timeout (default 2)")
-    add("--gpus-expected", type=int, metavar="N", help="GPUs this node should have (default: the count "
-        "NVML sees at start-up)")
+    add("--gpus-expected", type=int, metavar="N", help="GPUs this node should have (default: NVIDIA GPUs "
+        "on the PCI bus, else the count NVML sees first)")
+    add("--web.config.file", dest="web_config_file", metavar="FILE", help="Prometheus exporter-toolkit web "
+        "configuration (tls_server_config, basic_auth_users with bcrypt hashes)")
     add("--web.tls-cert-file", dest="tls_cert_file", metavar="FILE", help="serve HTTPS with this certificate")
     add("--web.tls-key-file", dest="tls_key_file", metavar="FILE", help="private key of the certificate")
     add("--log-level", choices=("debug", "info", "warning", "error"), help="default info")
@@ -80,25 +92,25 @@ def _settings(argv: list[str] | None) -> tuple[Settings | None, argparse.Namespa
     return build_settings(file_values, flags, list(registrations), problems), args
 
 
-def _open_nvml(settings: Settings, kmsg_path: Path | None) -> Any:
-    """The NVML module for the backend, initialised. Exits 2 with one line when NVML is missing."""
+def _nvml_module(settings: Settings, kmsg_path: Path | None) -> Any:
+    """The NVML module for the backend, not yet initialised: the gpu collector initialises it under
+    a deadline and keeps retrying, so a node with a broken driver still exports ``gpuhealth_nvml_up 0``."""
     if settings.backend == "sim":
         from gpuhealth.exporter.sim.nvml import SimulatedNvml
+        from gpuhealth.exporter.sim.profiles import DEFAULT_PROFILE, load_profile
         from gpuhealth.exporter.sim.scenario import load_scenario
 
         if kmsg_path is not None and kmsg_path.exists() and not kmsg_path.is_file():
             log.info("simulated kernel lines are not written to a device path=%s", kmsg_path)
             kmsg_path = None  # never inject fake XIDs into the real /dev/kmsg
-        nvml: Any = SimulatedNvml(load_scenario(settings.sim_scenario), kmsg_path)
-    else:
-        import pynvml as nvml
-    try:
-        nvml.nvmlInit()
-    except nvml.NVMLError as exc:
-        print(f"gpuhealth-exporter: cannot use NVML ({exc}); on a machine without NVIDIA GPUs or driver, "
-              "run with --backend sim", file=sys.stderr)
-        raise SystemExit(2) from None
-    return nvml
+        profile = load_profile(settings.sim_profile or DEFAULT_PROFILE)
+        scenario = load_scenario(settings.sim_scenario)
+        if settings.sim_profile is not None:
+            scenario = dataclasses.replace(scenario, model=profile.model, nvlinks=profile.nvlinks)
+        return SimulatedNvml(scenario, kmsg_path, profile=profile, mig=settings.sim_mig)
+    import pynvml
+
+    return pynvml
 
 
 def _build_info(backend: str):
@@ -108,6 +120,16 @@ def _build_info(backend: str):
         family.add_metric([__version__, backend], 1)
         return [family]
     return families
+
+
+def _raise_file_limit() -> None:
+    """Soft file limit up to the hard one, as Go programs do: sockets and NVML share it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            log.info("file limit unchanged soft=%d hard=%d error=%s", soft, hard, exc)
 
 
 def run(settings: Settings) -> int:
@@ -122,7 +144,7 @@ def run(settings: Settings) -> int:
         else:
             kmsg_path = Path("/dev/kmsg")
     try:
-        nvml = _open_nvml(settings, kmsg_path)
+        nvml = _nvml_module(settings, kmsg_path)
     except ScenarioError as exc:
         for problem in exc.problems:
             print(f"gpuhealth-exporter: {settings.sim_scenario}: {problem}", file=sys.stderr)
@@ -131,20 +153,21 @@ def run(settings: Settings) -> int:
         print(f"gpuhealth-exporter: cannot use the kernel log {kmsg_path}: {exc.strerror or exc}",
               file=sys.stderr)
         return 2
-    ctx = Context(nvml=nvml, procfs=settings.procfs, kmsg_path=None if settings.no_kmsg else kmsg_path,
-                  state_dir=settings.state_dir, gpus_expected=settings.gpus_expected,
-                  window_seconds=settings.sampling_window, nvml_timeout_seconds=settings.nvml_timeout)
-    ctx.inventory.driver_version = str(nvml.nvmlSystemGetDriverVersion())
-    if ctx.gpus_expected is None:
-        ctx.gpus_expected = nvml.nvmlDeviceGetCount()
+    sysfs = settings.sysfs or (Path("/sys") if settings.backend == "nvml" else None)
+    ctx = Context(nvml=nvml, procfs=settings.procfs, sysfs=sysfs,
+                  kmsg_path=None if settings.no_kmsg else kmsg_path, state_dir=settings.state_dir,
+                  gpus_expected=settings.gpus_expected, window_seconds=settings.sampling_window,
+                  nvml_timeout_seconds=settings.nvml_timeout)
     collectors = {name: reg.factory(ctx) for name, reg in load_collectors().items()
                   if settings.collectors.get(name, reg.default_enabled)}
     sampler = Sampler(collectors, _build_info(settings.backend), settings.sampling_interval)
     host, port = settings.host_port
     try:
-        server = make_server(host, port, sampler, settings.tls_cert_file, settings.tls_key_file,
-                             settings.basic_auth_users)
-    except OSError as exc:
+        tls = None if settings.tls_cert_file is None else tls_context(
+            settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file,
+            settings.tls_client_auth_type, settings.tls_min_version)
+        server = make_server(host, port, sampler, users=settings.basic_auth_users, tls=tls)
+    except (OSError, ssl.SSLError) as exc:
         print(f"gpuhealth-exporter: cannot serve on {settings.listen}: {exc.strerror or exc}",
               file=sys.stderr)
         return 2
@@ -163,6 +186,7 @@ def run(settings: Settings) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, reload)
+    _raise_file_limit()
     # A scrape arriving mid-sample waits for the GIL; a 1 ms switch interval (default 5 ms) bounds that.
     sys.setswitchinterval(0.001)
     sampler.start()

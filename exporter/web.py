@@ -1,22 +1,34 @@
 """The HTTP side: ``/metrics`` (the latest snapshot), ``/healthz``, optional TLS and basic auth.
 
-Modelled on Prometheus's exporter-toolkit web config. Passwords are stored as PBKDF2-SHA256 hashes
-(``gpuhealth-exporter --hash-password``); a verified credential is cached so scrapes stay cheap.
+One asyncio loop on its own thread serves every connection: an idle or slow client costs a socket,
+not a thread, and each connection has deadlines (request head, TLS handshake, keep-alive idle). At
+``max_connections`` the oldest connection still waiting for its request is closed to admit the new
+one, so hundreds of idle sockets (opened before any authentication) cannot lock scrapers out or
+exhaust the process's file limit. The body is rendered by the sampler and gzipped once per run.
+Basic auth follows Prometheus's exporter-toolkit: bcrypt hashes (``htpasswd -B``) or PBKDF2 ones
+(``--hash-password``), checked off the loop, an unknown user costing the same time as a known one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import binascii
+import collections
+import concurrent.futures
+import gzip
 import hashlib
 import hmac
 import logging
+import re
 import secrets
+import socket
 import ssl
 import threading
+from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
+import bcrypt
 from gpuhealth.exporter.sampler import Sampler
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -24,6 +36,10 @@ log = logging.getLogger(__name__)
 
 HASH_SCHEME = "pbkdf2_sha256"
 HASH_ITERATIONS = 200_000
+MIN_ITERATIONS = 1000
+_BCRYPT = re.compile(r"^\$2[aby]\$(0[4-9]|[12]\d|3[01])\$[./A-Za-z0-9]{53}$")
+MAX_HEAD_BYTES = 8192
+MAX_VERIFIED = 64
 
 
 def hash_password(password: str, iterations: int = HASH_ITERATIONS) -> str:
@@ -33,41 +49,64 @@ def hash_password(password: str, iterations: int = HASH_ITERATIONS) -> str:
 
 
 def hash_problem(hashed: str) -> str | None:
-    """Why ``hashed`` is not a usable password hash, or None."""
+    """Why ``hashed`` is not a usable password hash, or None: checked at start, never at a request."""
+    if _BCRYPT.match(hashed):
+        return None
     parts = hashed.split("$")
+    expected = (f"expected a bcrypt hash ($2y$...) or '{HASH_SCHEME}$<iterations>$<salt>$<hash>' "
+                "(make one with --hash-password)")
     if len(parts) != 4 or parts[0] != HASH_SCHEME or not parts[1].isdigit():
-        return f"expected '{HASH_SCHEME}$<iterations>$<salt>$<hash>' (make one with --hash-password)"
+        return expected
+    if int(parts[1]) < MIN_ITERATIONS:
+        return f"{HASH_SCHEME}: at least {MIN_ITERATIONS} iterations"
+    try:
+        salt = base64.b64decode(parts[2], validate=True)
+        digest = base64.b64decode(parts[3], validate=True)
+    except (binascii.Error, ValueError):
+        return f"{HASH_SCHEME}: salt and hash must be base64"
+    if not salt or len(digest) != hashlib.sha256().digest_size:
+        return f"{HASH_SCHEME}: a non-empty salt and a 32-byte SHA-256 hash"
     return None
 
 
 def check_password(password: str, hashed: str) -> bool:
+    """Constant-time comparison; ``hashed`` was validated by ``hash_problem`` at start-up."""
+    if hashed.startswith("$2"):
+        return bcrypt.checkpw(password.encode(), hashed.encode())
     _, iterations, salt, digest = hashed.split("$")
     computed = hashlib.pbkdf2_hmac("sha256", password.encode(), base64.b64decode(salt), int(iterations))
     return hmac.compare_digest(computed, base64.b64decode(digest))
 
 
 class BasicAuth:
+    """Verifies credentials; remembers a few verified ones so that scrapes stay cheap."""
+
     def __init__(self, users: dict[str, str]) -> None:
         self.users = users
-        self._verified: set[str] = set()
+        self._decoy = next(iter(users.values()))  # an unknown user is checked against a real hash
+        self._verified: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def allows(self, header: str | None) -> bool:
+    def cached(self, header: str | None) -> bool:
+        with self._lock:
+            return bool(header) and header in self._verified
+
+    def verify(self, header: str | None) -> bool:
+        """The slow path, run off the event loop."""
         if not header or not header.startswith("Basic "):
             return False
-        token = header[6:]
-        with self._lock:
-            if token in self._verified:
-                return True
         try:
-            user, _, password = base64.b64decode(token, validate=True).decode().partition(":")
+            user, sep, password = base64.b64decode(header[6:], validate=True).decode().partition(":")
         except (ValueError, UnicodeDecodeError):
             return False
-        if user in self.users and check_password(password, self.users[user]):
+        known = user in self.users
+        ok = check_password(password, self.users[user] if known else self._decoy) and known and bool(sep)
+        if ok:
             with self._lock:
-                self._verified.add(token)
-            return True
-        return False
+                self._verified[header] = None
+                while len(self._verified) > MAX_VERIFIED:
+                    self._verified.popitem(last=False)
+        return ok
 
 
 LANDING = b"""<html><head><title>gpuhealth exporter</title></head><body><h1>gpuhealth exporter</h1>
@@ -75,58 +114,193 @@ LANDING = b"""<html><head><title>gpuhealth exporter</title></head><body><h1>gpuh
 """
 
 
-def make_handler(sampler: Sampler, auth: BasicAuth | None) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "gpuhealth-exporter"
-
-        def do_GET(self) -> None:
-            if auth is not None and not auth.allows(self.headers.get("Authorization")):
-                self._reply(HTTPStatus.UNAUTHORIZED, b"unauthorized\n", "text/plain",
-                            {"WWW-Authenticate": 'Basic realm="gpuhealth-exporter"'})
-                return
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                self._reply(HTTPStatus.OK, sampler.exposition, CONTENT_TYPE_LATEST)
-            elif path == "/healthz":
-                ok = sampler.healthy()
-                self._reply(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE,
-                            b"ok\n" if ok else b"sampling stalled\n", "text/plain")
-            elif path == "/":
-                self._reply(HTTPStatus.OK, LANDING, "text/html")
-            else:
-                self._reply(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
-
-        def _reply(self, status: HTTPStatus, body: bytes, content_type: str,
-                   headers: dict[str, str] | None = None) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            for name, value in (headers or {}).items():
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            log.debug("http client=%s request=%r", self.address_string(), format % args)
-
-    return Handler
+@dataclass(frozen=True)
+class Limits:
+    max_connections: int = 512      # well under systemd's usual LimitNOFILE of 1024
+    head_timeout: float = 10.0      # to send the request line and headers
+    idle_timeout: float = 60.0      # between requests on a kept-alive connection
+    handshake_timeout: float = 10.0
 
 
-class ExporterServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request: object, client_address: tuple) -> None:
-        """A client that drops the connection or fails the TLS handshake is its problem, not ours."""
-        log.debug("http client error client=%s", client_address, exc_info=True)
+class _Connection:
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.waiting = True  # no complete request head yet: the first to go when full
 
 
-def make_server(host: str, port: int, sampler: Sampler, tls_cert: Path | None = None,
-                tls_key: Path | None = None, users: dict[str, str] | None = None) -> ExporterServer:
-    server = ExporterServer((host, port), make_handler(sampler, BasicAuth(users) if users else None))
-    if tls_cert is not None:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        context.load_cert_chain(tls_cert, tls_key)
-        # the handshake happens in the request's thread, so a slow client cannot stall accept()
-        server.socket = context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
-    return server
+class ExporterServer:
+    """Serves on a socket bound at construction (so a busy port fails at start-up)."""
+
+    def __init__(self, host: str, port: int, sampler: Sampler, tls: ssl.SSLContext | None = None,
+                 users: dict[str, str] | None = None, limits: Limits = Limits()) -> None:
+        self.sampler = sampler
+        self.tls = tls
+        self.auth = BasicAuth(users) if users else None
+        self.limits = limits
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.create_server((host or "", port), family=family, reuse_port=False,
+                                           dualstack_ipv6=False, backlog=128)
+        self.server_address = self.socket.getsockname()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._connections: collections.OrderedDict[int, _Connection] = collections.OrderedDict()
+        self._checks = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="http-auth")
+        self._gzip_source: bytes | None = None
+        self._gzip_body = b""
+        self._ready = threading.Event()
+        self._done = threading.Event()
+
+    # lifetime, shaped like socketserver's so main and the tests run it on a thread
+    def serve_forever(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._loop.run_until_complete(self._start())
+            self._ready.set()
+            self._loop.run_forever()
+        finally:
+            self._loop.run_until_complete(self._stop())
+            self._loop.close()
+            self._done.set()
+
+    async def _start(self) -> None:
+        self._server = await asyncio.start_server(
+            self._handle, sock=self.socket, ssl=self.tls, limit=MAX_HEAD_BYTES,
+            ssl_handshake_timeout=self.limits.handshake_timeout if self.tls else None)
+
+    async def _stop(self) -> None:
+        for connection in list(self._connections.values()):
+            connection.writer.close()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    def shutdown(self) -> None:
+        """Stop serving and wait until the loop has closed its connections, as socketserver's does."""
+        if self._loop is not None and self._ready.wait(5):
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._done.wait(5)
+
+    def server_close(self) -> None:
+        self._checks.shutdown(wait=False)
+        self.socket.close()
+
+    # connections
+    def _admit(self, writer: asyncio.StreamWriter) -> int:
+        if len(self._connections) >= self.limits.max_connections:
+            victim = next((k for k, c in self._connections.items() if c.waiting), None)
+            if victim is None:
+                victim = next(iter(self._connections))
+            log.debug("http connection limit reached; closing the oldest waiting connection")
+            self._connections.pop(victim).writer.close()
+        key = id(writer)
+        self._connections[key] = _Connection(writer)
+        return key
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        key = self._admit(writer)
+        timeout = self.limits.head_timeout
+        try:
+            while True:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+                connection = self._connections.get(key)
+                if connection is None:
+                    break
+                connection.waiting = False
+                keep_alive = await self._respond(head, writer)
+                await writer.drain()
+                if not keep_alive:
+                    break
+                connection.waiting = True
+                timeout = self.limits.idle_timeout
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
+                ssl.SSLError, OSError):
+            pass  # a slow, silent, oversized or vanished client: closed below, nothing to report
+        finally:
+            self._connections.pop(key, None)
+            writer.close()
+
+    async def _respond(self, head: bytes, writer: asyncio.StreamWriter) -> bool:
+        try:
+            request_line, *header_lines = head.decode("latin-1").split("\r\n")
+            method, target, version = request_line.split(" ")
+        except ValueError:
+            self._write(writer, HTTPStatus.BAD_REQUEST, b"bad request\n", "text/plain", {}, False)
+            return False
+        headers = {}
+        for line in header_lines:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        keep_alive = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
+        if method not in ("GET", "HEAD"):
+            self._write(writer, HTTPStatus.METHOD_NOT_ALLOWED, b"method not allowed\n", "text/plain",
+                        {"Allow": "GET, HEAD"}, keep_alive)
+            return keep_alive
+        path = target.split("?", 1)[0]
+        if path == "/healthz":  # for the process supervisor: no credentials, no metrics in it
+            ok = self.sampler.healthy()
+            self._write(writer, HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE,
+                        b"ok\n" if ok else b"sampling stalled\n", "text/plain", {}, keep_alive,
+                        method == "HEAD")
+            return keep_alive
+        if self.auth is not None and not await self._authorised(headers.get("authorization")):
+            self._write(writer, HTTPStatus.UNAUTHORIZED, b"unauthorized\n", "text/plain",
+                        {"WWW-Authenticate": 'Basic realm="gpuhealth-exporter"'}, keep_alive)
+            return keep_alive
+        if path == "/metrics":
+            body, extra = self.sampler.exposition, {}
+            if "gzip" in headers.get("accept-encoding", ""):
+                body, extra = self._gzipped(body), {"Content-Encoding": "gzip"}
+            self._write(writer, HTTPStatus.OK, body, CONTENT_TYPE_LATEST, extra, keep_alive, method == "HEAD")
+        elif path == "/":
+            self._write(writer, HTTPStatus.OK, LANDING, "text/html", {}, keep_alive, method == "HEAD")
+        else:
+            self._write(writer, HTTPStatus.NOT_FOUND, b"not found\n", "text/plain", {}, keep_alive)
+        return keep_alive
+
+    async def _authorised(self, header: str | None) -> bool:
+        assert self.auth is not None
+        if self.auth.cached(header):
+            return True
+        return await asyncio.get_running_loop().run_in_executor(self._checks, self.auth.verify, header)
+
+    def _gzipped(self, body: bytes) -> bytes:
+        if body is not self._gzip_source:  # compressed once per sampling run, whoever scrapes
+            self._gzip_body = gzip.compress(body, compresslevel=5, mtime=0)
+            self._gzip_source = body
+        return self._gzip_body
+
+    @staticmethod
+    def _write(writer: asyncio.StreamWriter, status: HTTPStatus, body: bytes, content_type: str,
+               headers: dict[str, str], keep_alive: bool, head_only: bool = False) -> None:
+        lines = [f"HTTP/1.1 {status.value} {status.phrase}", f"Content-Type: {content_type}",
+                 f"Content-Length: {len(body)}", "Server: gpuhealth-exporter",
+                 f"Connection: {'keep-alive' if keep_alive else 'close'}",
+                 *(f"{name}: {value}" for name, value in headers.items())]
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if head_only else body))
+
+
+# exporter-toolkit's client_auth_type values that a Python TLS server can honour exactly
+CLIENT_AUTH_TYPES = {"NoClientCert": ssl.CERT_NONE, "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
+                     "RequireAndVerifyClientCert": ssl.CERT_REQUIRED}
+TLS_VERSIONS = {"TLS12": ssl.TLSVersion.TLSv1_2, "TLS13": ssl.TLSVersion.TLSv1_3}
+
+
+def tls_context(cert_file, key_file, client_ca_file=None, client_auth: str = "NoClientCert",
+                min_version: str = "TLS12") -> ssl.SSLContext:
+    """A server context as exporter-toolkit's ``tls_server_config`` describes it."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = TLS_VERSIONS[min_version]
+    context.load_cert_chain(cert_file, key_file)
+    if client_ca_file is not None:
+        context.load_verify_locations(cafile=str(client_ca_file))
+    context.verify_mode = CLIENT_AUTH_TYPES[client_auth]
+    return context
+
+
+def make_server(host: str, port: int, sampler: Sampler, tls_cert=None, tls_key=None,
+                users: dict[str, str] | None = None, limits: Limits = Limits(), *,
+                tls: ssl.SSLContext | None = None) -> ExporterServer:
+    if tls is None and tls_cert is not None:
+        tls = tls_context(tls_cert, tls_key)
+    return ExporterServer(host, port, sampler, tls, users, limits)

@@ -1,7 +1,9 @@
 """Per-GPU NVML telemetry plus the features only high-rate sampling can give.
 
-Each GPU is sampled on its own guarded worker with a deadline, so a hung or lost GPU is marked down
-while the others keep reporting. Window maxima (temperature, NVML latency) cover the last
+Each GPU is sampled on its own guarded worker with its own deadline, so a hung or lost GPU is marked
+down while the others keep reporting; when every GPU misses its deadline at once, that is a stall of
+the driver (a GSP timeout usually stalls NVML node-wide), reported as ``gpuhealth_nvml_stalled``
+rather than as every GPU lost. Window maxima (temperature, NVML latency) cover the last
 ``window_seconds``, about one scrape interval, so a spike between scrapes is not lost.
 """
 
@@ -10,28 +12,25 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from gpuhealth.exporter.collector import Context, register
 from gpuhealth.exporter.guard import DeadlineExceeded, GuardedWorker
-from gpuhealth.exporter.inventory import GpuIdentity
-from gpuhealth.exporter.metrics import Families
+from gpuhealth.exporter.inventory import GpuIdentity, nvidia_gpus_on_pci
+from gpuhealth.exporter.metrics import RECOVERY_ACTIONS, Families
+from gpuhealth.exporter.nvml_errors import GpuDown, NvmlDown, error_label
 from gpuhealth.exporter.nvml_reader import CLOCK_EVENT_REASONS, GpuReading, NvmlReader
 from prometheus_client.core import Metric
 
 log = logging.getLogger(__name__)
 
 PREINITIALISED_ERRORS = ("gpu_is_lost", "timeout", "unknown")
-
-
-def error_label(exc: BaseException) -> str:
-    """``NVMLError_GpuIsLost`` -> ``gpu_is_lost``; a missed deadline -> ``timeout``."""
-    if isinstance(exc, DeadlineExceeded):
-        return "timeout"
-    name = type(exc).__name__.removeprefix("NVMLError_").removeprefix("NVMLError")
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower() or "unknown"
+# Counters, health fields and link state move slowly and cost most of a sample: read them every few
+# seconds (still several times per 15 s scrape), the temperatures, clocks and load every second.
+FULL_EVERY_SECONDS = 5.0
+SAMPLE = "sample"  # the query label of errors that marked the GPU down
 
 
 @dataclass
@@ -41,11 +40,16 @@ class GpuTrack:
     up: bool = False
     visible: bool = True
     errors: collections.Counter = field(default_factory=lambda: collections.Counter(
-        dict.fromkeys(PREINITIALISED_ERRORS, 0)))
+        {(error, SAMPLE): 0 for error in PREINITIALISED_ERRORS}))
     window: collections.deque = field(default_factory=collections.deque)  # (t, temperature, latency)
     clock_event_seconds: dict[str, float] = field(default_factory=dict)
     last_sample: float | None = None
     reading: GpuReading | None = None
+    slow: list = field(default_factory=list)      # the last full reading's slow samples
+    slowdown_threshold: float | None = None
+    driver_clock_event_reasons: set = field(default_factory=set)
+    last_full: float | None = None
+    recovery_action: str | None = None  # last polled from NVML
 
 
 @register("gpu", "NVML per-GPU telemetry, identity and derived features")
@@ -58,45 +62,85 @@ class GpuCollector:
         self.expected = ctx.gpus_expected
         self.node_worker = GuardedWorker("nvml-node")
         self.count = 0
+        self.stalled = False
+        self.generation = 0
 
     def _worker(self, index: int) -> GuardedWorker:
         if index not in self.workers:
             self.workers[index] = GuardedWorker(f"nvml-gpu{index}")
         return self.workers[index]
 
-    def _sample(self, index: int, known: bool) -> tuple[GpuIdentity | None, GpuReading, float]:
+    def _sample(self, index: int, known: bool, full: bool) -> tuple[GpuIdentity | None, GpuReading, float]:
         """Runs on the GPU's worker; shared state is only updated by the sampling thread."""
         start = self.ctx.clock()
         identity = None if known else self.reader.identity(index)
-        reading = self.reader.read(index)
+        reading = self.reader.read(index, full)
         return identity, reading, self.ctx.clock() - start
 
+    def _full_due(self, index: int) -> bool:
+        track = self.tracks.get(index)
+        return track is None or track.last_full is None or \
+            self.ctx.clock() - track.last_full >= FULL_EVERY_SECONDS
+
     def collect(self) -> Iterator[Metric]:
-        nvml, ctx = self.ctx.nvml, self.ctx
+        ctx, session = self.ctx, self.ctx.session
+        if self.expected is None and ctx.sysfs is not None:
+            self.expected = nvidia_gpus_on_pci(ctx.sysfs) or None  # none on the bus: ask NVML
+        if not session.ensure():
+            yield from self._families(sorted(self.tracks), nvml_up=False)
+            return
+        if session.generation != self.generation:  # initialised again: ask every feature afresh
+            self.generation = session.generation
+            self.reader.forget()
+            ctx.inventory.driver_version = session.driver_version
         try:
-            self.count = GuardedWorker.result(self.node_worker.submit(nvml.nvmlDeviceGetCount),
-                                              ctx.nvml_timeout_seconds)
-        except (DeadlineExceeded, nvml.NVMLError) as exc:  # keep sampling the GPUs known so far
+            self.count = GuardedWorker.result(self.node_worker.submit(self._count), ctx.nvml_timeout_seconds)
+        except NvmlDown as exc:
+            session.lost(exc.error)
+            yield from self._families(sorted(self.tracks), nvml_up=False)
+            return
+        except (DeadlineExceeded, GpuDown) as exc:  # keep sampling the GPUs known so far
             log.warning("gpu count failed error=%s", error_label(exc))
         count = self.count
-        if self.expected is None:
+        if self.expected is None:  # no readable sysfs: the count NVML sees first
             self.expected = count
         indices = sorted(set(range(count)) | set(ctx.inventory.gpus) | set(self.tracks))
-        started = ctx.clock()
-        futures = {i: self._worker(i).submit(functools.partial(self._sample, i, i in ctx.inventory.gpus))
+        # Each GPU's own deadline from its submission, in real time (what the guard waits in); the
+        # waits overlap, so a run takes one timeout at most however many GPUs hang.
+        deadlines = {i: time.monotonic() + ctx.nvml_timeout_seconds for i in indices}
+        futures = {i: self._worker(i).submit(functools.partial(self._sample, i, i in ctx.inventory.gpus,
+                                                               self._full_due(i)))
                    for i in indices}
+        outcomes: dict[int, tuple | BaseException] = {}
         for index, future in futures.items():
-            track = self.tracks.setdefault(index, GpuTrack())
-            remaining = ctx.nvml_timeout_seconds - (ctx.clock() - started)
             try:
-                identity, reading, latency = GuardedWorker.result(future, remaining)
-            except (DeadlineExceeded, nvml.NVMLError) as exc:
-                self._down(index, track, exc, index < count)
-                continue
-            if identity is not None:
-                ctx.inventory.add(identity)
-            self._up(index, track, reading, latency)
-        yield from self._families(indices)
+                outcomes[index] = GuardedWorker.result(future, deadlines[index] - time.monotonic())
+            except (DeadlineExceeded, GpuDown) as exc:
+                outcomes[index] = exc
+        timed_out = [i for i, o in outcomes.items() if isinstance(o, DeadlineExceeded)]
+        stalled = len(indices) > 1 and len(timed_out) == len(indices)
+        if stalled != self.stalled:
+            log.warning("nvml stall %s gpus=%d", "began" if stalled else "ended", len(indices))
+        self.stalled = stalled
+        for index, outcome in outcomes.items():
+            track = self.tracks.setdefault(index, GpuTrack())
+            if isinstance(outcome, NvmlDown):
+                session.lost(outcome.error)
+                self._down(index, track, outcome, index < count)
+            elif stalled:
+                track.reading, track.slow = None, []  # no fresh data; not a lost GPU either
+                self._remember(track, ctx.clock(), None, ctx.nvml_timeout_seconds)
+            elif isinstance(outcome, BaseException):
+                self._down(index, track, outcome, index < count)
+            else:
+                identity, reading, latency = outcome
+                if identity is not None:
+                    ctx.inventory.add(identity)
+                self._up(index, track, reading, latency)
+        yield from self._families(indices, nvml_up=session.up)
+
+    def _count(self) -> int:
+        return self.reader.core(self.ctx.nvml.nvmlDeviceGetCount)
 
     def _down(self, index: int, track: GpuTrack, exc: BaseException, enumerated: bool) -> None:
         error = error_label(exc)
@@ -104,8 +148,8 @@ class GpuCollector:
             log.warning("gpu down gpu=%d error=%s detail=%s", index, error, exc)
         track.up = False
         track.visible = enumerated and error != "gpu_is_lost"
-        track.errors[error] += 1
-        track.reading = None
+        track.errors[(error, SAMPLE)] += 1
+        track.reading, track.slow, track.last_full = None, [], None
         self.ctx.inventory.processes.pop(index, None)
         now = self.ctx.clock()
         latency = self.ctx.nvml_timeout_seconds if error == "timeout" else 0.0
@@ -115,10 +159,19 @@ class GpuCollector:
         now = self.ctx.clock()
         if not track.up and track.last_sample is not None:
             log.info("gpu up gpu=%d", index)
+        if reading.full:
+            track.slow, track.last_full = reading.slow, now
+            track.slowdown_threshold = reading.slowdown_threshold
+            track.driver_clock_event_reasons = reading.driver_clock_event_reasons
         for reason, active in reading.clock_events.items():
+            if reason in track.driver_clock_event_reasons:
+                continue  # the driver's own counter is exact
             seconds = track.clock_event_seconds.setdefault(reason, 0.0)
             if active and track.up and track.last_sample is not None:
                 track.clock_event_seconds[reason] = seconds + (now - track.last_sample)
+        track.errors.update(reading.errors)
+        if reading.recovery_action is not None:
+            track.recovery_action = reading.recovery_action
         track.up, track.visible, track.reading = True, True, reading
         self.ctx.inventory.processes[index] = reading.pids
         self._remember(track, now, reading.temperature, latency)
@@ -129,10 +182,15 @@ class GpuCollector:
         while track.window and track.window[0][0] < now - self.ctx.window_seconds:
             track.window.popleft()
 
-    def _families(self, indices: list[int]) -> Iterator[Metric]:
+    def _families(self, indices: list[int], nvml_up: bool) -> Iterator[Metric]:
         f = Families()
+        session = self.ctx.session
+        f.add("gpuhealth_nvml_up", int(nvml_up))
+        f.add("gpuhealth_nvml_stalled", int(self.stalled and nvml_up))
+        for error, count in sorted(session.init_errors.items()):
+            f.add("gpuhealth_nvml_init_errors_total", count, [error])
         f.add("gpuhealth_gpus_expected", self.expected or 0)
-        f.add("gpuhealth_gpus_visible", sum(self.tracks[i].visible for i in indices))
+        f.add("gpuhealth_gpus_visible", sum(self.tracks[i].visible for i in indices) if nvml_up else 0)
         inventory = self.ctx.inventory
         for index in indices:
             gpu, track = str(index), self.tracks[index]
@@ -141,20 +199,25 @@ class GpuCollector:
                 f.add("gpuhealth_gpu_info", 1, [gpu, identity.uuid, identity.pci_bus_id, identity.model,
                                                 identity.serial, inventory.driver_version,
                                                 identity.vbios_version])
-            f.add("gpuhealth_gpu_up", int(track.up), [gpu])
-            for error, count in sorted(track.errors.items()):
-                f.add("gpuhealth_gpu_nvml_errors_total", count, [gpu, error])
-            f.add("gpuhealth_gpu_nvml_latency_seconds", max(latency for _, _, latency in track.window), [gpu])
+            f.add("gpuhealth_gpu_up", int(track.up and nvml_up), [gpu])
+            for (error, query), count in sorted(track.errors.items()):
+                f.add("gpuhealth_gpu_nvml_errors_total", count, [gpu, error, query])
+            if track.window:
+                f.add("gpuhealth_gpu_nvml_latency_seconds", max(latency for _, _, latency in track.window),
+                      [gpu])
+            requested = track.recovery_action or inventory.logged_recovery.get(gpu, "none")
+            for action in RECOVERY_ACTIONS:
+                f.add("gpuhealth_gpu_recovery_action", int(action == requested), [gpu, action])
             if track.reading is None:
                 continue
-            for name, labels, value in track.reading.samples:
+            for name, labels, value in (*track.reading.samples, *track.slow):
                 f.add(name, value, [gpu, *labels])
             temperatures = [t for _, t, _ in track.window if t is not None]
             if temperatures:
                 f.add("gpuhealth_gpu_temperature_max_celsius", max(temperatures), [gpu])
-                if track.reading.slowdown_threshold is not None:
+                if track.slowdown_threshold is not None:
                     f.add("gpuhealth_gpu_temperature_slowdown_margin_celsius",
-                          track.reading.slowdown_threshold - max(temperatures), [gpu])
+                          track.slowdown_threshold - max(temperatures), [gpu])
             for reason in CLOCK_EVENT_REASONS:
                 if reason in track.clock_event_seconds:
                     f.add("gpuhealth_gpu_clock_event_seconds_total", track.clock_event_seconds[reason],

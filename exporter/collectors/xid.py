@@ -15,12 +15,12 @@ from gpuhealth.exporter.collector import Context, register
 from gpuhealth.exporter.dedup import XidDeduplicator
 from gpuhealth.exporter.guard import DeadlineExceeded, GuardedWorker
 from gpuhealth.exporter.kmsg import KmsgFollower, parse_line
-from gpuhealth.exporter.metrics import KMSG_RESULTS, RECOVERY_ACTIONS, Families
+from gpuhealth.exporter.metrics import KMSG_RESULTS, Families
+from gpuhealth.exporter.recovery import load_recovery, save_recovery
+from gpuhealth.exporter.xid_events import MAX_EVENTS_PER_RUN, NvmlXidEvents
 from prometheus_client.core import Metric
 
 log = logging.getLogger(__name__)
-
-MAX_EVENTS_PER_RUN = 10000
 
 
 def _boot_id(procfs: Path) -> str:
@@ -35,11 +35,14 @@ class XidCollector:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.dedup = XidDeduplicator()
+        self.boot_id = _boot_id(ctx.procfs)
         self.follower: KmsgFollower | None = None
         if ctx.kmsg_path is not None:
             state = ctx.state_dir / "kmsg.seq" if ctx.state_dir else None
-            self.follower = KmsgFollower(ctx.kmsg_path, state, _boot_id(ctx.procfs))
-        self.event_set = None
+            self.follower = KmsgFollower(ctx.kmsg_path, state, self.boot_id)
+        self.recovery_file = ctx.state_dir / "recovery_action" if ctx.state_dir else None
+        ctx.inventory.logged_recovery.update(load_recovery(self.recovery_file, self.boot_id))
+        self.events = NvmlXidEvents(ctx.nvml, ctx.clock) if ctx.nvml is not None else None
         self.nvml_worker = GuardedWorker("nvml-events")
         # Event counters appear at their first event, not at 0 for every GPU and known code: 20 XIDs
         # x 16,384 GPUs of zeros would be most of a fleet's series, and every XID rule would read them
@@ -49,15 +52,21 @@ class XidCollector:
         self.aer: collections.Counter = collections.Counter()           # (pci_bus_id, severity, gpu)
         self.fallen: collections.Counter = collections.Counter()        # gpu
         self.lines = collections.Counter(dict.fromkeys(KMSG_RESULTS, 0))
-        self.recovery: dict[str, str] = {}                             # gpu -> action
+        self._notice_pci = ""  # the GPU of a fallen-off-the-bus notice whose first line was just read
 
     def collect(self) -> Iterator[Metric]:
-        if self.ctx.nvml is not None:
+        """No NVML failure may stop the kernel log's XIDs, SXIDs and AER errors from counting."""
+        session = self.ctx.session
+        if self.events is not None and session is not None and session.ensure():
             try:
-                events = GuardedWorker.result(self.nvml_worker.submit(self._nvml_events),
-                                              self.ctx.nvml_timeout_seconds)
+                events = GuardedWorker.result(
+                    self.nvml_worker.submit(lambda: self.events.drain(session.generation)),
+                    self.ctx.nvml_timeout_seconds)
             except DeadlineExceeded:  # a hung driver: try again next run, count nothing twice
                 log.warning("NVML event drain timed out")
+                events = []
+            except Exception:  # anything else from the binding: the kernel log below still counts
+                log.exception("NVML event drain failed")
                 events = []
             for gpu, xid in events:
                 self._count_xid("nvml", gpu, xid)
@@ -70,35 +79,6 @@ class XidCollector:
         yield from self._families()
         if kmsg_error is not None:
             raise kmsg_error
-
-    def _register_events(self) -> None:
-        nvml = self.ctx.nvml
-        self.event_set = nvml.nvmlEventSetCreate()
-        for index in range(nvml.nvmlDeviceGetCount()):
-            try:
-                handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, self.event_set)
-            except nvml.NVMLError as exc:
-                log.info("no NVML XID events gpu=%d error=%s", index, exc)
-
-    def _nvml_events(self) -> list[tuple[str, int]]:
-        """Pending critical-XID events as (gpu, xid); runs on the guarded worker."""
-        nvml = self.ctx.nvml
-        if self.event_set is None:
-            self._register_events()
-        events: list[tuple[str, int]] = []
-        for _ in range(MAX_EVENTS_PER_RUN):
-            try:
-                event = nvml.nvmlEventSetWait(self.event_set, 0)
-                gpu = str(nvml.nvmlDeviceGetIndex(event.device))
-            except nvml.NVMLError_Timeout:
-                break
-            except nvml.NVMLError as exc:
-                log.warning("NVML event wait failed error=%s", exc)
-                break
-            if event.eventType == nvml.nvmlEventTypeXidCriticalError:
-                events.append((gpu, int(event.eventData)))
-        return events
 
     def _count_xid(self, source: str, gpu: str, xid: int) -> None:
         if self.dedup.is_new(source, gpu, xid, self.ctx.clock()):
@@ -113,16 +93,23 @@ class XidCollector:
             if event.kind == "xid":
                 gpu = inventory.gpu_for_pci(event.pci_bus_id)
                 self._count_xid("kmsg", gpu, event.code)
-                if event.action:
-                    self.recovery[gpu] = event.action
+                if event.action and inventory.logged_recovery.get(gpu) != event.action:
+                    inventory.logged_recovery[gpu] = event.action
                     log.warning("gpu recovery action gpu=%s action=%s", gpu, event.action)
+                    save_recovery(self.recovery_file, self.boot_id, inventory.logged_recovery)
             elif event.kind == "sxid":
                 self.sxids[(event.device, str(event.code), event.severity)] += 1
             elif event.kind == "aer":
                 gpu = inventory.gpu_for_pci(event.pci_bus_id)
                 self.aer[(event.pci_bus_id, event.severity, "" if gpu == "unknown" else gpu)] += 1
             elif event.kind == "fallen_off_bus":
-                self.fallen[inventory.gpu_for_pci(event.pci_bus_id)] += 1
+                self.fallen[inventory.gpu_for_pci(event.pci_bus_id or self._notice_pci)] += 1
+            # A text log (journalctl, dmesg, syslog) prints the driver's three-line notice as lines:
+            # the GPU is named on the first, "fallen off the bus" comes on the third.
+            if event.kind == "ignored" and event.pci_bus_id:
+                self._notice_pci = event.pci_bus_id
+            elif event.kind != "ignored":
+                self._notice_pci = ""
         self.follower.save_state()
 
     def _families(self) -> Iterator[Metric]:
@@ -131,9 +118,11 @@ class XidCollector:
             f.add("gpuhealth_xid_events_total", count, labels)
         for gpu, count in sorted(self.fallen.items()):
             f.add("gpuhealth_gpu_fallen_off_bus_total", count, [gpu])
-        for gpu, requested in sorted(self.recovery.items()):
-            for action in RECOVERY_ACTIONS:
-                f.add("gpuhealth_gpu_recovery_action", int(action == requested), [gpu, action])
+        if self.events is not None:
+            for index, registered in sorted(self.events.registered.items()):
+                f.add("gpuhealth_xid_nvml_registered", int(registered), [str(index)])
+            for error, count in sorted(self.events.wait_errors.items()):
+                f.add("gpuhealth_xid_nvml_wait_errors_total", count, [error])
         for labels, count in sorted(self.sxids.items()):
             f.add("gpuhealth_sxid_events_total", count, labels)
         for labels, count in sorted(self.aer.items()):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pynvml
+from gpuhealth.exporter.sim import kernel_lines
 from gpuhealth.exporter.sim.scenario import Fault, Scenario
 
 # H100 SXM figures: thresholds, clocks (MHz), limits, HBM row-remap banks.
@@ -67,6 +68,7 @@ class GpuState:
     nvlink_errors: dict[tuple[int, str], float] = field(default_factory=dict)
     lost: bool = False
     hung: bool = False
+    recovery_action: int = 0  # NVML_GPU_RECOVERY_ACTION_*, what XID 154 announces
 
     @property
     def pci_kernel(self) -> str:
@@ -151,8 +153,7 @@ class FaultRun:
         if p >= 0.8:
             gpu.pcie_gen = 4
         for _ in range(int(40 * _smooth(p)) - int(40 * _smooth(p_old))):
-            self.emit(gpu.index, f"nvidia {gpu.pci_bus_id.lower()[4:]}: AER: PCIe Bus Error: "
-                                 "severity=Corrected, type=Physical Layer, (Receiver ID)", None)
+            self.emit(gpu.index, kernel_lines.aer_corrected(gpu.index, gpu.pci_bus_id), None)
 
     def _nvlink_errors(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
         link = self.fault.params.get("link", 0)
@@ -181,6 +182,7 @@ class FaultRun:
                 94: "pid=4242, name=python, Contained: SM (0x1). RST: No, D-RST: No",
                 95: "pid=4242, name=python, Uncontained: FBHUB. RST: Yes, D-RST: No"}[xid]
         self._xid(gpu, xid, text)
+        gpu.recovery_action = pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
         self._xid(gpu, 154, "GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)")
 
     def _fail_thermal_runaway(self, gpu: GpuState) -> None:
@@ -203,9 +205,7 @@ class FaultRun:
     def _fail_fell_off_bus(self, gpu: GpuState) -> None:
         gpu.lost = True
         self._xid(gpu, 79, "pid=4242, name=python, GPU has fallen off the bus.")
-        self.emit(gpu.index, f"NVRM: The NVIDIA GPU {gpu.pci_bus_id.lower()[4:]} (PCI ID: 10de:2330) "
-                             "installed in this system has fallen off the bus and is not responding to "
-                             "commands.", None)
+        self.emit(gpu.index, kernel_lines.fallen_off_bus(gpu.index, gpu.pci_bus_id), None)
 
     # noise: active=False once the noise window is over
     def _sbe_burst(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
@@ -259,6 +259,7 @@ class Node:
         self.runs = [FaultRun(f, self.emit) for f in scenario.faults]
         for gpu in self.gpus:
             gpu.lost = gpu.hung = False
+            gpu.recovery_action = 0
             gpu.nvlink_down.clear()
             gpu.remap_pending = gpu.retired_pending = 0
             gpu.ecc_corrected_volatile = gpu.ecc_uncorrected_volatile = 0.0

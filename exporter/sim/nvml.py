@@ -17,7 +17,6 @@ from pathlib import Path
 import pynvml
 from gpuhealth.exporter.sim.gpu import (
     MEM_CLOCK_MAX,
-    MEMORY_TOTAL,
     PCIE_GEN,
     PCIE_WIDTH,
     SHUTDOWN_C,
@@ -27,6 +26,8 @@ from gpuhealth.exporter.sim.gpu import (
     Node,
 )
 from gpuhealth.exporter.sim.kmsg_writer import KmsgWriter
+from gpuhealth.exporter.sim.nvml_current import MEMORY_MAX_OPERATING_C, NvmlCurrent, wrap_queries
+from gpuhealth.exporter.sim.profiles import Profile
 from gpuhealth.exporter.sim.scenario import Scenario
 
 HANG_SECONDS = 30.0  # how long a call on a GPU hung by a GSP timeout blocks before failing
@@ -45,12 +46,15 @@ class _EventSet:
         self.pending: collections.deque[tuple[int, int]] = collections.deque()
 
 
-class SimulatedNvml:
+@wrap_queries
+class SimulatedNvml(NvmlCurrent):
     """Stands in for the ``pynvml`` module. Constants and exception classes come from pynvml itself."""
 
     def __init__(self, scenario: Scenario, kmsg_path: Path | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, profile: Profile | None = None,
+                 mig: bool = False) -> None:
+        self._setup_current(profile, mig)
         self._clock = clock
         self._sleep = sleep
         self._lock = threading.RLock()
@@ -62,7 +66,8 @@ class SimulatedNvml:
         self._initialised = False
 
     def __getattr__(self, name: str):
-        if name.startswith(("NVML", "nvmlClocks", "nvmlEventType")):
+        if name.startswith(("NVML", "nvmlClocks", "nvmlEventType", "c_nvml", "nvmlMemory_v",
+                            "nvmlTemperature_v")):
             return getattr(pynvml, name)
         raise AttributeError(f"the NVML simulator does not implement {name}")
 
@@ -108,6 +113,7 @@ class SimulatedNvml:
 
     # library
     def nvmlInit(self) -> None:
+        self._init_check()
         self._initialised = True
 
     def nvmlShutdown(self) -> None:
@@ -150,7 +156,7 @@ class SimulatedNvml:
         gpu = self._gpu(handle)
         info = pynvml.nvmlPciInfo_t()
         info.busId = gpu.pci_bus_id.encode()
-        info.pciDeviceId = 0x233010DE
+        info.pciDeviceId = self.profile.pci_device_id
         return info
 
     # thermals, power, clocks
@@ -163,22 +169,11 @@ class SimulatedNvml:
     def nvmlDeviceGetTemperatureThreshold(self, handle: SimHandle, threshold: int) -> int:
         self._gpu(handle)
         values = {pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: SLOWDOWN_C,
-                  pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: SHUTDOWN_C}
+                  pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: SHUTDOWN_C,
+                  pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX: MEMORY_MAX_OPERATING_C}
         if threshold not in values:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return int(values[threshold])
-
-    def nvmlDeviceGetFieldValues(self, handle: SimHandle, field_ids: list[int]):
-        gpu = self._gpu(handle)
-        values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
-        for value, field_id in zip(values, field_ids, strict=True):
-            value.fieldId = field_id
-            if field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP:
-                value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
-                value.value.uiVal = round(gpu.memory_temperature)
-            else:
-                value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
-        return values
 
     def nvmlDeviceGetPowerUsage(self, handle: SimHandle) -> int:
         return int(self._gpu(handle).power_watts * 1000)
@@ -204,18 +199,6 @@ class SimulatedNvml:
         rates = pynvml.c_nvmlUtilization_t()
         rates.gpu, rates.memory = round(gpu.utilization * 100), round(gpu.memory_utilization * 100)
         return rates
-
-    def nvmlDeviceGetMemoryInfo(self, handle: SimHandle) -> pynvml.c_nvmlMemory_t:
-        gpu = self._gpu(handle)
-        memory = pynvml.c_nvmlMemory_t()
-        memory.total = MEMORY_TOTAL
-        processes = [p for p in self._node.scenario.processes if gpu.index in p.gpus]
-        if processes:
-            memory.used = sum(p.memory_bytes for p in processes)
-        else:  # an anonymous training job holds most of the memory while the GPU is busy
-            memory.used = int(memory.total * 0.7) if gpu.utilization > 0 else 0
-        memory.free = memory.total - memory.used
-        return memory
 
     # memory errors
     def nvmlDeviceGetTotalEccErrors(self, handle: SimHandle, error_type: int, counter_type: int) -> int:
@@ -312,6 +295,8 @@ class SimulatedNvml:
         with self._lock:
             self._advance()
             if not event_set.pending:
+                if any(self._node.gpus[i].lost for i in event_set.devices):  # as real NVML: until freed
+                    raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
             index, xid = event_set.pending.popleft()
         return _Event(SimHandle(index), xid)

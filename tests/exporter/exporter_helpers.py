@@ -31,9 +31,10 @@ class FakeClock:
         self.now += seconds
 
 
-def sim_context(scenario: dict, clock: FakeClock, kmsg_path: Path | None = None, **kwargs) -> Context:
+def sim_context(scenario: dict, clock: FakeClock, kmsg_path: Path | None = None, profile=None,
+                **kwargs) -> Context:
     """A Context on a simulated node driven by ``clock``, NVML initialised."""
-    nvml = SimulatedNvml(parse_scenario(scenario), kmsg_path, clock=clock)
+    nvml = SimulatedNvml(parse_scenario(scenario), kmsg_path, clock=clock, profile=profile)
     nvml.nvmlInit()
     ctx = Context(nvml=nvml, procfs=PROCFS, kmsg_path=kmsg_path, clock=clock, **kwargs)
     ctx.inventory.driver_version = nvml.nvmlSystemGetDriverVersion()

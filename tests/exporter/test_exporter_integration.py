@@ -82,8 +82,8 @@ def test_faults_show_on_the_right_gpu_in_prometheus(node) -> None:
     eventually(prometheus, 'gpuhealth_xid_events_total{gpu="3",xid="79"} == 1')
     eventually(prometheus, 'gpuhealth_gpu_nvlink_up{gpu="1",link="1"} == 0')
     eventually(prometheus, 'gpuhealth_xid_events_total{gpu="1",xid="74"} == 1')
-    assert value(prometheus, 'gpuhealth_gpu_nvlink_errors_total{gpu="1",link="1",type="crc_flit"}') > 1000
-    assert value(prometheus, 'gpuhealth_gpu_nvlink_errors_total{gpu="1",link="0",type="crc_flit"}') == 0
+    assert value(prometheus, 'gpuhealth_gpu_nvlink_errors_total{gpu="1",link="1",type="crc"}') > 1000
+    assert value(prometheus, 'gpuhealth_gpu_nvlink_errors_total{gpu="1",link="0",type="crc"}') == 0
     assert value(prometheus, 'count(gpuhealth_xid_events_total{gpu="0"})') is None  # a healthy GPU has none
     assert value(prometheus, 'gpuhealth_gpu_up{gpu="0"}') == 1
     assert value(prometheus, 'sum(gpuhealth_gpu_ecc_errors_total{type="corrected",counter="volatile",'

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import datetime
+import gzip
 import ipaddress
+import socket
 import ssl
 import threading
 import urllib.error
@@ -12,6 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import bcrypt
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -19,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from gpuhealth.exporter.collector import Context, load_collectors
 from gpuhealth.exporter.sampler import Sampler
-from gpuhealth.exporter.web import hash_password, make_server
+from gpuhealth.exporter.web import Limits, hash_password, hash_problem, make_server
 
 from gpuhealth.local.process import free_port
 
@@ -127,3 +130,91 @@ def test_tls_and_basic_auth(tmp_path: Path, sampler: Sampler) -> None:
         assert get(f"https://{address}/metrics", good, context=context)[0] == 200  # cached credential
         with pytest.raises(OSError):
             get(f"http://{address}/metrics", good)  # plain HTTP is refused
+
+
+def _raw(address: str, request: bytes) -> bytes:
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_hundreds_of_idle_clients_do_not_lock_scrapers_out(sampler: Sampler) -> None:
+    server = make_server("127.0.0.1", free_port(), sampler, limits=Limits(max_connections=64))
+    for address in serve(server):
+        host, port = address.rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(300)]
+        slow = idle[-1]
+        slow.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
+        try:
+            for _ in range(3):
+                assert get(f"http://{address}/metrics")[0] == 200
+                assert get(f"http://{address}/healthz") == (200, "ok\n")
+            assert len(server._connections) <= 64
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+def test_a_silent_connection_is_closed_after_the_head_deadline(sampler: Sampler) -> None:
+    server = make_server("127.0.0.1", free_port(), sampler, limits=Limits(head_timeout=0.3))
+    for address in serve(server):
+        host, port = address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\n")
+            assert sock.recv(100) == b""  # closed by the server, long before the 10 s client timeout
+
+
+def test_oversized_or_garbled_requests_are_refused_and_serving_goes_on(sampler: Sampler) -> None:
+    for address in serve(make_server("127.0.0.1", free_port(), sampler)):
+        assert _raw(address, b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n") == b""
+        assert _raw(address, b"\x16\x03\x01garbage\r\n\r\n").startswith(b"HTTP/1.1 400")
+        assert _raw(address, b"POST /metrics HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.1 405")
+        assert get(f"http://{address}/metrics")[0] == 200
+
+
+def test_gzip_when_the_scraper_accepts_it_and_keep_alive(sampler: Sampler) -> None:
+    for address in serve(make_server("127.0.0.1", free_port(), sampler)):
+        plain = _raw(address, b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n")
+        zipped = _raw(address, b"GET /metrics HTTP/1.1\r\nAccept-Encoding: gzip\r\nConnection: close\r\n\r\n")
+        plain_head, plain_body = plain.split(b"\r\n\r\n", 1)
+        zipped_head, zipped_body = zipped.split(b"\r\n\r\n", 1)
+        assert b"Content-Encoding: gzip" in zipped_head and b"Content-Encoding" not in plain_head
+        assert gzip.decompress(zipped_body) == plain_body and len(zipped_body) < len(plain_body)
+        two = _raw(address, b"GET /healthz HTTP/1.1\r\n\r\n"
+                            b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
+        assert two.count(b"HTTP/1.1 200 OK") == 2  # one kept-alive connection, two answers
+
+
+def test_healthz_needs_no_credentials_and_bcrypt_users_work(sampler: Sampler) -> None:
+    hashed = bcrypt.hashpw(b"scrape-me", bcrypt.gensalt(rounds=4)).decode()
+    users = {"prometheus": hashed}
+    good = {"Authorization": "Basic " + base64.b64encode(b"prometheus:scrape-me").decode()}
+    for address in serve(make_server("127.0.0.1", free_port(), sampler, users=users)):
+        assert get(f"http://{address}/healthz") == (200, "ok\n")
+        assert get(f"http://{address}/metrics")[0] == 401
+        assert get(f"http://{address}/metrics", good)[0] == 200
+
+
+def test_hashes_are_validated_at_start() -> None:
+    assert hash_problem(bcrypt.hashpw(b"x", bcrypt.gensalt(rounds=4)).decode()) is None
+    assert hash_problem(hash_password("x", iterations=1000)) is None
+    for bad in ("pbkdf2_sha256$1000$!!!$AAAA", "pbkdf2_sha256$10$c2FsdA==$" + "A" * 44,
+                "pbkdf2_sha256$1000$c2FsdA==$c2hvcnQ=", "$2y$10$tooshort", "plaintext"):
+        assert hash_problem(bad) is not None, bad
+
+
+def test_an_unknown_user_costs_one_password_check_like_a_known_one(monkeypatch) -> None:
+    from gpuhealth.exporter import web
+
+    checks = []
+    real = web.check_password
+    monkeypatch.setattr(web, "check_password", lambda p, h: (checks.append(h), real(p, h))[1])
+    auth = web.BasicAuth({"prometheus": hash_password("right", iterations=1000)})
+    for user in (b"prometheus:wrong", b"intruder:wrong", b"prometheus:right"):
+        checks.clear()
+        ok = auth.verify("Basic " + base64.b64encode(user).decode())
+        assert len(checks) == 1 and ok == (user == b"prometheus:right")

@@ -107,10 +107,11 @@ def test_pcie_and_nvlink_degradation(clock: FakeClock) -> None:
     assert value(text, "gpuhealth_gpu_pcie_link_width_lanes", gpu="1") == 8
     assert value(text, "gpuhealth_gpu_pcie_link_downgraded", gpu="1") == 1
     assert value(text, "gpuhealth_gpu_pcie_link_downgraded", gpu="0") == 0
-    assert value(text, "gpuhealth_gpu_nvlink_errors_total", gpu="6", link="11", type="crc_flit") > 1000
-    assert value(text, "gpuhealth_gpu_nvlink_errors_total", gpu="6", link="10", type="crc_flit") == 0
+    # Hopper: link-scoped DL field values, in one batched call
+    assert value(text, "gpuhealth_gpu_nvlink_errors_total", gpu="6", link="11", type="crc") > 1000
+    assert value(text, "gpuhealth_gpu_nvlink_errors_total", gpu="6", link="10", type="crc") == 0
     per_link = [v for k, v in samples(text, "gpuhealth_gpu_nvlink_errors_total").items() if ("gpu", "6") in k]
-    assert len(per_link) == 18 * 4   # links x error types
+    assert len(per_link) == 18 * 3   # links x (crc, replay, recovery)
     # The per-GPU total is the sum over links and types: one series per GPU for the rules.
     assert value(text, "gpuhealth_gpu_nvlink_errors_all_links_total", gpu="6") == sum(per_link)
     assert value(text, "gpuhealth_gpu_nvlink_errors_all_links_total", gpu="0") == 0
@@ -127,7 +128,7 @@ def test_fallen_off_bus_gpu_is_down_others_keep_reporting(clock: FakeClock) -> N
     clock.advance(10)
     text = scrape(collector)
     assert value(text, "gpuhealth_gpu_up", gpu="3") == 0
-    assert value(text, "gpuhealth_gpu_nvml_errors_total", gpu="3", error="gpu_is_lost") == 1
+    assert value(text, "gpuhealth_gpu_nvml_errors_total", gpu="3", error="gpu_is_lost", query="sample") == 1
     assert value(text, "gpuhealth_gpus_visible") == 7
     assert value(text, "gpuhealth_gpus_expected") == 8
     assert value(text, "gpuhealth_gpu_temperature_celsius", gpu="3") is None
@@ -148,7 +149,7 @@ def test_hung_gpu_times_out_and_stays_down_without_blocking(clock: FakeClock) ->
         first = scrape(collector)
         second = scrape(collector)  # the stuck call is still running: fails at once, no new thread
         assert value(first, "gpuhealth_gpu_up", gpu="1") == 0
-        assert value(second, "gpuhealth_gpu_nvml_errors_total", gpu="1", error="timeout") == 2
+        assert value(second, "gpuhealth_gpu_nvml_errors_total", gpu="1", error="timeout", query="sample") == 2
         assert value(second, "gpuhealth_gpu_nvml_latency_seconds", gpu="1") == pytest.approx(0.3)
         assert value(second, "gpuhealth_gpu_up", gpu="0") == 1
         assert value(second, "gpuhealth_gpus_visible") == 2  # enumerated, just not answering
@@ -167,3 +168,48 @@ def test_gsp_precursor_shows_as_nvml_latency() -> None:
     text = scrape(collector)
     slow, fast = (value(text, "gpuhealth_gpu_nvml_latency_seconds", gpu=g) for g in ("0", "1"))
     assert slow >= 0.15 and fast < slow / 2
+
+
+def test_driver_clock_event_counters_win_over_sampling(clock: FakeClock) -> None:
+    """Where the driver counts time in a reason (field values, ns), that exact figure is published."""
+    import pynvml
+    from gpuhealth.exporter.collector import Context
+    from gpuhealth.exporter.sim.nvml import SimulatedNvml
+    from gpuhealth.exporter.sim.scenario import parse_scenario
+
+    class DriverTimed(SimulatedNvml):
+        def _field(self, gpu, field_id, scope):
+            if field_id == pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN:
+                return 2_500_000_000
+            return super()._field(gpu, field_id, scope)
+
+    scenario = {"gpus": 1, "nvlinks": 0, "faults": [{"kind": "thermal_runaway", "gpu": 0, "precursor": 100}]}
+    nvml = DriverTimed(parse_scenario(scenario), clock=clock)
+    collector = make_collector("gpu", Context(nvml=nvml, clock=clock))
+    for _ in range(95):
+        clock.advance(1)
+        text = scrape(collector)
+    assert value(text, "gpuhealth_gpu_clock_event_active", gpu="0", reason="sw_thermal_slowdown") == 1
+    seconds = samples(text, "gpuhealth_gpu_clock_event_seconds_total")
+    assert seconds[(("gpu", "0"), ("reason", "sw_thermal_slowdown"))] == 2.5  # the driver's counter
+    assert seconds[(("gpu", "0"), ("reason", "hw_slowdown"))] > 0  # no counter for it: sampled
+    promtool_check(text)
+
+
+def test_counters_are_read_every_few_seconds_and_load_every_second(clock: FakeClock) -> None:
+    from gpuhealth.exporter.collectors.gpu import FULL_EVERY_SECONDS
+
+    scenario = {"gpus": 1, "nvlinks": 0,
+                "faults": [{"kind": "hbm_degradation", "gpu": 0, "start": 0, "precursor": 100}]}
+    collector = make_collector("gpu", sim_context(scenario, clock))
+    clock.advance(50)
+    first = scrape(collector)
+    clock.advance(1)
+    second = scrape(collector)
+    clock.advance(FULL_EVERY_SECONDS)
+    third = scrape(collector)
+    ecc = [value(t, "gpuhealth_gpu_ecc_errors_total", gpu="0", type="corrected", counter="volatile")
+           for t in (first, second, third)]
+    power = [value(t, "gpuhealth_gpu_power_watts", gpu="0") for t in (first, second)]
+    assert ecc[0] == ecc[1] < ecc[2]  # counters: the last full read until the next one
+    assert power[0] != power[1]       # load: every second

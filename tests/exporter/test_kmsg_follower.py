@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from gpuhealth.exporter.kmsg import KmsgFollower
+from gpuhealth.exporter.kmsg import MAX_READ_BYTES, MAX_RECORD_CHARS, KmsgFollower
 
 
 def append(path: Path, text: str) -> None:
@@ -75,3 +76,51 @@ def test_binary_garbage_does_not_stop_following(tmp_path: Path) -> None:
     log.write_bytes(b"\xff\xfe\x00garbage\n3,5,1,-;NVRM: ok\n")
     lines = follower.read_lines()
     assert lines[-1] == "3,5,1,-;NVRM: ok" and len(lines) == 2
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_fifo_path_is_read_without_leaking_file_handles(tmp_path: Path) -> None:
+    fifo = tmp_path / "kmsg"
+    os.mkfifo(fifo)
+    follower = KmsgFollower(fifo)
+    before = _open_fds()
+    for _ in range(20):
+        assert follower.read_lines() == []
+    assert _open_fds() == before
+    writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        os.write(writer, b"3,1,10,-;NVRM: Xid (PCI:0000:18:00): 13, Graphics Exception\n")
+        assert follower.read_lines() == ["3,1,10,-;NVRM: Xid (PCI:0000:18:00): 13, Graphics Exception"]
+    finally:
+        os.close(writer)
+        follower.close()
+
+
+def test_a_rotated_log_is_finished_then_followed_by_inode(tmp_path: Path) -> None:
+    log = tmp_path / "kern.log"
+    log.write_text("")
+    follower = KmsgFollower(log)
+    append(log, "before rotation\nlast line of the old file\n")
+    log.rename(tmp_path / "kern.log.1")
+    append(tmp_path / "kern.log.1", "written late to the old file\n")
+    log.write_text("first line of the new file\n")
+    assert follower.read_lines() == ["before rotation", "last line of the old file",
+                                     "written late to the old file", "first line of the new file"]
+    append(log, "second line\n")
+    assert follower.read_lines() == ["second line"]
+
+
+def test_reads_are_bounded_per_run_and_an_endless_line_is_cut(tmp_path: Path) -> None:
+    log = tmp_path / "kmsg"
+    log.write_text("")
+    follower = KmsgFollower(log)
+    append(log, "x" * (3 * MAX_READ_BYTES))  # no newline at all
+    lines = follower.read_lines()  # the first MAX_READ_BYTES of it
+    assert [len(line) for line in lines] == [MAX_RECORD_CHARS]  # one record's worth, once
+    assert len(follower._partial) <= MAX_RECORD_CHARS
+    append(log, "tail of the endless line\nnext\n")
+    later = [line for _ in range(4) for line in follower.read_lines()]  # the rest, over a few runs
+    assert later == ["next"]

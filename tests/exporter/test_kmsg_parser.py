@@ -34,6 +34,36 @@ CASES = [
     ("nvidia 0000:3b:00.0: AER: PCIe Bus Error: severity=Uncorrected (Fatal), type=Transaction Layer, "
      "(Receiver ID)", Event("aer", "00000000:3B:00.0", severity="uncorrected_fatal")),
     ("pcieport 0000:00:01.0: AER: Corrected error received: 0000:3b:00.0", Event("ignored")),
+    # AER across kernel versions: no "AER: " before 4.19 (and an id=), "Correctable"/"Uncorrectable" in
+    # current kernels, from the GPU or from its root port
+    ("pcieport 0000:00:01.0: PCIe Bus Error: severity=Corrected, type=Physical Layer, id=0008(Receiver ID)",
+     Event("aer", "00000000:00:01.0", severity="corrected")),
+    ("pcieport 0000:80:01.1: PCIe Bus Error: severity=Uncorrected (Non-Fatal), type=Transaction Layer, "
+     "id=0009(Requester ID)", Event("aer", "00000000:80:01.1", severity="uncorrected_non_fatal")),
+    ("nvidia 0000:3b:00.0: AER: PCIe Bus Error: severity=Correctable, type=Physical Layer, (Receiver ID)",
+     Event("aer", "00000000:3B:00.0", severity="corrected")),
+    ("pcieport 0000:00:03.0: AER: PCIe Bus Error: severity=Uncorrectable (Non-Fatal), type=Transaction "
+     "Layer, (Requester ID)", Event("aer", "00000000:00:03.0", severity="uncorrected_non_fatal")),
+    ("nvidia 0000:3b:00.0: PCIe Bus Error: severity=Uncorrectable (Fatal), type=Inaccessible, "
+     "(Unregistered Agent ID)", Event("aer", "00000000:3B:00.0", severity="uncorrected_fatal")),
+    ("pcieport 0000:00:03.0: AER:   device [8086:2030] error status/mask=00000001/00002000",
+     Event("ignored")),
+    # the driver's fallen-off-the-bus notice: one kmsg record, newlines escaped; and the short form
+    ("3,812,901234,-;NVRM: The NVIDIA GPU 0000:b3:00.0 (PCI ID: 10de:2330)\\x0aNVRM: installed in this "
+     "system has\\x0aNVRM: fallen off the bus and is not responding to commands.",
+     Event("fallen_off_bus", "00000000:B3:00.0", seq=812)),
+    ("NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.", Event("fallen_off_bus", "00000000:3B:00.0")),
+    ("Dec 01 10:00:00 gpu-a17 kernel: NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.",
+     Event("fallen_off_bus", "00000000:3B:00.0")),
+    ("NVRM: GPU at PCI:0000:3b:00: GPU-4b7a8c4e-9d2f-11ee-8c90-0242ac120002",
+     Event("ignored", "00000000:3B:00.0")),
+    # the notice as a text log prints it, one line each: the GPU on the first, the fall on the third
+    ("NVRM: The NVIDIA GPU 0000:b3:00.0 (PCI ID: 10de:2330)", Event("ignored", "00000000:B3:00.0")),
+    ("NVRM: installed in this system has", Event("ignored")),
+    ("NVRM: fallen off the bus and is not responding to commands.", Event("fallen_off_bus", "")),
+    # journalctl indents the later lines of a multi-line record
+    ("                                  NVRM: fallen off the bus and is not responding to commands.",
+     Event("fallen_off_bus", "")),
     # the same lines as syslog or journalctl print them
     ("Nov 30 05:22:20 gpu-a17 kernel: [ 1234.5678] NVRM: Xid (PCI:0000:3b:00): 48, pid=9, DBE (0x1,0x2)",
      Event("xid", "00000000:3B:00.0", code=48)),
@@ -99,3 +129,14 @@ def test_truncated_xid_lines_are_not_misread(cut: int) -> None:
         assert (event.kind, event.pci_bus_id, event.code) == ("xid", "00000000:3B:00.0", 79)
     else:  # a line cut inside the address or the number must not become another XID
         assert event.kind in ("malformed", "ignored")
+
+
+def test_record_is_capped_so_parsing_cost_is_bounded() -> None:
+    """A 100 kB line is parsed from its first MAX_RECORD_CHARS only: what lies beyond is not read."""
+    from gpuhealth.exporter.kmsg import MAX_RECORD_CHARS
+
+    tail = "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus."
+    assert parse_line("x" * (MAX_RECORD_CHARS - len(tail)) + tail).kind == "xid"
+    assert parse_line("x" * MAX_RECORD_CHARS + tail).kind == "ignored"
+    hostile = "nvidia 0000:3b:00.0: " * 5000 + "PCIe Bus Error: severity=Corrected"
+    assert parse_line(hostile).kind == "ignored"  # the phrase lies past the cap

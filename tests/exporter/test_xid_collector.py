@@ -59,8 +59,10 @@ def test_kernel_log_golden(tmp_path: Path, clock: FakeClock) -> None:
     assert value(text, "gpuhealth_xid_events_total", gpu="0", xid="31") == 2  # repeats are not lost
     assert value(text, "gpuhealth_xid_events_total", gpu="1", xid="13") == 1  # legacy format
     assert value(text, "gpuhealth_xid_events_total", gpu="unknown", xid="79") == 1
-    assert value(text, "gpuhealth_gpu_recovery_action", gpu="1", action="node_reboot") == 1
-    assert value(text, "gpuhealth_gpu_recovery_action", gpu="1", action="none") == 0
+    gpus = scrape(make_collector("gpu", ctx))  # a driver before R565: XID 154 is the only source
+    assert value(gpus, "gpuhealth_gpu_recovery_action", gpu="1", action="node_reboot") == 1
+    assert value(gpus, "gpuhealth_gpu_recovery_action", gpu="1", action="none") == 0
+    assert value(gpus, "gpuhealth_gpu_recovery_action", gpu="0", action="none") == 1  # always present
     assert value(text, "gpuhealth_gpu_fallen_off_bus_total", gpu="1") == 1
     assert value(text, "gpuhealth_sxid_events_total", device="nvswitch2", sxid="20034", severity="fatal") == 1
     assert value(text, "gpuhealth_pcie_aer_errors_total", pci_bus_id="00000000:18:00.0", severity="corrected",
@@ -118,3 +120,97 @@ def test_deduplicator_pairs_across_sources_only() -> None:
     assert not dedup.is_new("nvml", "0", 79, 4.0)
     assert dedup.is_new("nvml", "1", 79, 4.0)       # another GPU
     assert dedup.is_new("kmsg", "1", 79, 20.0)      # too late to pair: a new event
+
+
+def test_logged_recovery_action_survives_a_restart(tmp_path: Path, clock: FakeClock) -> None:
+    ctx = kmsg_context(tmp_path, clock)
+    ctx.state_dir = tmp_path
+    collector = make_collector("xid", ctx)
+    scrape(collector)
+    write(ctx, "3,200,6000,-;NVRM: Xid (PCI:0000:2a:00): 154, GPU recovery action changed from 0x0 (None) to "
+               "0x1 (GPU Reset Required)")
+    scrape(collector)
+    collector.close()
+    restarted = kmsg_context(tmp_path, clock)  # a new exporter process: the XID 154 line is not read again
+    restarted.state_dir = tmp_path
+    scrape(make_collector("xid", restarted))
+    text = scrape(make_collector("gpu", restarted))
+    assert value(text, "gpuhealth_gpu_recovery_action", gpu="1", action="gpu_reset") == 1
+
+
+def test_simulator_writes_every_real_format_and_each_is_counted(tmp_path: Path, clock: FakeClock) -> None:
+    """GPU i gets format i: escaped-newline record, short form, one-line notice; three AER spellings."""
+    faults = [{"kind": "fell_off_bus", "gpu": i, "start": 3} for i in range(3)]
+    faults += [{"kind": "pcie_degradation", "gpu": i, "precursor": 100} for i in range(3, 6)]
+    ctx = kmsg_context(tmp_path, clock, {"gpus": 6, "nvlinks": 0, "faults": faults})
+    collector = make_collector("xid", ctx)
+    clock.advance(90)
+    text = scrape(collector)
+    for gpu in ("0", "1", "2"):
+        assert value(text, "gpuhealth_gpu_fallen_off_bus_total", gpu=gpu) == 1
+    for gpu in ("3", "4", "5"):
+        assert sum(v for k, v in samples(text, "gpuhealth_pcie_aer_errors_total").items()
+                   if ("gpu", gpu) in k) > 10
+    assert value(text, "gpuhealth_kmsg_lines_total", result="malformed") == 0
+
+
+def test_event_set_failure_never_stops_the_kernel_log(tmp_path: Path, clock: FakeClock) -> None:
+    import pynvml
+
+    ctx = kmsg_context(tmp_path, clock)
+    ctx.nvml.inject["nvmlEventSetCreate"] = pynvml.NVMLError_Unknown()
+    collector = make_collector("xid", ctx)
+    scrape(collector)
+    write(ctx, LINES[0])
+    text = scrape(collector)
+    assert value(text, "gpuhealth_xid_events_total", gpu="0", xid="31") == 1
+    assert samples(text, "gpuhealth_xid_nvml_registered") == {}
+    del ctx.nvml.inject["nvmlEventSetCreate"]
+    ctx.nvml.inject["nvmlDeviceRegisterEvents"] = pynvml.NVMLError_NotSupported()
+    clock.advance(5)  # past the backoff
+    text = scrape(collector)
+    assert value(text, "gpuhealth_xid_nvml_registered", gpu="0") == 0
+    del ctx.nvml.inject["nvmlDeviceRegisterEvents"]
+    clock.advance(60)  # unregistered GPUs are retried
+    text = scrape(collector)
+    assert value(text, "gpuhealth_xid_nvml_registered", gpu="0") == 1
+    assert value(text, "gpuhealth_xid_nvml_registered", gpu="1") == 1
+
+
+def test_a_lost_gpu_in_the_event_set_does_not_silence_the_others(tmp_path: Path, clock: FakeClock) -> None:
+    faults = [{"kind": "fell_off_bus", "gpu": 1, "start": 5},
+              {"kind": "hbm_degradation", "gpu": 0, "start": 10, "precursor": 10, "xid": 48}]
+    ctx = sim_context({"gpus": 2, "nvlinks": 0, "faults": faults}, clock)  # NVML events only
+    collector = make_collector("xid", ctx)
+    scrape(collector)
+    for _ in range(30):
+        clock.advance(1)
+        text = scrape(collector)
+    assert value(text, "gpuhealth_xid_events_total", gpu="1", xid="79") == 1
+    assert value(text, "gpuhealth_xid_nvml_wait_errors_total", error="gpu_is_lost") >= 1
+    assert value(text, "gpuhealth_xid_nvml_registered", gpu="1") == 0
+    assert value(text, "gpuhealth_xid_events_total", gpu="0", xid="48") == 1  # after the loss
+
+
+def test_an_event_whose_device_has_no_index_counts_as_unknown(tmp_path: Path, clock: FakeClock) -> None:
+    import pynvml
+
+    ctx = sim_context({"gpus": 1, "nvlinks": 0, "faults": [{"kind": "fell_off_bus", "gpu": 0, "start": 2}]},
+                      clock)
+    collector = make_collector("xid", ctx)
+    scrape(collector)
+    ctx.nvml.inject["nvmlDeviceGetIndex"] = pynvml.NVMLError_GpuIsLost()
+    clock.advance(3)
+    text = scrape(collector)
+    assert value(text, "gpuhealth_xid_events_total", gpu="unknown", xid="79") == 1
+
+
+def test_a_notice_split_over_text_log_lines_lands_on_its_gpu(tmp_path: Path, clock: FakeClock) -> None:
+    ctx = kmsg_context(tmp_path, clock)
+    collector = make_collector("xid", ctx)
+    scrape(collector)
+    write(ctx, "Dec 01 10:00:00 gpu-a17 kernel: NVRM: The NVIDIA GPU 0000:2a:00.0 (PCI ID: 10de:2330)",
+          "Dec 01 10:00:00 gpu-a17 kernel: NVRM: installed in this system has",
+          "Dec 01 10:00:00 gpu-a17 kernel: NVRM: fallen off the bus and is not responding to commands.")
+    text = scrape(collector)
+    assert value(text, "gpuhealth_gpu_fallen_off_bus_total", gpu="1") == 1
