@@ -116,6 +116,7 @@ class Config:
     journal_busy_timeout_seconds: float = 5.0  # then answer 503 and let Alertmanager retry
     journal_retention_days: float = 90.0  # finished history older than this is pruned
     connection_idle_timeout_seconds: float = 15.0  # a connection with no request for this long is closed
+    connection_limit: int = 512  # open connections at most; at the cap the oldest one not being served closes
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TLSConfig | None = None
     backend: dict[str, Any] = field(default_factory=lambda: {"type": "slurm"})
@@ -324,7 +325,7 @@ def parse_config(data: Any, base: Path = Path("."),
     top = _Section(data, "", errors, {"listen", "state_dir", "dry_run", "max_body_bytes", "auth", "tls",
                                       "backend", "policy", "guardrails", "retry", "undrain",
                                       "journal_busy_timeout_seconds", "journal_retention_days",
-                                      "connection_idle_timeout_seconds"})
+                                      "connection_idle_timeout_seconds", "connection_limit"})
     host, port = Config.listen_host, Config.listen_port
     listen = top.get("listen", str, None, expect="HOST:PORT")
     if listen is not None:
@@ -351,6 +352,8 @@ def parse_config(data: Any, base: Path = Path("."),
         connection_idle_timeout_seconds=top.get("connection_idle_timeout_seconds", float,
                                                 Config.connection_idle_timeout_seconds, _positive,
                                                 "seconds > 0"),
+        connection_limit=top.get("connection_limit", int, Config.connection_limit, _positive,
+                                 "an integer > 0"),
         auth=_auth(top, base, errors),
         tls=_tls(top, base, errors),
         backend=backend,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import resource
@@ -15,10 +17,11 @@ from typing import Any
 
 import prometheus_client
 from aiohttp import web
-from gpuhealth.webhook.app import create_app
+from gpuhealth.webhook.app import METRICS, create_app
 from gpuhealth.webhook.auth import Authenticator, AuthSetupError
 from gpuhealth.webhook.backends import Backend, create_backend
 from gpuhealth.webhook.config import Config, ConfigError, TLSConfig, load_config, parse_listen
+from gpuhealth.webhook.connections import LimitedRunner, effective_limit
 from gpuhealth.webhook.journal import Journal
 
 log = logging.getLogger("gpuhealth.webhook")
@@ -105,13 +108,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     files = _raise_file_limit()
     logging.getLogger("asyncio").addFilter(_AcceptErrors())
-    app = create_app(config, backend=backend)
-    log.info("event=listening host=%s port=%d tls=%s open_files_limit=%d idle_timeout=%g", config.listen_host,
-             config.listen_port, context is not None, files, config.connection_idle_timeout_seconds)
-    web.run_app(app, host=config.listen_host, port=config.listen_port, ssl_context=context, print=None,
-                access_log=None, handle_signals=True,
-                keepalive_timeout=config.connection_idle_timeout_seconds)
+    limit = effective_limit(config.connection_limit, files)
+    if limit < config.connection_limit:
+        log.warning("event=connection_limit_lowered configured=%d limit=%d open_files_limit=%d",
+                    config.connection_limit, limit, files)
+    log.info("event=listening host=%s port=%d tls=%s open_files_limit=%d connection_limit=%d idle_timeout=%g",
+             config.listen_host, config.listen_port, context is not None, files, limit,
+             config.connection_idle_timeout_seconds)
+    with contextlib.suppress(web.GracefulExit, KeyboardInterrupt):
+        asyncio.run(_serve(create_app(config, backend=backend), config, context, limit))
     return 0
+
+
+async def _serve(app: web.Application, config: Config, context: ssl.SSLContext | None, limit: int) -> None:
+    """``web.run_app`` with a ``LimitedRunner``: serve until SIGTERM or SIGINT, then shut down cleanly."""
+    refused = app[METRICS].connections_refused
+    runner = LimitedRunner(app, limit=limit, on_refused=lambda which: refused.labels(which).inc(),
+                           handle_signals=True, access_log=None,
+                           keepalive_timeout=config.connection_idle_timeout_seconds)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.listen_host, config.listen_port, ssl_context=context).start()
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
 
 
 class _AcceptErrors(logging.Filter):
@@ -138,7 +158,7 @@ class _AcceptErrors(logging.Filter):
         error = record.exc_info[1] if record.exc_info else None
         record.msg, record.args, record.exc_info, record.exc_text = (
             "event=accept_failed error=%r left_out=%d (out of descriptors: raise LimitNOFILE or lower "
-            "connection_idle_timeout_seconds)", (error, self.left_out), None, None)
+            "connection_idle_timeout_seconds or connection_limit)", (error, self.left_out), None, None)
         self.last, self.left_out = now, 0
         return True
 

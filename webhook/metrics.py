@@ -7,6 +7,7 @@ from gpuhealth.webhook.policy import STEPS
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 NOTIFICATION_OUTCOMES = ("accepted", "duplicate", "malformed", "unauthorized", "too_large", "journal_error")
+CONNECTIONS_CLOSED = ("oldest_unserved", "new")  # which connection the cap closed
 
 
 class Metrics:
@@ -35,6 +36,12 @@ class Metrics:
             "gpuhealth_webhook_journal_write_failures",
             "Journal writes refused (disk full, read-only, I/O error); nothing starts while they fail.",
             registry=self.registry)
+        self.connections_refused = Counter(
+            "gpuhealth_webhook_connections_refused",
+            "Connections closed because connection_limit was reached: the oldest one not being served, "
+            "or the new one when every connection was being served.", ["which"], registry=self.registry)
+        for which in CONNECTIONS_CLOSED:
+            self.connections_refused.labels(which)
         for outcome in NOTIFICATION_OUTCOMES:
             self.notifications.labels(outcome)
         for action in STEPS:

@@ -14,6 +14,7 @@ import yaml
 from conftest import VERSION
 
 TOKEN = "test-token-0123456789abcdef"
+OPERATOR_TOKEN = "operator-token-0123456789"
 NODE = "gpu-test-01"
 
 # What an existing Debian Prometheus and Alertmanager would have before gpuhealth arrives.
@@ -77,6 +78,7 @@ def local_vars(prefix: Path, wheelhouse: Path, exporter_port: int, webhook_port:
         "gpuhealth_exporter_slurm_healthcheck": True,
         "gpuhealth_webhook_port": webhook_port,
         "gpuhealth_webhook_token": TOKEN,
+        "gpuhealth_webhook_operator_token": OPERATOR_TOKEN,
         "gpuhealth_webhook_dry_run": True,
         "gpuhealth_prometheus_root_prefix": str(prefix),
         "gpuhealth_prometheus_manage_service": False,

@@ -9,7 +9,7 @@ import re
 
 import yaml
 from conftest import finish_playbook, start_playbook
-from deployment import local_vars
+from deployment import TOKEN, local_vars
 
 CASES = {
     "no-driver": ("gpu_nodes", {"gpuhealth_exporter_backend": "nvml",
@@ -24,6 +24,10 @@ CASES = {
     "no-token": ("gpuhealth_webhook", {"gpuhealth_webhook_token": ""}, "gpuhealth_webhook_token must be set"),
     "bad-backend": ("gpuhealth_webhook", {"gpuhealth_webhook_backend": {"type": "pbs"}},
                     "gpuhealth_webhook_backend.type must be one of slurm, kubernetes, command, simulated"),
+    "operator-token-reused": ("gpuhealth_webhook", {"gpuhealth_webhook_operator_token": TOKEN},
+                              "gpuhealth_webhook_operator_token must be at least 16 characters and differ"),
+    "no-connections": ("gpuhealth_webhook", {"gpuhealth_webhook_connection_limit": 0},
+                       "gpuhealth_webhook_connection_limit and gpuhealth_webhook_requeue_breaker_max_nodes"),
     "no-rules": ("prometheus", {"gpuhealth_prometheus_rules_src": "/nonexistent"},
                  "No rule files in /nonexistent/gpuhealth/"),
     "no-prometheus": ("prometheus", {}, "install Prometheus first, or set gpuhealth_prometheus_config_mode"),

@@ -104,8 +104,36 @@ def test_webhook_config_passes_the_webhooks_checker(tmp_path: Path):
     assert check.returncode == 0, check.stdout + check.stderr
     assert "dry_run True" in check.stdout
     parsed = yaml.safe_load(config.read_text())
-    assert parsed["auth"]["token_file"] == f"{tmp_path}/etc/gpuhealth/webhook.token"
-    assert parsed["guardrails"] == {"breaker_max_nodes": 1, "deny_nodes": ["login*"]}
+    assert parsed["auth"] == {"token_file": f"{tmp_path}/etc/gpuhealth/webhook.token"}
+    assert parsed["guardrails"] == {"breaker_max_nodes": 1, "deny_nodes": ["login*"],
+                                    "requeue_breaker_max_nodes": 5, "requeue_breaker_window_seconds": 600}
+    assert (parsed["connection_idle_timeout_seconds"], parsed["connection_limit"]) == (15, 512)
+
+
+def test_webhook_operator_credentials_requeue_cap_and_connections_reach_the_webhook(tmp_path: Path):
+    variables = {"gpuhealth_webhook_root_prefix": str(tmp_path),
+                 "gpuhealth_webhook_operator_token": "operator-0123456789",
+                 "gpuhealth_webhook_operator_basic_auth": {"username": "alice", "password": "s3cret-pass"},
+                 "gpuhealth_webhook_requeue_breaker_max_nodes": 3,
+                 "gpuhealth_webhook_requeue_breaker_window_seconds": 120,
+                 "gpuhealth_webhook_connection_idle_timeout_seconds": 5,
+                 "gpuhealth_webhook_connection_limit": 200}
+    etc = tmp_path / "etc/gpuhealth"
+    config = render_to(etc / "webhook.yml", "gpuhealth_webhook", "webhook.yml.j2", variables)
+    secrets = {"webhook.token": "0123456789abcdef0123", "webhook.operator.token": "operator-0123456789",
+               "webhook.operator.password": "s3cret-pass"}
+    for name, secret in secrets.items():
+        (etc / name).write_text(secret + "\n")
+    (tmp_path / "var/lib/gpuhealth-webhook").mkdir(parents=True)
+
+    check = run(str(BIN / "gpuhealth-webhook"), "--config", str(config), "--check-config")
+    assert check.returncode == 0, check.stdout + check.stderr
+    parsed = yaml.safe_load(config.read_text())
+    assert parsed["auth"]["operator"] == {
+        "token_file": f"{etc}/webhook.operator.token",
+        "basic_auth": {"username": "alice", "password_file": f"{etc}/webhook.operator.password"}}
+    assert parsed["guardrails"] == {"requeue_breaker_max_nodes": 3, "requeue_breaker_window_seconds": 120}
+    assert (parsed["connection_idle_timeout_seconds"], parsed["connection_limit"]) == (5, 200)
 
 
 def test_webhook_config_rejected_by_the_webhook_when_wrong(tmp_path: Path):

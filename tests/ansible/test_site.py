@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import VERSION, PlaybookRun, finish_playbook, run_playbook, start_playbook
-from deployment import NODE, TOKEN, Deployment, seed_existing_monitoring, write_inventory
+from deployment import NODE, OPERATOR_TOKEN, TOKEN, Deployment, seed_existing_monitoring, write_inventory
 from wheelhouse import ROOT, upgrade_wheelhouse
 
 from gpuhealth.local.process import ManagedProcess, free_port, http_ok, wait_until
@@ -126,6 +126,11 @@ def test_first_run_installs_everything(runs, site):
 
     token = deployment.path("/etc/gpuhealth/webhook.token")
     assert token.read_text().strip() == TOKEN and mode(token) == 0o600
+    operator = deployment.path("/etc/gpuhealth/webhook.operator.token")
+    assert operator.read_text().strip() == OPERATOR_TOKEN and mode(operator) == 0o600
+    assert not deployment.path("/etc/gpuhealth/webhook.operator.password").exists()
+    config = yaml.safe_load(deployment.path("/etc/gpuhealth/webhook.yml").read_text())
+    assert config["auth"]["operator"] == {"token_file": str(operator)}
     assert mode(deployment.path("/var/lib/gpuhealth-webhook")) == 0o750
     assert mode(deployment.path("/var/lib/gpuhealth-exporter")) == 0o750
     am_token = deployment.path("/etc/prometheus/gpuhealth-webhook.token")

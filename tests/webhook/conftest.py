@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -133,3 +134,18 @@ def webhook(aiohttp_client: Any, tmp_path: Path) -> Factory:
         return Harness(client, sim)
 
     return make
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A real 2 MiB tmpfs for the journal, so that a step can fill the disk under it."""
+    mount = tmp_path / "state"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.fail(f"this test needs a small tmpfs (root and mount(8)): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

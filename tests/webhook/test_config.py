@@ -37,7 +37,7 @@ def test_every_problem_is_listed_at_once(tmp_path):
         "policy": {"rules": [{"match": {"alertname": "("}, "action": "explode"}]},
         "guardrails": {"breaker_max_fraction": 2, "require_approval": ["reboot"], "rate_limit_actions": 0,
                        "requeue_breaker_max_nodes": 0},
-        "connection_idle_timeout_seconds": -1,
+        "connection_idle_timeout_seconds": -1, "connection_limit": 0,
         "undrain": {"mode": "sometimes"},
     }
     path = tmp_path / "bad.yaml"
@@ -50,9 +50,9 @@ def test_every_problem_is_listed_at_once(tmp_path):
                    "breaker_max_fraction", "'reboot' is not one of", "rate_limit_actions",
                    "undrain.mode", "auth.operator.colour: unknown key",
                    "auth.operator: needs token_file, basic_auth or both", "requeue_breaker_max_nodes",
-                   "connection_idle_timeout_seconds"):
+                   "connection_idle_timeout_seconds", "connection_limit: expected an integer > 0"):
         assert needle in text, needle
-    assert len(caught.value.errors) == 14
+    assert len(caught.value.errors) == 15
 
 
 def test_backend_problems_are_listed_with_the_rest(tmp_path, capsys):

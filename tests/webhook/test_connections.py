@@ -1,42 +1,112 @@
-"""Clients that connect and idle cannot starve the webhook: with few descriptors and hundreds of idle
-connections, /healthz still answers once the idle ones are closed, and the log stays small."""
+"""Clients that connect and idle, or trickle a request in a byte at a time, cannot starve the webhook:
+with few descriptors and hundreds of such connections, /healthz and Alertmanager's intake still answer,
+and the log stays small."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 import socket
 import sys
+import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TOKEN
+from conftest import TOKEN, alert, notification
 
 from gpuhealth.local.process import ManagedProcess, free_port, http_ok, wait_until
 
 
-@pytest.mark.slow
-def test_idle_connections_with_a_low_file_limit_do_not_starve_healthz(tmp_path: Path):
+def start_webhook(tmp_path: Path, **settings) -> tuple[ManagedProcess, int]:
+    """The webhook on a simulated backend, with at most 64 open files."""
     port = free_port()
     (tmp_path / "token").write_text(TOKEN)
     config = tmp_path / "webhook.yaml"
     config.write_text(yaml.safe_dump({
         "listen": f"127.0.0.1:{port}", "state_dir": "state", "auth": {"token_file": "token"},
-        "backend": {"type": "simulated", "nodes": ["gpu[01-04]"]}, "connection_idle_timeout_seconds": 1,
+        "backend": {"type": "simulated", "nodes": ["gpu[01-04]"]}, **settings,
     }))
     argv = ["prlimit", "--nofile=64:64", "--", sys.executable, "-m", "gpuhealth.webhook.main",
             "--config", str(config)]
-    proc = ManagedProcess("webhook", argv, tmp_path / "webhook.log").start()
+    return ManagedProcess("webhook", argv, tmp_path / "webhook.log").start(), port
+
+
+def connect(port: int, first_bytes: bytes = b"") -> socket.socket:
+    sock = socket.socket()
+    sock.settimeout(0.2)
+    with contextlib.suppress(OSError):
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(first_bytes)
+    return sock
+
+
+def intake_accepted(port: int) -> bool:
+    body = json.dumps(notification(alert("gpu02"))).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/alerts", data=body, method="POST", headers={
+        "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def refused(port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+        text = response.read().decode()
+    return sum(float(v) for v in re.findall(r"^gpuhealth_webhook_connections_refused_total\{[^}]*\} (\S+)$",
+                                            text, re.M))
+
+
+@pytest.mark.slow
+def test_idle_and_trickling_clients_beyond_the_connection_limit_are_closed(tmp_path: Path):
+    """The idle timeout is far away: only the connection limit (lowered to fit 64 descriptors) frees the
+    way, and clients that keep sending a header byte at a time are closed like idle ones."""
+    proc, port = start_webhook(tmp_path, connection_idle_timeout_seconds=600)
+    url = f"http://127.0.0.1:{port}/healthz"
+    clients: list[socket.socket] = []
+    trickling: list[socket.socket] = []
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.5):
+            for sock in trickling:
+                with contextlib.suppress(OSError):
+                    sock.send(b"X")
+
+    trickler = threading.Thread(target=trickle, daemon=True)
+    try:
+        proc.wait_ready(lambda: http_ok(url), timeout=30)
+        for i in range(400):  # far more than the 64 descriptors the process may hold
+            if i % 2:
+                trickling.append(connect(port, b"POST /alerts HTTP/1.1\r\nHost: gpuhealth\r\nX-Slow: "))
+            else:
+                clients.append(connect(port))
+        trickler.start()
+        wait_until(lambda: http_ok(url, timeout=2), timeout=60, what="/healthz despite idle and slow clients")
+        wait_until(lambda: intake_accepted(port), timeout=60, what="intake despite idle and slow clients")
+        assert refused(port) >= 300
+    finally:
+        stop.set()
+        for sock in clients + trickling:
+            sock.close()
+        proc.stop()
+    log = (tmp_path / "webhook.log").read_text()
+    assert "event=connection_limit_lowered configured=512 limit=32" in log
+    assert len(log.splitlines()) < 50, log[-2000:]
+
+
+@pytest.mark.slow
+def test_idle_connections_with_a_low_file_limit_do_not_starve_healthz(tmp_path: Path):
+    proc, port = start_webhook(tmp_path, connection_idle_timeout_seconds=1)
     url = f"http://127.0.0.1:{port}/healthz"
     idle: list[socket.socket] = []
     try:
         proc.wait_ready(lambda: http_ok(url), timeout=30)
-        for _ in range(300):  # far more than the 64 descriptors the process may hold
-            sock = socket.socket()
-            sock.settimeout(0.2)
-            with contextlib.suppress(OSError):
-                sock.connect(("127.0.0.1", port))
-            idle.append(sock)
+        idle.extend(connect(port) for _ in range(300))  # far more than the 64 descriptors it may hold
         wait_until(lambda: http_ok(url, timeout=2), timeout=60, what="/healthz despite idle connections")
     finally:
         for sock in idle:

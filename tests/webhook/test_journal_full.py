@@ -1,31 +1,14 @@
 """A journal on a full disk: no side effect is repeated, /healthz says so, and work resumes once space
-returns. The disk is a real 2 MiB tmpfs, filled by the drain command itself, so the write that records
-the drain is the first one refused."""
+returns. The disk is a real 2 MiB tmpfs (``small_disk``), filled by the drain command itself, so the
+write that records the drain is the first one refused. The same on the real Slurm: test_slurm_backend.py."""
 
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
-from pathlib import Path
 
-import pytest
 from conftest import alert
 from gpuhealth.webhook.backends.command import CommandBackend
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    mount = tmp_path / "state"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.fail(f"this test needs a small tmpfs (root and mount(8)): {done.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 async def test_a_full_disk_never_repeats_a_drain_and_work_resumes_when_space_returns(webhook, tmp_path,

@@ -417,3 +417,43 @@ async def test_hostile_labels_never_reach_scontrol(on_slurm, slurm):
     drained = [n for n in slurm.node_names if "DRAIN" in slurm.node(n).flags]
     assert drained == ["gpu04"]
     assert slurm.node("gpu04").reason.startswith("gpuhealth: GPUHealthXidFatal: XID 79 red next line [")
+
+
+async def test_a_full_journal_disk_never_sends_a_drain_twice(on_slurm, slurm, tmp_path, small_disk):
+    """scontrol, through a wrapper that logs its argv, fills the journal's 2 MiB tmpfs as it sends the
+    drain: the write recording the drain is refused, and while it is, no step runs again."""
+    calls, filler = tmp_path / "scontrol.calls", small_disk / "filler"
+    wrapper = tmp_path / "scontrol-filling-the-disk"
+    wrapper.write_text(
+        f"#!{sys.executable}\nimport os, subprocess, sys\n"
+        f"open({str(calls)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+        "if 'State=DRAIN' in sys.argv:\n"
+        f"    subprocess.run(['dd', 'if=/dev/zero', 'of={filler}', 'bs=64k'], stderr=subprocess.DEVNULL)\n"
+        "os.execvp('scontrol', ['scontrol', *sys.argv[1:]])\n")
+    wrapper.chmod(0o755)
+    hook = await on_slurm(state_dir=str(small_disk), slurm={"scontrol": [str(wrapper)]})
+    drains = reason_updates(slurm, "gpu01")
+    [action_id] = (await hook.post(alert("gpu01", action="drain")))["new_actions"]
+
+    deadline = time.monotonic() + 30
+    while await hook.metric("gpuhealth_webhook_journal_write_failures_total") < 2:
+        assert time.monotonic() < deadline, "the journal never reported a refused write"
+        await asyncio.sleep(0.05)
+    seen = calls.read_text().splitlines()
+    failures = await hook.metric("gpuhealth_webhook_journal_write_failures_total")
+    while await hook.metric("gpuhealth_webhook_journal_write_failures_total") < failures + 3:  # retry rounds
+        assert time.monotonic() < deadline, "the worker stopped probing the journal"
+        await asyncio.sleep(0.05)
+    assert calls.read_text().splitlines() == seen, "scontrol was called again while the journal was full"
+    assert [c for c in seen if "State=DRAIN" in c] == [c for c in seen if c.startswith("update")]
+    assert len([c for c in seen if "State=DRAIN" in c]) == 1, seen
+    assert reason_updates(slurm, "gpu01") == drains + 1, "slurmctld got the drain exactly once"
+    assert "DRAIN" in slurm.node("gpu01").flags
+    assert (await hook.client.get("/healthz")).status == 503
+
+    filler.unlink()  # space returns: the action finishes without draining again
+    action = await wait_for_action(hook, action_id, lambda a: a["state"] == "done")
+    assert (action["reason"], action["progress"]["done"]) == ("ok", ["drain", "requeue"]), action
+    assert len([c for c in calls.read_text().splitlines() if "State=DRAIN" in c]) == 1
+    assert reason_updates(slurm, "gpu01") == drains + 1
+    assert (await hook.client.get("/healthz")).status == 200
