@@ -506,7 +506,8 @@ def _failure(
     sudden = kind in SUDDEN_KINDS or item.get("shape") == "none"
     onset = failure if sudden else check.duration(item, "onset", where, positive=False)
     if sudden and "onset" in item:
-        check.problems.append(f"{where}.onset: a {kind} without precursor has no onset; leave it out")
+        what = kind if kind in SUDDEN_KINDS else f"{kind} with shape none"
+        check.problems.append(f"{where}.onset: {what} has no precursor; leave onset out")
     shape = "none" if kind in SUDDEN_KINDS else str(item.get("shape", "ramp"))
     if shape not in PRECURSOR_SHAPES:
         check.problems.append(f"{where}.shape: {shape!r} is not one of {', '.join(PRECURSOR_SHAPES)}")

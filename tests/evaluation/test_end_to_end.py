@@ -161,9 +161,24 @@ def test_eval_on_small_scenario(tmp_path: Path, rules_dir: Path, capsys: pytest.
     # checkpoint queueing is informational: counted apart, never a false alarm
     assert result["per_alert"]["TestNfsQueueing"]["informational"] >= 1
     assert result["per_alert"]["TestNfsQueueing"]["false_alarms"] == 0
-    # the ALERTS-reading rule ran on the backfilled ALERTS: gpu-001 had two drain alerts at its failure
+    # the ALERTS-reading rule ran on the backfilled ALERTS: gpu-001 had two drain alerts at its failure;
+    # a lemon alert on a node already out of service is counted apart, neither right nor wrong
     assert result["per_alert"]["TestLemon"]["error"] is None
-    assert result["per_alert"]["TestLemon"]["detected"] == 1
+    assert result["per_alert"]["TestLemon"]["after_failure"] >= 1
+    assert result["lemon_alerts"] == {"right": 0, "wrong": 0, "precision": None}
+    for key in (
+        "detected_fraction",
+        "detection_latency_seconds",
+        "predicted_long_precursor_fraction",
+        "predicted_long_precursor_fraction_ci95",
+        "late_warnings",
+        "false_drains_per_day",
+        "precision_at_field_rate",
+    ):
+        assert key in result, key
+    assert result["detected_fraction"] == 1.0  # both XIDs alerted within a minute of the instant
+    assert result["predicted_fraction_ci95"][0] < 0.5 < result["predicted_fraction_ci95"][1]
+    assert result["false_drains"] >= 1 and result["precision_at_field_rate"] < 0.5
     assert png.stat().st_size > 10_000
     assert "recall" in capsys.readouterr().out
     assert processes_using(keep) == []
