@@ -250,12 +250,13 @@ def score(
 
 
 def noise_near(episode: Episode, noise: Iterable[Noise], start: float, slack: float = 3600.0) -> str | None:
-    """The benign event on the episode's node that overlaps it (within ``slack``), if any: the likely
-    cause of a false alarm."""
-    for event in noise:
-        if (
-            event.node == episode.node
-            and start + event.at - slack <= episode.start <= start + event.at + event.duration + slack
-        ):
-            return event.kind
-    return None
+    """The benign event on the episode's node (its GPU, or node-wide) that overlaps it within ``slack``
+    and starts closest to it, if any: the likely cause of a false alarm."""
+    near = [
+        event
+        for event in noise
+        if event.node == episode.node
+        and (episode.gpu is None or event.gpu is None or str(event.gpu) == episode.gpu)
+        and start + event.at - slack <= episode.start <= start + event.at + event.duration + slack
+    ]
+    return min(near, key=lambda e: abs(start + e.at - episode.start)).kind if near else None

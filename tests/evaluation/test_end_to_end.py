@@ -258,3 +258,32 @@ def test_the_shipped_rules_evaluate_cleanly_on_small_scenario(tmp_path: Path) ->
     assert result["rule_errors"] == {}
     assert result["recall"] == 1.0
     assert "GPUHealthGpuFailureRisk" in result["per_alert"]
+
+
+@pytest.mark.slow
+def test_every_kind_runs_end_to_end_and_plots_a_false_alarm(tmp_path: Path, rules_dir: Path) -> None:
+    """kinds.yaml holds every fault kind, precursor shape and benign kind: it runs through the real
+    Prometheus, and a false alarm a naive rule raises on a benign event can be drawn."""
+    from gpuhealth.evaluation.scenario import FAULT_KINDS, NOISE_KINDS
+
+    kinds = SMALL.parent / "kinds.yaml"
+    out, png = tmp_path / "result.json", tmp_path / "false-alarm.png"
+    argv = ["eval", "--scenario", str(kinds), "--rules", str(rules_dir), "--json", str(out)]
+    assert main([*argv, "--plot", str(png), "--plot-false-alarm"]) == 0
+    result = json.loads(out.read_text())
+    assert result["rule_errors"] == {}
+    assert {d["kind"] for d in result["failures_detail"]} == set(FAULT_KINDS)
+    assert set(result["noise_by_kind"]) == set(NOISE_KINDS)
+    details = {(d["node"], d["gpu"]): d for d in result["failures_detail"]}
+    # the HBM fault that logs a contained XID 94 at 42 h: its instant is that XID, not the death at 44 h
+    early = details[("gpu-000", 4)]
+    assert early["instant_seconds"] == 42 * 3600 and early["failure_seconds"] == 44 * 3600
+    assert details[("gpu-009", 2)]["precursor_seconds"] == 0
+    # the node that failed at 20 h was repaired and failed again at 44 h: both scored
+    assert sum(d["node"] == "gpu-000" for d in result["failures_detail"]) == 2
+    # the naive XID rule drains on the contained XID 94, the naive ECC rule on the SBE burst: false
+    # drains, each blamed on its benign event
+    causes = {(a["alert"], a["near_noise"]) for a in result["false_alarm_episodes"]}
+    assert {("TestXid", "contained_xid94"), ("TestRisk", "sbe_burst")} <= causes
+    assert result["false_drains"] >= 2
+    assert png.stat().st_size > 10_000
