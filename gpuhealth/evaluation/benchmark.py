@@ -96,6 +96,7 @@ def evaluate_fleet(fleet: BackfilledFleet, options: Options, began: float) -> di
         lemon_window=scenario.lemon_window,
         lemon_alerts=options.lemon_alerts,
     )
+    reach = [(event, fleet.signals.reach(event)) for event in scenario.noise]
     if options.plot:
         shown = plot.timeline(
             options.plot,
@@ -105,8 +106,16 @@ def evaluate_fleet(fleet: BackfilledFleet, options: Options, began: float) -> di
             scenario,
             fleet.data_start,
             false_alarm=options.plot_false_alarm,
+            reach=reach,
         )
         log.info("plot written path=%s shown=%s", options.plot, shown)
     return report.summary(
-        result, evaluator.run, scenario, rules, (step, fused_step), fleet.samples, time.monotonic() - began
+        result,
+        evaluator.run,
+        scenario,
+        rules,
+        (step, fused_step),
+        fleet.samples,
+        time.monotonic() - began,
+        reach,
     )

@@ -249,14 +249,29 @@ def score(
     )
 
 
-def noise_near(episode: Episode, noise: Iterable[Noise], start: float, slack: float = 3600.0) -> str | None:
-    """The benign event on the episode's node (its GPU, or node-wide) that overlaps it within ``slack``
-    and starts closest to it, if any: the likely cause of a false alarm."""
+def nearest_noise(
+    episode: Episode, noise: Iterable[tuple[Noise, Iterable[str]]], start: float, slack: float = 3600.0
+) -> Noise | None:
+    """The benign event that reached the episode's node (``noise`` pairs each event with the nodes it
+    touched), on its GPU or node-wide, overlapping it within ``slack`` and starting closest to it, if
+    any: the likely cause of a false alarm."""
     near = [
         event
-        for event in noise
-        if event.node == episode.node
-        and (episode.gpu is None or event.gpu is None or str(event.gpu) == episode.gpu)
+        for event, nodes in noise
+        if episode.node in nodes
+        and (
+            episode.gpu is None
+            or event.gpu is None
+            or (event.node, str(event.gpu)) == (episode.node, episode.gpu)
+        )
         and start + event.at - slack <= episode.start <= start + event.at + event.duration + slack
     ]
-    return min(near, key=lambda e: abs(start + e.at - episode.start)).kind if near else None
+    return min(near, key=lambda e: abs(start + e.at - episode.start), default=None)
+
+
+def noise_near(
+    episode: Episode, noise: Iterable[tuple[Noise, Iterable[str]]], start: float, slack: float = 3600.0
+) -> str | None:
+    """The kind of ``nearest_noise``."""
+    event = nearest_noise(episode, noise, start, slack)
+    return event.kind if event else None

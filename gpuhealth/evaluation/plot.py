@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from gpuhealth.evaluation.alerts import AlertEvaluator, Episode
-from gpuhealth.evaluation.matching import Outcome, Score
+from gpuhealth.evaluation.matching import Outcome, Score, nearest_noise
 from gpuhealth.evaluation.ranges import grid, range_matrix
 from gpuhealth.evaluation.scenario import Noise, Scenario
 
@@ -106,16 +106,11 @@ def _failure_case(score: Score, start: float) -> Case | None:
     )
 
 
-def _near(episode: Episode, noise: tuple[Noise, ...], start: float) -> Noise | None:
-    events = [n for n in noise if n.node == episode.node]
-    return min(events, key=lambda n: abs(start + n.at - episode.start), default=None)
-
-
-def _false_alarm_case(score: Score, scenario: Scenario) -> Case | None:
+def _false_alarm_case(score: Score, scenario: Scenario, reach: list[tuple[Noise, list[str]]]) -> Case | None:
     if not score.false_alarms:
         return None
     episode = max(score.false_alarms, key=lambda e: e.end - e.start)
-    event = _near(episode, scenario.noise, scenario.start)
+    event = nearest_noise(episode, reach, scenario.start)
     kind = event.kind if event else "none"
     gpu = (
         episode.gpu
@@ -143,9 +138,15 @@ def timeline(
     data_start: float,
     *,
     false_alarm: bool = False,
+    reach: list[tuple[Noise, list[str]]] | None = None,
 ) -> str | None:
-    """Draw the case; returns its title (None when there is nothing to draw)."""
-    case = _false_alarm_case(score, scenario) if false_alarm else _failure_case(score, scenario.start)
+    """Draw the case; returns its title (None when there is nothing to draw). ``reach`` pairs each
+    benign event with the nodes it touched, to find the one behind a false alarm."""
+    case = (
+        _false_alarm_case(score, scenario, reach or [])
+        if false_alarm
+        else _failure_case(score, scenario.start)
+    )
     if case is None:
         return None
     first, last = max(data_start, case.first), min(scenario.end, case.last)

@@ -10,7 +10,7 @@ import numpy as np
 from gpuhealth.evaluation.alerts import AlertRun
 from gpuhealth.evaluation.matching import LONG_PRECURSOR, Score, noise_near, wilson
 from gpuhealth.evaluation.rulefiles import RuleSet
-from gpuhealth.evaluation.scenario import FAULT_KINDS, Scenario
+from gpuhealth.evaluation.scenario import FAULT_KINDS, Noise, Scenario
 
 STATUSES = ("predicted", "late_warning", "detected", "missed")
 
@@ -51,7 +51,9 @@ def summary(
     steps: tuple[float, float],
     samples: int,
     wall_seconds: float,
+    reach: list[tuple[Noise, list[str]]],
 ) -> dict[str, Any]:
+    """The figures; ``reach`` pairs each benign event with the nodes it touched."""
     outcomes, n = score.outcomes, len(score.outcomes)
     long = score.long_precursor
     predicted = _share(score.count("predicted"), n)
@@ -90,7 +92,7 @@ def summary(
             "lemon_wrong": sum(e.alert == name for e in score.lemon_wrong),
             "error": run.errors.get(name),
         }
-    causes = Counter(noise_near(e, scenario.noise, scenario.start) or "none" for e in score.false_alarms)
+    causes = Counter(noise_near(e, reach, scenario.start) or "none" for e in score.false_alarms)
     lemon_total = len(score.lemon_right) + len(score.lemon_wrong)
     return {
         "scenario": scenario.name,
@@ -166,7 +168,7 @@ def summary(
                 "action": e.action,
                 "start": e.start,
                 "end": e.end,
-                "near_noise": noise_near(e, scenario.noise, scenario.start),
+                "near_noise": noise_near(e, reach, scenario.start),
             }
             for e in score.false_alarms
         ],

@@ -293,6 +293,21 @@ class FleetSignals:
         work.checkpoint &= work.job >= 0
         return work
 
+    def reach(self, noise: Noise) -> list[str]:
+        """The nodes a benign event touches: its job's nodes, its rack, or its own node."""
+        if noise.kind in ("app_xid", "checkpoint_storm"):
+            nodes = self.job_nodes(noise)
+            if noise.kind == "checkpoint_storm":
+                nodes = np.flatnonzero(
+                    self.checkpoint_load[:, self.span(noise.at, noise.duration)].max(axis=1) > 2
+                )
+            return [self.fleet.node(int(n)) for n in nodes]
+        if noise.kind in ("rack_cooling", "power_brake"):
+            return [self.fleet.node(n) for n in self.rack(noise.node)]
+        if noise.kind == "hot_aisle" and noise.strength > 0.6:
+            return [noise.node, self.fleet.node(min(self.node_index(noise.node) + 1, self.fleet.nodes - 1))]
+        return [noise.node]
+
     def job_nodes(self, noise: Noise) -> list[int]:
         """Nodes running the job that runs on the event's node when it starts (the node alone if idle)."""
         node, at = self.node_index(noise.node), self.at(noise.at)
@@ -338,6 +353,19 @@ class FleetSignals:
         out = self.per_gpu(self.down).copy()
         for failure in self.faults_of(*LOST_KINDS):
             out[self.gpu_index(failure.node, failure.gpu), self.out_of_service(failure)] = True
+        return out
+
+    def replaced(self, counter: np.ndarray, row: int | None = None) -> np.ndarray:
+        """A GPU's counter restarts from zero once the failed GPU is replaced by the repair: (GPUs, T)
+        values, or one GPU's row when ``row`` names it."""
+        out = counter.copy()
+        for failure in sorted(self.scenario.failures, key=lambda f: f.repaired or 0):
+            i, back = self.gpu_index(failure.node, failure.gpu), failure.repaired
+            if back is None or (row is not None and i != row) or self.at(back) >= self.timeline.count:
+                continue
+            r = self.at(back)
+            line = out if row is not None else out[i]
+            line[r:] -= line[max(r - 1, 0)]
         return out
 
     def per_gpu(self, node_values: np.ndarray) -> np.ndarray:
@@ -709,7 +737,7 @@ class FleetSignals:
             ("uncorrected", "volatile", 0.0),
             ("uncorrected", "aggregate", 0.0),
         ):
-            values = self.readable(_counter(self.hbm[kind], offset))
+            values = self.readable(self.replaced(_counter(self.hbm[kind], offset)))
             rows += self._rows(values, self.gpu_labels, f'type="{kind}",counter="{counter_kind}",')
         yield Family("gpuhealth_gpu_ecc_errors_total", "counter", rows)
 
@@ -721,12 +749,12 @@ class FleetSignals:
             "gauge",
             [
                 *self._rows(
-                    self.readable(_counter(self.hbm["remapped"], lifetime)),
+                    self.readable(self.replaced(_counter(self.hbm["remapped"], lifetime))),
                     self.gpu_labels,
                     'type="correctable",',
                 ),
                 *self._rows(
-                    self.readable(_counter(self.hbm["uncorrectable"])),
+                    self.readable(self.replaced(_counter(self.hbm["uncorrectable"]))),
                     self.gpu_labels,
                     'type="uncorrectable",',
                 ),
@@ -797,7 +825,9 @@ class FleetSignals:
                 )
                 target = generation if params["generation"] else width
                 target[self.gpu_index(failure.node, failure.gpu), where] = 4 if params["generation"] else 8
-        yield self._count("gpuhealth_gpu_pcie_replays_total", self.readable(_counter(self.replays, lifetime)))
+        yield self._count(
+            "gpuhealth_gpu_pcie_replays_total", self.readable(self.replaced(_counter(self.replays, lifetime)))
+        )
         yield self._gauge("gpuhealth_gpu_pcie_link_generation", self.readable(generation))
         yield self._gauge("gpuhealth_gpu_pcie_link_generation_max", self.readable(np.full(self.shape, 5.0)))
         yield self._gauge("gpuhealth_gpu_pcie_link_width_lanes", self.readable(width))
@@ -876,7 +906,8 @@ class FleetSignals:
                 for kind in NVLINK_ERROR_TYPES:
                     values = zeros[i]
                     if (i, link) in moving:
-                        values = np.where(self.lost[i], np.nan, _counter(moving[(i, link)][kind]))
+                        counter = self.replaced(_counter(moving[(i, link)][kind]), i)
+                        values = np.where(self.lost[i], np.nan, counter)
                         totals[i] = totals[i] + values
                     error_rows.append((f'link="{link}",type="{kind}",{labels}', values))
         yield Family("gpuhealth_gpu_nvlink_up", "gauge", up_rows)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gpuhealth.evaluation.alerts import Episode
-from gpuhealth.evaluation.matching import REFERENCE_NODES, score, wilson
-from gpuhealth.evaluation.scenario import Failure
+from gpuhealth.evaluation.matching import REFERENCE_NODES, noise_near, score, wilson
+from gpuhealth.evaluation.scenario import Failure, Noise
 
 START = 1_767_571_200.0  # offsets below count from here
 HOUR = 3600.0
@@ -248,3 +248,14 @@ def test_wilson_interval(k: int, n: int, low: float, high: float) -> None:
     assert interval is not None
     assert interval[0] == pytest.approx(low, abs=1e-4) and interval[1] == pytest.approx(high, abs=1e-4)
     assert wilson(0, 0) is None
+
+
+def test_a_false_alarm_is_blamed_on_the_closest_benign_event_that_reached_its_gpu_or_node() -> None:
+    chatter = Noise("n1", "sbe_chatter", 0, 20 * HOUR, 0.5, gpu=2)
+    xid94 = Noise("n1", "contained_xid94", 10 * HOUR, 600, 0.5, gpu=3)
+    buggy_job = Noise("n2", "app_xid", 9 * HOUR, 4 * HOUR, 0.5)
+    reach = [(chatter, ["n1"]), (xid94, ["n1"]), (buggy_job, ["n2", "n3"])]
+    assert noise_near(episode(10 * HOUR, gpu="3"), reach, START) == "contained_xid94"
+    assert noise_near(episode(10 * HOUR, gpu="2"), reach, START) == "sbe_chatter"
+    assert noise_near(episode(10 * HOUR, node="n3", gpu="5"), reach, START) == "app_xid"  # same job
+    assert noise_near(episode(10 * HOUR, node="n4"), reach, START) is None

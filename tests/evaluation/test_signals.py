@@ -163,6 +163,8 @@ def check_xid63() -> None:
 
 def check_app_xid() -> None:
     s = signals()
+    event = next(n for n in s.scenario.noise if n.kind == "app_xid")
+    assert len(s.reach(event)) >= 2  # a false alarm on any node of the job is blamed on it
     index, _ = PLACES["app_xid"]
     job = s.workload.job[index, s.at(AT)]
     members = np.flatnonzero(s.workload.job[:, s.at(AT)] == job) if job >= 0 else [index]
@@ -430,6 +432,10 @@ def test_a_repaired_gpu_answers_again_and_its_node_runs_jobs() -> None:
     up = fault_series("gpuhealth_gpu_up", "gpu-005", 1)
     assert up[s.at(21 * HOUR)] == 0 and up[s.at(27 * HOUR)] == 1
     assert s.workload.busy[5, s.at(25 * HOUR)] == 0 and s.workload.busy[5, s.at(40 * HOUR) :].any()
+    unc = fault_series(
+        "gpuhealth_gpu_ecc_errors_total", "gpu-003", 1, type="uncorrected", counter="aggregate"
+    )
+    assert unc[s.at(21 * HOUR)] >= 1 and unc[s.at(31 * HOUR)] == 0  # a new GPU, its counters from zero
     fallen = fault_series("gpuhealth_gpu_fallen_off_bus_total", "gpu-005", 1)
     assert fallen[s.at(21 * HOUR)] == 1 and np.isnan(fallen[s.at(27 * HOUR)])  # the exporter restarted
 
