@@ -78,7 +78,7 @@ class Case:
     first: float
     last: float
     centre: float
-    marks: tuple[float, ...]
+    marks: tuple[tuple[float, str], ...]  # instants to mark, with their colour
     title: str
 
 
@@ -102,7 +102,14 @@ def _failure_case(score: Score, start: float) -> Case | None:
         f"{outcome.status}" + (f", {outcome.lead_seconds / 60:.0f} min ahead" if outcome.lead_seconds else "")
     )
     return Case(
-        f.node, str(f.gpu), f.kind, onset - 3 * 3600, instant + 3600, instant, (onset, instant), title
+        f.node,
+        str(f.gpu),
+        f.kind,
+        onset - 3 * 3600,
+        instant + 3600,
+        instant,
+        ((onset, "tab:blue"), (instant, "tab:red")),
+        title,
     )
 
 
@@ -117,13 +124,15 @@ def _false_alarm_case(score: Score, scenario: Scenario, reach: list[tuple[Noise,
         if episode.gpu is not None
         else (str(event.gpu) if event and event.gpu is not None else None)
     )
-    marks = (episode.start,) if event is None else (scenario.start + event.at, episode.start)
+    marks = ((episode.start, "tab:red"),)
+    if event is not None:
+        marks = ((scenario.start + event.at, "tab:blue"), *marks)
     title = (
         f"false alarm {episode.alert} on {episode.node}"
         + (f" GPU {gpu}" if gpu else "")
         + (f", benign {kind} nearby" if event else ", no benign event nearby")
     )
-    first = min(marks) - 3 * 3600
+    first = min(t for t, _ in marks) - 3 * 3600
     return Case(
         episode.node, gpu, kind, first, max(episode.end, episode.start) + 3600, episode.start, marks, title
     )
@@ -207,11 +216,13 @@ def timeline(
         )
     bottom.set_yticks(range(len(names)), names, fontsize=7)
     bottom.set_xlabel(
-        "hours relative to the failure instant" if not false_alarm else "hours relative to the alert"
+        "hours relative to the alert (blue: the benign event starts, red: the alert)"
+        if false_alarm
+        else "hours relative to the failure instant (blue: precursor onset, red: first XID)"
     )
     bottom.set_xlim(hours[0], hours[-1])
     for axis in (top, middle, bottom):
-        for mark, colour in zip(case.marks, ("tab:blue", "tab:red"), strict=False):
+        for mark, colour in case.marks:
             axis.axvline((mark - case.centre) / 3600, color=colour, linestyle="--", linewidth=1)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
