@@ -6,7 +6,8 @@ label) that make the webhook act (``action`` other than ``none``):
 
 - *predicted*: one started between precursor onset and ``min_lead`` before the instant, time enough
   to checkpoint the job and drain the node;
-- *late warning*: the first one started later than that, but before the instant;
+- *late warning*: the first one started later than that (or, for a fault without precursor or with
+  a short one, within ``min_lead`` before the instant), but before the instant;
 - *detected*: one started within ``detect_window`` (1 minute) after the instant;
 - *missed*: none of these.
 
@@ -14,7 +15,8 @@ A failure can be warned of and detected both; ``status`` keeps the best. Episode
 is out of service (from the failure instant until it is repaired) are counted apart
 (``after_failure``). Lemon alerts (a node failing again and again) are scored apart: one is right
 when its node's next failure instant lies within ``lemon_window`` of its start. Every other actionable
-episode is a false alarm; those whose action takes the node out are merged per node into *drains*.
+episode is a false alarm; those whose action takes the node out are merged per node into *drains*
+(episodes that overlap, or follow within one evaluation, are one drain).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ LONG_PRECURSOR = 3600.0  # precursors this long are the ones the rules can be he
 REFERENCE_NODES = 64  # false alarms are quoted per day per 64 nodes, like the 504-GPU report
 # Webhook actions that take a node out of service (docs/contract.md: action label).
 DRAINING_ACTIONS = ("drain", "drain_reset_gpu", "drain_reboot", "replace")
-DRAIN_MERGE = 3600.0  # drains of one node closer than this are one trip out of service
+DRAIN_MERGE = 300.0  # a drain alert off for one (fused) evaluation and back is still the same drain
 LEMON_ALERTS = "Lemon"  # alert names matching this (a regular expression) are lemon alerts
 
 
@@ -151,8 +153,8 @@ def concerns(episode: Episode, failure: Failure) -> bool:
 
 
 def drains(episodes: Iterable[Episode], merge: float = DRAIN_MERGE) -> list[list[Episode]]:
-    """Draining episodes merged per node: one that starts while the node is still out (or within
-    ``merge`` of the last drain's end) is the same trip out of service."""
+    """Draining episodes merged per node: one that starts while another drain alert of the node fires
+    (or within ``merge`` of its end) is the same drain."""
     trips: list[list[Episode]] = []
     last: dict[str | None, list[Episode]] = {}
     for e in sorted((e for e in episodes if e.action in DRAINING_ACTIONS), key=lambda e: e.start):
@@ -165,10 +167,19 @@ def drains(episodes: Iterable[Episode], merge: float = DRAIN_MERGE) -> list[list
     return trips
 
 
+def warning_window(failure: Failure, start: float, min_lead: float) -> tuple[float, float]:
+    """Unix times an alert about the failing GPU may start in to warn of it: from precursor onset
+    (at least ``min_lead`` before the instant, so that the last minutes before a sudden fault count
+    as a late warning, not a false alarm) until the instant."""
+    instant = start + failure.instant
+    return min(start + failure.onset, instant - min_lead), instant
+
+
 def _outcome(failure: Failure, mine: list[Episode], start: float, min_lead: float) -> Outcome:
     onset, instant = start + failure.onset, start + failure.instant
-    before = [e for e in mine if onset <= e.start < instant]
-    early = [e for e in before if e.start <= instant - min_lead]
+    first, _ = warning_window(failure, start, min_lead)
+    before = [e for e in mine if first <= e.start < instant]
+    early = [e for e in before if onset <= e.start <= instant - min_lead]
     after = [e for e in mine if instant <= e.start <= instant + AFTER_HORIZON]
     latency = min(e.start for e in after) - instant if after else None
     detecting = [e for e in after if e.start <= instant + DETECT_WINDOW]
@@ -211,7 +222,8 @@ def score(
         outcome = _outcome(failure, mine, start, min_lead)
         outcomes.append(outcome)
         instant = start + failure.instant
-        matched.update(id(e) for e in mine if start + failure.onset <= e.start <= instant + AFTER_HORIZON)
+        first, _ = warning_window(failure, start, min_lead)
+        matched.update(id(e) for e in mine if first <= e.start <= instant + AFTER_HORIZON)
     out_spans = [
         (f.node, start + f.instant, math.inf if f.repaired is None else start + f.repaired) for f in failures
     ]

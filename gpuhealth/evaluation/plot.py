@@ -99,7 +99,14 @@ def _failure_case(score: Score, start: float) -> Case | None:
     onset, instant = start + f.onset, start + f.instant
     title = (
         f"{f.kind} on {f.node} GPU {f.gpu} (XID {f.xid}, {f.shape} precursor, strength {f.strength}): "
-        f"{outcome.status}" + (f", {outcome.lead_seconds / 60:.0f} min ahead" if outcome.lead_seconds else "")
+        f"{outcome.status}"
+        + (f", {outcome.lead_seconds / 60:.0f} min ahead" if outcome.lead_seconds else "")
+        + (f", warned {outcome.late_lead_seconds / 60:.0f} min ahead" if outcome.late_lead_seconds else "")
+        + (
+            f", first alert {outcome.latency_seconds:.0f} s after"
+            if outcome.latency_seconds is not None
+            else ""
+        )
     )
     return Case(
         f.node,

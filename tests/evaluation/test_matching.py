@@ -187,12 +187,12 @@ def test_long_precursor_share_counts_only_failures_with_an_hour_of_precursor() -
     assert result.predicted_fraction == 1.0
 
 
-def test_distinct_drains_merge_per_node_within_the_window() -> None:
+def test_distinct_drains_merge_per_node_while_the_alerts_fire() -> None:
     episodes = [
         episode(1 * HOUR, 2 * HOUR, node="n2", alert="Risk"),
         episode(1.5 * HOUR, 1.6 * HOUR, node="n2", alert="Xid", action="drain_reset_gpu"),  # same trip
-        episode(2.5 * HOUR, 2.6 * HOUR, node="n2", alert="Risk"),  # within an hour of the last end
-        episode(5 * HOUR, node="n2", alert="Risk"),  # a new trip out of service
+        episode(2 * HOUR + 240, 2.6 * HOUR, node="n2", alert="Risk"),  # off for one evaluation: the same
+        episode(2.7 * HOUR, node="n2", alert="Risk"),  # a new drain
         episode(1 * HOUR, node="n3", alert="Risk"),  # another node
         episode(1 * HOUR, node="n4", alert="Job", action="restart_job"),  # does not drain
     ]
@@ -259,3 +259,17 @@ def test_a_false_alarm_is_blamed_on_the_closest_benign_event_that_reached_its_gp
     assert noise_near(episode(10 * HOUR, gpu="2"), reach, START) == "sbe_chatter"
     assert noise_near(episode(10 * HOUR, node="n3", gpu="5"), reach, START) == "app_xid"  # same job
     assert noise_near(episode(10 * HOUR, node="n4"), reach, START) is None
+
+
+def test_alert_in_the_minutes_before_a_sudden_fault_is_a_late_warning_not_a_false_alarm() -> None:
+    sudden = Failure("n1", 3, "gsp_timeout", 12 * HOUR, 12 * HOUR, 119, 0.5, "none")
+    result = run([sudden], [episode(12 * HOUR - 600, gpu=None, alert="SlowNvml")])
+    assert result.outcomes[0].status == "late_warning" and not result.false_alarms
+    earlier = run([sudden], [episode(12 * HOUR - 1800, gpu=None, alert="SlowNvml")])
+    assert earlier.outcomes[0].status == "missed" and len(earlier.false_alarms) == 1
+
+
+def test_a_flapping_alert_is_a_drain_each_time_it_comes_back() -> None:
+    flaps = [episode(h * HOUR, h * HOUR + 60, node="n2") for h in range(24)]
+    result = run([], flaps, days=1.0, nodes=64)
+    assert len(result.false_drains) == 24
