@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import sys
 import tempfile
@@ -25,6 +26,14 @@ def _duration(text: str) -> float:
         return parse_duration(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _regex(text: str) -> str:
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular expression: {exc}") from None
+    return text
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,6 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--lemon-alerts",
         default=LEMON_ALERTS,
+        type=_regex,
         metavar="REGEX",
         help="alert names scored as lemon-node alerts: right when their node fails again within the "
         f"scenario's lemon_window (default: {LEMON_ALERTS!r})",

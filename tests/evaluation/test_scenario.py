@@ -214,3 +214,13 @@ def test_compound_durations_and_no_follow_up_error_for_an_unreadable_one() -> No
     assert caught.value.problems == [
         "failures[0].failure: '14 hours' is not a duration (e.g. 30s, 15m, 6h, 14d, 1h30m)"
     ]
+
+
+def test_cli_rejects_a_lemon_pattern_that_is_not_a_regular_expression(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["eval", "--scenario", str(SCENARIOS / "small.yaml"), "--lemon-alerts", "("])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert "not a regular expression" in err and "Traceback" not in err
