@@ -3,7 +3,8 @@
 Prints the share of failures detected within a minute of their first XID, the share predicted at
 least ``min_lead`` ahead (all failures, and those with an hour of precursor or more; 95 % Wilson
 intervals), late warnings, lead times, false alarms and distinct false drains per day per 64 nodes,
-precision at the field failure rate and lemon alerts, per fault kind and per alert. Extra arguments go to ``gpuhealth eval``, e.g.
+precision at the field failure rate and lemon alerts, per fault kind and per alert. Extra arguments
+go to ``gpuhealth eval``, e.g.
 ``.venv/bin/python bench/detection.py --seed 7 --json detection.json --plot detection.png``.
 """
 
