@@ -135,3 +135,14 @@ def test_benign_kinds_shared_with_the_detection_benchmark(tmp_path: Path, clock:
     lines = kmsg.read_text()
     assert ": 63, " in lines and ": 94, " in lines and ": 95, " in lines
     assert lines.count(": 31, ") >= 4  # on both GPUs of the job, again at later reads
+
+
+def test_the_demo_can_inject_every_kind_of_the_simulator() -> None:
+    from gpuhealth.demo import stack
+    from gpuhealth.exporter.sim import scenario
+
+    assert set(stack.FAULT_KINDS) == set(scenario.FAULT_KINDS)
+    assert set(stack.NOISE_KINDS) == set(scenario.NOISE_KINDS)
+    for kind in (*stack.FAULT_KINDS, *stack.NOISE_KINDS):
+        entry = stack.Fault("gpu-000", kind, gpu=1, duration=10.0).scenario_entry()
+        assert parse_scenario({"faults": [entry]}).faults[0].kind == kind
