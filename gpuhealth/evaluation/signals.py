@@ -228,7 +228,7 @@ class FleetSignals:
                 "aer": rng.random() < 0.5,
                 "downgrade": rng.random() < 0.35,
                 "generation": rng.random() < 0.4,
-                "remaps": rng.random() < 0.7,
+                "remaps": rng.random(),  # how many rows the wear hits again and again (see ``hbm``)
                 "quiet": rng.random() < 0.35,
                 "rise": rng.uniform(0.03, 0.3),
                 "steps": rng.integers(1, 4),
@@ -696,20 +696,16 @@ class FleetSignals:
             i, level = self.gpu_index(failure.node, failure.gpu), self.precursor(failure)
             params = self.failure_params[failure]
             corrected[i] += rng.poisson((2 + 40 * failure.strength) * minutes * level)
-            if params["remaps"]:
-                rows = 4 + 40 * failure.strength
-                remapped[i] += rng.poisson(rows * level / max(level.sum(), 1))
+            # rows whose errors recur get remapped: one to many, some wear hits few rows again
+            remaps = params["remaps"] > 0.3
+            rows = 1 + 40 * failure.strength * params["remaps"]
+            remapped[i] += rng.poisson(rows * level / max(level.sum(), 1))
             a, b = self.at(failure.onset), self.at(failure.instant)
             if failure.first_xid is not None and b < self.timeline.count:  # a contained error first
                 uncorrected[i, b] += 1
                 uncorrectable[i, b] += 1
                 pending[i, b : self.at(failure.failure)] = 1
-            elif (
-                failure.kind == "hbm_degradation"
-                and failure.strength > 0.5
-                and b - a > 2
-                and params["remaps"]
-            ):
+            elif failure.kind == "hbm_degradation" and failure.strength > 0.5 and b - a > 2 and remaps:
                 k = a + int((b - a) * 0.9)  # strong degradations run out of spare rows first
                 uncorrectable[i, k] += 1
                 pending[i, k:b] = 1
