@@ -130,7 +130,7 @@ def summary(
         "false_alarms_per_day": _round(score.false_alarms_per_day),
         "false_drains": len(score.false_drains),
         "false_drains_per_day": _round(score.false_drains_per_day),
-        "precision_at_field_rate": _round(score.precision_at_field_rate),
+        "precision_at_field_rate": _round(score.precision_at_field_rate, 5),
         "lemon_alerts": {
             "right": len(score.lemon_right),
             "wrong": len(score.lemon_wrong),
@@ -178,8 +178,8 @@ def summary(
     }
 
 
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.0f}%"
+def _pct(value: float | None, decimals: int = 0) -> str:
+    return "n/a" if value is None else f"{100 * value:.{decimals}f}%"
 
 
 def _ci(interval: list[float] | None) -> str:
@@ -193,6 +193,7 @@ def _minutes(seconds: float | None) -> str:
 def table(result: dict[str, Any]) -> str:
     latency = result["detection_latency_seconds"] or {}
     lemons = result["lemon_alerts"]
+    precision = result["precision_at_field_rate"]
     lines = [
         f"scenario {result['scenario']} (seed {result['seed']}): {result['nodes']} nodes, "
         f"{result['gpus']} GPUs, "
@@ -218,7 +219,7 @@ def table(result: dict[str, Any]) -> str:
         f"({result['false_alarms']} episodes)",
         f"  false drains per day per 64 nodes   {result['false_drains_per_day']:.3f} "
         f"({result['false_drains']} drains)",
-        f"  precision at the field rate         {_pct(result['precision_at_field_rate'])} "
+        f"  precision at the field rate         {_pct(precision, 2)} "
         f"({result['field_rate_per_day_per_64_nodes']:g} failures per day per 64 nodes)",
         f"  lemon alerts                        {lemons['right']} right, {lemons['wrong']} wrong",
         "",
