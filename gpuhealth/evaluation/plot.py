@@ -27,7 +27,8 @@ TEMPERATURE = ("GPU temperature (°C)", "max(gpuhealth_gpu_temperature_celsius{{
 REPLAYS = ("PCIe replays per 10 min", "sum(increase(gpuhealth_gpu_pcie_replays_total{{{sel}}}[10m]))")
 NVLINK = (
     "NVLink errors per second (all links)",
-    "sum(rate(gpuhealth_gpu_nvlink_errors_total{{{sel}}}[15m]))",
+    "sum(rate(gpuhealth_gpu_nvlink_errors_all_links_total{{{sel}}}[15m])) "
+    "or sum(rate(gpuhealth_gpu_nvlink_errors_total{{{sel}}}[15m]))",
 )
 NVML = ("slowest NVML answer (s)", "max(gpuhealth_gpu_nvml_latency_seconds{{{sel}}})")
 XIDS = ("XID events per 10 min", "sum(increase(gpuhealth_xid_events_total{{{sel}}}[10m]))")
