@@ -138,8 +138,9 @@ def test_benign_kinds_shared_with_the_detection_benchmark(tmp_path: Path, clock:
 
 
 def test_the_demo_can_inject_every_kind_of_the_simulator() -> None:
-    from gpuhealth.demo import stack
     from gpuhealth.exporter.sim import scenario
+
+    from gpuhealth.demo import stack
 
     assert set(stack.FAULT_KINDS) == set(scenario.FAULT_KINDS)
     assert set(stack.NOISE_KINDS) == set(scenario.NOISE_KINDS)
