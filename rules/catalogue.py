@@ -24,6 +24,7 @@ GPU_SHARDS = (1, 2, 5, 10)  # divisors of 10: shards by the last digit of the GP
 
 _DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
 _UNITS = (86400, 3600, 60, 1)
+_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
 class CatalogueError(Exception):
@@ -140,12 +141,21 @@ def check(data: dict[str, Any]) -> list[str]:
     if d.get("gpu_shards") not in GPU_SHARDS:
         errors.append(f"defaults.gpu_shards: must be one of {', '.join(map(str, GPU_SHARDS))} (shards by the "
                       f"last digit of the GPU index), got {d.get('gpu_shards')!r}")
+    _check_identity(d.get("identity_labels"), errors)
     if not isinstance(d.get("gpus_per_node"), int) or d["gpus_per_node"] < 1:
         errors.append(f"defaults.gpus_per_node: must be a positive integer, got {d.get('gpus_per_node')!r}")
     for path, value in _leaves(d.get("selectors", {}), "defaults.selectors"):
         if not isinstance(value, str) or value.strip().startswith("{"):
             errors.append(f"{path}: must be label matchers without braces, e.g. 'job=\"x\"', got {value!r}")
     return errors
+
+
+def _check_identity(labels: Any, errors: list[str]) -> None:
+    where = "defaults.identity_labels"
+    if not isinstance(labels, list) or not all(isinstance(x, str) and _LABEL.fullmatch(x) for x in labels):
+        errors.append(f"{where}: must be a list of label names, got {labels!r}")
+    elif "node" not in labels or "gpu" in labels or len(set(labels)) != len(labels):
+        errors.append(f"{where}: must name `node` (the webhook drains by it), not `gpu`, each once; got {labels!r}")
 
 
 def _is_duration_key(key: str) -> bool:

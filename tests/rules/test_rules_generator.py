@@ -92,9 +92,9 @@ def test_alertmanager_config_routes_by_action_and_inhibits(tmp_path):
         assert receiver("node=n1", f"action={action}") == "gpuhealth-webhook"
     assert receiver("node=n1", "action=none") == "gpuhealth-notify"
     data = yaml.safe_load(config.read_text())
-    assert data["route"]["group_by"] == ["node"]
+    assert data["route"]["group_by"] == ["cluster", "node"]
     (inhibit,) = data["inhibit_rules"]
-    assert inhibit["equal"] == ["node"] and "GPUHealthGpuFailureRisk" in inhibit["target_matchers"][0]
+    assert inhibit["equal"] == ["cluster", "node"] and "GPUHealthGpuFailureRisk" in inhibit["target_matchers"][0]
     assert "GPUHealthXidRebootNode" in inhibit["source_matchers"][0]
     webhook = data["receivers"][1]["webhook_configs"][0]
     assert webhook["url"] == "http://127.0.0.1:9836/alerts"
@@ -203,6 +203,8 @@ def test_every_knob_takes_effect():
         new = _changed(value, path[-1])
         if path[-1] in ("gpuhealth_job", "dcgm_job", "node_exporter_job"):
             new = 'job="renamed"'
+        if path[-1] == "identity_labels":
+            new = ["site", *value]
         try:
             rendered = render_all(catalogue.resolve(_overlay(path, new)))
         except catalogue.CatalogueError as exc:
