@@ -7,6 +7,8 @@ making the operator fix a file one error at a time.
 from __future__ import annotations
 
 import copy
+import csv
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,9 +17,11 @@ from typing import Any
 import yaml
 
 BUILTIN = Path(__file__).with_name("catalogue.yaml")
+XID_TABLE = Path(__file__).with_name("xid_catalogue.csv")
 ACTIONS = ("none", "restart_job", "drain", "drain_reset_gpu", "drain_reboot", "replace")
 SEVERITIES = ("critical", "warning", "info")
 GROUPS = ("xid", "evidence", "fusion", "lemon", "storage", "meta")
+XID_CLASSES = ("restart_job", "drain", "drain_reset_gpu", "drain_reboot")  # what an XID alone can ask
 RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
 MIN_SAMPLES_PER_WINDOW = 4
 GPU_SHARDS = (1, 2, 5, 10)  # divisors of 10: shards by the last digit of the GPU index
@@ -47,6 +51,28 @@ def seconds(duration: str) -> int:
 class Catalogue:
     defaults: dict[str, Any]
     alerts: dict[str, dict[str, Any]]
+
+    def xid_classes(self) -> dict[str, list[int]]:
+        """XIDs per action class (and ``none``): each table XID by its bucket, then the overrides."""
+        return xid_classes(self.defaults["xid"])
+
+
+@functools.cache
+def xid_table() -> dict[int, str]:
+    """NVIDIA's XID catalogue as vendored in rules/xid_catalogue.csv: XID -> resolution bucket."""
+    lines = [line for line in XID_TABLE.read_text().splitlines() if not line.startswith("#")]
+    return {int(row["xid"]): row["resolution"] for row in csv.DictReader(lines)}
+
+
+def xid_classes(xid: dict[str, Any]) -> dict[str, list[int]]:
+    by_xid = {number: xid["buckets"].get(bucket) for number, bucket in xid_table().items()}
+    for klass, xids in xid["overrides"].items():
+        by_xid.update(dict.fromkeys(xids, klass))
+    classes: dict[str, list[int]] = {klass: [] for klass in (*XID_CLASSES, "none")}
+    for number, klass in sorted(by_xid.items()):
+        if klass in classes:
+            classes[klass].append(number)
+    return classes
 
 
 def merge(base: Any, overlay: Any, path: str, errors: list[str]) -> Any:
@@ -239,15 +265,26 @@ def _check_fusion(d: dict[str, Any], errors: list[str]) -> None:
 
 def _check_xid(d: dict[str, Any], errors: list[str]) -> None:
     xid = d.get("xid") or {}
+    classes = (*XID_CLASSES, "none")
+    buckets = xid.get("buckets") or {}
+    for bucket, klass in buckets.items():
+        if klass not in classes:
+            errors.append(f"defaults.xid.buckets.{bucket}: {klass!r} is not one of {', '.join(classes)}")
+    for bucket in sorted({b for b in xid_table().values() if b} - set(buckets)):
+        errors.append(f"defaults.xid.buckets: no entry for NVIDIA's bucket {bucket} "
+                      f"(XIDs {', '.join(str(x) for x, b in xid_table().items() if b == bucket)})")
     seen: dict[int, str] = {}
-    for klass, xids in (xid.get("classes") or {}).items():
-        where = f"defaults.xid.classes.{klass}"
-        if klass not in ACTIONS or klass == "none":
-            errors.append(f"{where}: not an action ({', '.join(ACTIONS[1:])})")
-        for value in _xid_list(xids, where, errors):
+    for klass, xids in (xid.get("overrides") or {}).items():
+        where = f"defaults.xid.overrides.{klass}"
+        for value in _xid_list(xids, where, errors, empty=True):
             if value in seen:
                 errors.append(f"{where}: XID {value} is also in class {seen[value]}")
             seen[value] = klass
+    unbucketed = sorted(x for x, b in xid_table().items() if not b and x not in seen)
+    if unbucketed:
+        errors.append(f"defaults.xid.overrides: XIDs {', '.join(map(str, unbucketed))} have no bucket in "
+                      "NVIDIA's catalogue: list each under a class, or under `none`")
+    _xid_list((xid.get("fabric_manager") or {}).get("xids"), "defaults.xid.fabric_manager.xids", errors)
     for klass, actions in (xid.get("recovery_actions") or {}).items():
         where = f"defaults.xid.recovery_actions.{klass}"
         if klass not in ACTIONS or klass == "none":
@@ -267,9 +304,10 @@ def _check_xid(d: dict[str, Any], errors: list[str]) -> None:
         errors.append(f"defaults.lemon.count: must be a positive integer, got {lemon.get('count')!r}")
 
 
-def _xid_list(xids: Any, where: str, errors: list[str]) -> list[int]:
-    if not isinstance(xids, list) or not xids or not all(isinstance(x, int) and 0 < x < 1000 for x in xids):
-        errors.append(f"{where}: must be a non-empty list of XID numbers, got {xids!r}")
+def _xid_list(xids: Any, where: str, errors: list[str], empty: bool = False) -> list[int]:
+    if not isinstance(xids, list) or not (xids or empty) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 < x < 1000 for x in xids):
+        errors.append(f"{where}: must be a {'' if empty else 'non-empty '}list of XID numbers, got {xids!r}")
         return []
     return xids
 

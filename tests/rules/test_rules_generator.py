@@ -109,7 +109,8 @@ def test_catalogue_errors_are_all_listed_without_traceback(tmp_path, capsys):
             "evidence": {"nvlink_errors": {"low": 2, "high": 1, "windw": "5m"},
                          "pcie_replay": {"step": "7m"}},          # 1h is not a multiple of 7m
             "fusion": {"weights": {"nvlink_errors": 0.9}},        # alone above the threshold
-            "xid": {"classes": {"drain_reboot": [79, 48], "reboot_now": [13]}},
+            "xid": {"overrides": {"drain_reboot": [167, 168], "reboot_now": [13]},
+                    "buckets": {"RESET_GPU": "reboot"}},
             "for": {"GPUHealthExporterDown": "soon"},
             "gpu_shards": 4,
         },
@@ -124,8 +125,9 @@ def test_catalogue_errors_are_all_listed_without_traceback(tmp_path, capsys):
         "defaults.storage.window: 5m holds fewer than 4 samples at scrape_interval 2m; use at least 480s",
         "defaults.evidence.pcie_replay: window 1h must be a multiple (> 1) of step 7m",
         "defaults.fusion.weights.nvlink_errors: 0.9 >= fusion.threshold 0.6",
-        "defaults.xid.classes.drain_reboot: XID 48 is also in class drain_reset_gpu",
-        "defaults.xid.classes.reboot_now: unknown key",
+        "defaults.xid.overrides.drain_reboot: XID 168 is also in class drain_reset_gpu",
+        "defaults.xid.overrides.reboot_now: unknown key",
+        "defaults.xid.buckets.RESET_GPU: 'reboot' is not one of restart_job, drain, drain_reset_gpu",
         "defaults.for.GPUHealthExporterDown: not a duration: 'soon'",
         "alerts.GPUHealthLemonNode.action: must be one of",
         "defaults.gpu_shards: must be one of 1, 2, 5, 10",
@@ -166,6 +168,8 @@ def test_gpu_shards_cover_every_gpu_once(shards):
 def _changed(value: Any, key: str) -> Any:
     """A different, still valid value for a knob."""
     if isinstance(value, list):
+        if not value:
+            return [1]
         return value[:-1] if len(value) > 1 else ([value[0] + 1] if isinstance(value[0], int) else [])
     if key == "gpu_shards":
         return 2 if value != 2 else 5
@@ -205,6 +209,10 @@ def test_every_knob_takes_effect():
             new = 'job="renamed"'
         if path[-1] == "identity_labels":
             new = ["site", *value]
+        if path[-2] == "buckets":
+            new = "drain" if value != "drain" else "none"
+        if path[-2] == "overrides":   # move one more XID: 13 out of restart_job, or 1 (unused) into a class
+            new = [*value, 13 if path[-1] == "none" else 1]
         try:
             rendered = render_all(catalogue.resolve(_overlay(path, new)))
         except catalogue.CatalogueError as exc:
