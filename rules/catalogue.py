@@ -20,7 +20,7 @@ BUILTIN = Path(__file__).with_name("catalogue.yaml")
 XID_TABLE = Path(__file__).with_name("xid_catalogue.csv")
 ACTIONS = ("none", "restart_job", "drain", "drain_reset_gpu", "drain_reboot", "replace")
 SEVERITIES = ("critical", "warning", "info")
-GROUPS = ("xid", "evidence", "fusion", "lemon", "storage", "meta")
+GROUPS = ("xid", "definitive", "evidence", "fusion", "lemon", "storage", "meta")
 XID_CLASSES = ("restart_job", "drain", "drain_reset_gpu", "drain_reboot")  # what an XID alone can ask
 RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
 MIN_SAMPLES_PER_WINDOW = 4
@@ -168,12 +168,27 @@ def check(data: dict[str, Any]) -> list[str]:
         errors.append(f"defaults.gpu_shards: must be one of {', '.join(map(str, GPU_SHARDS))} (shards by the "
                       f"last digit of the GPU index), got {d.get('gpu_shards')!r}")
     _check_identity(d.get("identity_labels"), errors)
+    _check_definitive(d.get("definitive") or {}, errors)
     if not isinstance(d.get("gpus_per_node"), int) or d["gpus_per_node"] < 1:
         errors.append(f"defaults.gpus_per_node: must be a positive integer, got {d.get('gpus_per_node')!r}")
     for path, value in _leaves(d.get("selectors", {}), "defaults.selectors"):
         if not isinstance(value, str) or value.strip().startswith("{"):
             errors.append(f"{path}: must be label matchers without braces, e.g. 'job=\"x\"', got {value!r}")
     return errors
+
+
+def _check_definitive(k: dict[str, Any], errors: list[str]) -> None:
+    storm = k.get("ecc_storm") or {}
+    for key, low, high in (("min_per_second", 0, None), ("fleet_quantile", 0, 1), ("fleet_factor", 0, None)):
+        value = storm.get(key)
+        if not _number(value) or value <= low or (high is not None and value >= high):
+            bounds = f"in ({low}, {high})" if high is not None else f"above {low}"
+            errors.append(f"defaults.definitive.ecc_storm.{key}: must be a number {bounds}, got {value!r}")
+    for path in ("nvswitch.non_fatal_count", "repeated_gpus_missing.count"):
+        block, key = path.split(".")
+        value = (k.get(block) or {}).get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            errors.append(f"defaults.definitive.{path}: must be a positive integer, got {value!r}")
 
 
 def _check_identity(labels: Any, errors: list[str]) -> None:
@@ -208,7 +223,7 @@ def _check_durations(d: dict[str, Any], errors: list[str]) -> int:
 def _check_windows(d: dict[str, Any], scrape: int, errors: list[str]) -> None:
     """Range windows need several samples; subquery windows must hold whole steps."""
     minimum = MIN_SAMPLES_PER_WINDOW * scrape
-    for section in ("xid", "evidence", "lemon", "storage"):
+    for section in ("xid", "definitive", "evidence", "lemon", "storage"):
         for path, value in _leaves(d.get(section, {}), f"defaults.{section}"):
             key = path.rsplit(".", 1)[1]
             if not (key.endswith("window") or key == "step"):
@@ -220,7 +235,8 @@ def _check_windows(d: dict[str, Any], scrape: int, errors: list[str]) -> None:
             if length < minimum:
                 errors.append(f"{path}: {value} holds fewer than {MIN_SAMPLES_PER_WINDOW} samples at "
                               f"scrape_interval {d.get('scrape_interval')}; use at least {minimum}s")
-    for path in ("evidence.ecc_corrected_growth", "evidence.pcie_replay", "lemon"):
+    for path in ("evidence.ecc_corrected_growth", "evidence.pcie_replay", "lemon",
+                 "definitive.repeated_gpus_missing"):
         block = d
         for part in path.split("."):
             block = block.get(part, {}) if isinstance(block, dict) else {}

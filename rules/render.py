@@ -127,7 +127,7 @@ class Renderer:
             "alertmanager.yml.j2",
             webhook_actions=actions,
             hard_alerts=sorted(n for n, a in alerts.items()
-                               if a["group"] == "xid" and a["severity"] == "critical"),
+                               if a["group"] in ("xid", "definitive") and a["severity"] == "critical"),
             predictive_alerts=sorted(n for n, a in alerts.items() if a["group"] == "fusion"),
         )
         return HEADER.format(what="Alertmanager routing") + dump(yaml.load(text, Loader=_Loader))

@@ -52,7 +52,8 @@ def test_output_is_deterministic():
 @pytest.mark.parametrize("source", SOURCES)
 def test_promtool_check_rules(source):
     files = sorted((GENERATED / source).glob("*.yml"))
-    assert [f.stem for f in files] == sorted(["xid", "evidence", "fusion", "lemon", "storage", "meta"])
+    assert [f.stem for f in files] == sorted(["xid", "definitive", "evidence", "fusion", "lemon", "storage",
+                                              "meta"])
     result = subprocess.run([_tool("promtool"), "check", "rules", *map(str, files)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -113,6 +114,7 @@ def test_catalogue_errors_are_all_listed_without_traceback(tmp_path, capsys):
                     "buckets": {"RESET_GPU": "reboot"}},
             "for": {"GPUHealthExporterDown": "soon"},
             "gpu_shards": 4,
+            "definitive": {"ecc_storm": {"fleet_quantile": 1.5}},
         },
         "alerts": {"GPUHealthLemonNode": {"action": "shoot"}},
     }))
@@ -131,6 +133,7 @@ def test_catalogue_errors_are_all_listed_without_traceback(tmp_path, capsys):
         "defaults.for.GPUHealthExporterDown: not a duration: 'soon'",
         "alerts.GPUHealthLemonNode.action: must be one of",
         "defaults.gpu_shards: must be one of 1, 2, 5, 10",
+        "defaults.definitive.ecc_storm.fleet_quantile: must be a number in (0, 1), got 1.5",
     ):
         assert expected in err, f"missing {expected!r} in:\n{err}"
     assert not (tmp_path / "out").exists()
