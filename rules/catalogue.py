@@ -273,10 +273,24 @@ def _check_fusion(d: dict[str, Any], errors: list[str]) -> None:
         if not _number(weight) or not 0 <= weight <= 1:
             errors.append(f"{where}: must be a number in 0..1, got {weight!r}")
         elif threshold is not None and weight >= threshold:
-            errors.append(f"{where}: {weight} >= fusion.threshold {threshold}: that signal alone would "
-                          "raise GPUHealthGpuFailureRisk; give it its own alert instead")
+            errors.append(f"{where}: {weight} >= fusion.threshold {threshold}: that signal (and its cause) "
+                          "alone would raise GPUHealthGpuFailureRisk; give it its own alert instead")
     for name in sorted(signals - set(weights)):
         errors.append(f"defaults.fusion.weights: no weight for signal {name}")
+    home: dict[str, str] = {}
+    for cause, members in (fusion.get("causes") or {}).items():
+        where = f"defaults.fusion.causes.{cause}"
+        if not _LABEL.fullmatch(str(cause)) or not isinstance(members, list):
+            errors.append(f"{where}: must be a list of signals under a label-safe cause name")
+            continue
+        for name in members:
+            if name not in signals:
+                errors.append(f"{where}: no evidence signal {name!r}")
+            elif name in home:
+                errors.append(f"{where}: {name} is also in cause {home[name]}")
+            home.setdefault(name, cause)
+    for name in sorted(signals - set(home)):
+        errors.append(f"defaults.fusion.causes: signal {name} is in no cause")
 
 
 def _check_xid(d: dict[str, Any], errors: list[str]) -> None:

@@ -109,7 +109,8 @@ def test_catalogue_errors_are_all_listed_without_traceback(tmp_path, capsys):
             "scrape_interval": "2m",                              # makes 5m windows too short
             "evidence": {"nvlink_errors": {"low": 2, "high": 1, "windw": "5m"},
                          "pcie_replay": {"step": "7m"}},          # 1h is not a multiple of 7m
-            "fusion": {"weights": {"nvlink_errors": 0.9}},        # alone above the threshold
+            "fusion": {"weights": {"nvlink_errors": 0.9},         # alone above the threshold
+                       "causes": {"nvlink": ["nvlink_errors", "pcie_replay"], "firmware": []}},
             "xid": {"overrides": {"drain_reboot": [167, 168], "reboot_now": [13]},
                     "buckets": {"RESET_GPU": "reboot"}},
             "for": {"GPUHealthExporterDown": "soon"},
@@ -127,6 +128,8 @@ def test_catalogue_errors_are_all_listed_without_traceback(tmp_path, capsys):
         "defaults.storage.window: 5m holds fewer than 4 samples at scrape_interval 2m; use at least 480s",
         "defaults.evidence.pcie_replay: window 1h must be a multiple (> 1) of step 7m",
         "defaults.fusion.weights.nvlink_errors: 0.9 >= fusion.threshold 0.6",
+        "defaults.fusion.causes.nvlink: pcie_replay is also in cause pcie",
+        "defaults.fusion.causes: signal nvml_latency is in no cause",
         "defaults.xid.overrides.drain_reboot: XID 168 is also in class drain_reset_gpu",
         "defaults.xid.overrides.reboot_now: unknown key",
         "defaults.xid.buckets.RESET_GPU: 'reboot' is not one of restart_job, drain, drain_reset_gpu",
@@ -216,8 +219,13 @@ def test_every_knob_takes_effect():
             new = "drain" if value != "drain" else "none"
         if path[-2] == "overrides":   # move one more XID: 13 out of restart_job, or 1 (unused) into a class
             new = [*value, 13 if path[-1] == "none" else 1]
+        overlay = _overlay(path, new)
+        if path[-2] == "causes":   # move the cause's first signal into another cause
+            causes = builtin["defaults"]["fusion"]["causes"]
+            other = next(c for c in causes if c != path[-1])
+            overlay = _overlay(path[:-1], {path[-1]: value[1:], other: [*causes[other], value[0]]})
         try:
-            rendered = render_all(catalogue.resolve(_overlay(path, new)))
+            rendered = render_all(catalogue.resolve(overlay))
         except catalogue.CatalogueError as exc:
             invalid.append(f"{'.'.join(path)}={new!r}: {exc.errors}")
             continue
@@ -254,8 +262,8 @@ def test_demo_overlay_fires_within_two_minutes(tmp_path):
     fleet.add("nvlink_crc", "n2", 3, (0, 0, 11), (0, 5, steps - 12))    # errors from the first minute
     risk = alert("GPUHealthGpuFailureRisk",
                  {"alertname": "GPUHealthGpuFailureRisk", "node": "n2", "gpu": "3"},
-                 "GPU 3 on n2 is likely to fail (risk 0.95)",
-                 "Several precursor signals of GPU 3 on n2 together put its failure risk at 0.95. Top "
+                 "GPU 3 on n2 is likely to fail (risk 0.75)",
+                 "Several precursor signals of GPU 3 on n2 together put its failure risk at 0.75. Top "
                  "contributions: nvlink_errors=0.45, interrupt_collapse=0.30, procs_running_collapse=0.20.",
                  "warning", "drain")
     checks = [{"eval_time": "1m", "alertname": "GPUHealthGpuFailureRisk", "exp_alerts": []},
