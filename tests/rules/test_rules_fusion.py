@@ -109,6 +109,12 @@ def test_each_signal_and_benign_noise(tmp_path, source):
     for node in ("n1", "n2", "n4", "n5"):
         fleet.node(node, minutes)
     fleet.node("n6", minutes, gpus=7)                     # one GPU gone from the bus
+    fleet.node("n7", minutes)
+    for gpu in range(5):                                  # five neighbours power-capped from 50 min
+        fleet.add("power_cap_seconds", "n7", gpu, (0, 0, 49), (0, 60, minutes - 50))
+        fleet.add("temperature", "n7", gpu, (60, 0, 49), (40, 0, minutes - 50))
+    for gpu in range(5, 8):
+        fleet.add("temperature", "n7", gpu, (58 + gpu % 2, 0, minutes))
     fleet.add("gpus_expected", "n6", None, (8, 0, minutes))
     fleet.add("gpus_visible", "n6", None, (7, 0, minutes))
     fleet.node("n3", minutes, utilization=0, interrupts_per_s=800, procs=1)   # idle between jobs
@@ -119,12 +125,14 @@ def test_each_signal_and_benign_noise(tmp_path, source):
         fleet.add("temperature", "n5", gpu, (60, 0, 49), (75, 0, minutes - 50))   # hot aisle
     fleet.add("interrupts", "n4", None, (0, 1500 * 60, minutes))    # hung in a collective, still busy
     fleet.add("procs_running", "n4", None, (2, 0, minutes))
-    for node, rate in (("n1", 100), ("n2", 100), ("n3", 100_000), ("n4", 100), ("n5", 100), ("n6", 100)):
+    for node, rate in (("n1", 100), ("n2", 100), ("n3", 100_000), ("n4", 100), ("n5", 100), ("n6", 100),
+                       ("n7", 100)):
         fleet.add("page_outs", node, None, (0, rate * 60, minutes))
         latency = 0.2 if node == "n6" else 0.002
         fleet.nfs(node, "/home", "GETATTR", {"operations": 50, "execute": 50 * latency}, minutes)
     fleet.add("nvml_latency", "n1", 4, (0.05, 0, 99), (3, 0, minutes - 100))
-    fleet.add("temperature", "n2", 0, (72, 0, minutes))        # always ran hotter than its peers
+    fleet.add("temperature", "n2", 0, (72, 0, minutes))        # always ran hotter than its peers...
+    fleet.add("pcie_replays", "n2", 0, (0, 20, minutes))       # ...plus a small signal of another cause
     fleet.add("thermal_seconds", "n2", 1, (0, 30, minutes))
     fleet.add("power_cap_seconds", "n2", 2, (0, 60, minutes))                    # operator's power cap
     fleet.add("temperature", "n2", 2, (50, 0, minutes))
@@ -138,8 +146,11 @@ def test_each_signal_and_benign_noise(tmp_path, source):
 
     at = "140m"
     exprs = [
-        _evidence("temperature_peer", "n2", 0, at, 0.99),
-        _evidence("temperature_baseline", "n2", 0, at),   # ...as it always did: no drift, not failing
+        # Always warmer than its peers, as it always was: no drift, not failing, so no thermal evidence;
+        # with a small signal of another cause it stays below the threshold.
+        _evidence("temperature_peer", "n2", 0, at),
+        _evidence("temperature_baseline", "n2", 0, at),
+        _score("n2", 0, at, 0.35),
         _evidence("thermal_slowdown", "n2", 1, at, 0.99),
         _evidence("pcie_replay", "n2", 4, at, 0.99),
         _evidence("pcie_replay", "n2", 5, "30m"),
@@ -168,6 +179,10 @@ def test_each_signal_and_benign_noise(tmp_path, source):
         exprs.append(_evidence("pcie_link_downgrade", "n3", gpu, at))
     for signal in ("temperature_peer", "thermal_slowdown", "temperature_baseline"):
         exprs.append(_evidence(signal, "n2", 2, at))                        # power-capped GPU
+    for gpu in range(8):     # capped neighbours leave the peer set: the others' centre does not move
+        for signal in ("temperature_peer", "temperature_baseline"):
+            exprs.append(_evidence(signal, "n7", gpu, at))
+        exprs.append(_score("n7", gpu, at, 0))
     for signal in ("interrupt_collapse", "procs_running_collapse"):
         exprs.append(_evidence(signal, "n3", None, at))                     # idle, not collapsed
     # One signal alone never raises the alert, and neither does noise.

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 
 import pytest
-from conftest import recorded
+from conftest import alert, recorded, resolved
 from gpuhealth.webhook.backends import create_backend
 from gpuhealth.webhook.backends.base import BackendError, NodeState
 from gpuhealth.webhook.backends.slurm import MAX_REASON_CHARS, SlurmBackend, parse_node
@@ -348,3 +349,71 @@ async def test_a_reboot_notification_requests_a_slurm_reboot(on_slurm, slurm):
     assert "NextState=RESUME" in slurm.scontrol("show", "node", "gpu03", "-o")
     slurm.complete_reboot("gpu03")
     slurm.wait_node("gpu03", lambda n: n.state == "IDLE", what="gpu03 back after its reboot")
+
+
+# --- an operator's drain always wins: races against a real `scontrol update` from the test ---
+
+OPERATOR_REASON = "ops: replacing the PSU, ticket 77"
+
+
+async def wait_for_action(hook, action_id: int, predicate, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        action = await hook.call("GET", f"/actions/{action_id}")
+        if predicate(action):
+            return action
+        assert time.monotonic() < deadline, action
+        await asyncio.sleep(0.1)
+
+
+async def test_undrain_leaves_a_node_the_operator_redrained_during_the_health_check(on_slurm, slurm,
+                                                                                   tmp_path):
+    healthy = tmp_path / "healthy"
+    check = [sys.executable, "-c", f"import os, sys; sys.exit(0 if os.path.exists({str(healthy)!r}) else 1)"]
+    hook = await on_slurm(undrain={"health_check": check, "health_check_retry_seconds": 0.3,
+                                   "health_check_max_attempts": 20})
+    firing = alert("gpu01", action="drain")
+    await hook.post(firing)
+    assert (await hook.settle(timeout=60))[0]["reason"] == "ok"
+    [undrain_id] = (await hook.post(resolved(firing)))["new_actions"]
+    await wait_for_action(hook, undrain_id, lambda a: a["reason"] == "health_check_failed")
+    slurm.scontrol("update", "NodeName=gpu01", "State=DRAIN", f"Reason={OPERATOR_REASON}")
+    healthy.touch()
+    undrain = await wait_for_action(hook, undrain_id, lambda a: a["state"] not in ("pending", "running"))
+    assert (undrain["state"], undrain["reason"]) == ("skipped", "drained_by_other"), undrain
+    node = slurm.node("gpu01")
+    assert "DRAIN" in node.flags and node.reason.startswith(OPERATOR_REASON), node
+
+
+async def test_no_reboot_for_a_node_the_operator_took_over_after_our_drain(on_slurm, slurm, tmp_path):
+    """The operator's `scontrol update` lands while the webhook lists the node's jobs (between its
+    drain and its reboot): the reboot is never requested."""
+    wrapper = tmp_path / "squeue-with-operator"
+    wrapper.write_text(
+        f"#!{sys.executable}\nimport os, subprocess, sys\n"
+        f"subprocess.run(['scontrol', 'update', 'NodeName=gpu02', 'State=DRAIN', "
+        f"{'Reason=' + OPERATOR_REASON!r}], check=True)\n"
+        "os.execvp('squeue', ['squeue', *sys.argv[1:]])\n")
+    wrapper.chmod(0o755)
+    hook = await on_slurm(slurm={"squeue": [str(wrapper)]})
+    await hook.post(alert("gpu02", action="drain_reboot"))
+    [action] = await hook.settle(timeout=60)
+    assert (action["state"], action["reason"]) == ("skipped", "drained_by_other"), action
+    assert slurm.reboot_requests() == []
+    node = slurm.node("gpu02")
+    assert "DRAIN" in node.flags and node.reason.startswith(OPERATOR_REASON), node
+    assert not {"REBOOT_REQUESTED", "REBOOT_ISSUED"} & node.flags
+
+
+async def test_hostile_labels_never_reach_scontrol(on_slurm, slurm):
+    hook = await on_slurm()
+    await hook.post(alert("ALL", action="drain"), alert("gpu[01-04]", action="drain"),
+                    alert("gpu03", action="drain_reset_gpu", gpu="0; scontrol update NodeName=ALL"),
+                    alert("gpu04", action="drain", alertname="X\x1b[2J"),
+                    alert("gpu04", action="drain", summary="XID 79\x00\x1b[31m red\nnext line"))
+    actions = await hook.settle(timeout=60)
+    assert [a["reason"] for a in actions] == ["invalid_node", "invalid_node", "invalid_label",
+                                              "invalid_label", "ok"]
+    drained = [n for n in slurm.node_names if "DRAIN" in slurm.node(n).flags]
+    assert drained == ["gpu04"]
+    assert slurm.node("gpu04").reason.startswith("gpuhealth: GPUHealthXidFatal: XID 79 red next line [")
