@@ -330,6 +330,8 @@ def _check_xid(d: dict[str, Any], errors: list[str]) -> None:
     lemon = d.get("lemon") or {}
     if not isinstance(lemon.get("actions"), list) or any(a not in ACTIONS for a in lemon["actions"]):
         errors.append(f"defaults.lemon.actions: must list actions from {', '.join(ACTIONS)}")
+    if not isinstance(lemon.get("severities"), list) or any(s not in SEVERITIES for s in lemon["severities"]):
+        errors.append(f"defaults.lemon.severities: must list severities from {', '.join(SEVERITIES)}")
     if not isinstance(lemon.get("count"), int) or lemon["count"] < 1:
         errors.append(f"defaults.lemon.count: must be a positive integer, got {lemon.get('count')!r}")
 
