@@ -196,7 +196,8 @@ def _check_identity(labels: Any, errors: list[str]) -> None:
     if not isinstance(labels, list) or not all(isinstance(x, str) and _LABEL.fullmatch(x) for x in labels):
         errors.append(f"{where}: must be a list of label names, got {labels!r}")
     elif "node" not in labels or "gpu" in labels or len(set(labels)) != len(labels):
-        errors.append(f"{where}: must name `node` (the webhook drains by it), not `gpu`, each once; got {labels!r}")
+        errors.append(f"{where}: must name `node` (the webhook drains by it), not `gpu`, each once; "
+                      f"got {labels!r}")
 
 
 def _is_duration_key(key: str) -> bool:

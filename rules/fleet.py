@@ -90,7 +90,8 @@ class _QuietServer(ThreadingHTTPServer):
 
 class SyntheticFleet:
     """``nodes`` nodes of ``gpus`` GPUs each; one GPU in ``sick_every`` carries precursors. With
-    ``cluster``, every target also carries that ``cluster`` label, as a multi-cluster scrape config sets it."""
+    ``cluster``, every target also carries that ``cluster`` label, as a multi-cluster scrape config
+    sets it."""
 
     def __init__(self, nodes: int, gpus: int = 8, nvlinks: int = 4, sick_every: int = 97,
                  cluster: str | None = None) -> None:

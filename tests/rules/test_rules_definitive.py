@@ -147,8 +147,8 @@ def test_gpus_missing_repeatedly(tmp_path, source):
     repeated = alert(
         "GPUHealthGpusMissingRepeatedly", {"alertname": "GPUHealthGpusMissingRepeatedly", "node": "n1"},
         "GPUs of n1 went missing 2 times: repair the node",
-        "n1 lost GPUs from the driver on 2 separate occasions in the repeat window. Reboots are not fixing it: "
-        "take the node out of rotation and check risers, board and power.", "critical", "replace")
+        "n1 lost GPUs from the driver on 2 separate occasions in the repeat window. Reboots are not fixing "
+        "it: take the node out of rotation and check risers, board and power.", "critical", "replace")
     checks = [
         {"eval_time": "90m", "alertname": "GPUHealthGpusMissingRepeatedly", "exp_alerts": []},
         {"eval_time": "125m", "alertname": "GPUHealthGpusMissingRepeatedly", "exp_alerts": [repeated]},

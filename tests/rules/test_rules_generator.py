@@ -95,7 +95,8 @@ def test_alertmanager_config_routes_by_action_and_inhibits(tmp_path):
     data = yaml.safe_load(config.read_text())
     assert data["route"]["group_by"] == ["cluster", "node"]
     (inhibit,) = data["inhibit_rules"]
-    assert inhibit["equal"] == ["cluster", "node"] and "GPUHealthGpuFailureRisk" in inhibit["target_matchers"][0]
+    assert inhibit["equal"] == ["cluster", "node"]
+    assert "GPUHealthGpuFailureRisk" in inhibit["target_matchers"][0]
     assert "GPUHealthXidRebootNode" in inhibit["source_matchers"][0]
     webhook = data["receivers"][1]["webhook_configs"][0]
     assert webhook["url"] == "http://127.0.0.1:9836/alerts"
