@@ -25,7 +25,7 @@ def test_remap_failure_without_xid_and_pending_alone(tmp_path, source):
     minutes = 60
     fleet = Fleet(source).node("n1", minutes)
     fleet.add("remap_failure", "n1", 0, (0, 0, 19), (1, 0, minutes - 20))   # no XID 64 logged at all
-    fleet.add("remap_pending", "n1", 0, (0, 0, 19), (1, 0, minutes - 20))   # failure outranks pending
+    fleet.add("remap_pending", "n1", 0, (0, 0, 19), (1, 0, minutes - 20))   # both alerts: failure leads
     fleet.add("remap_pending", "n1", 1, (0, 0, 19), (1, 0, minutes - 20))   # pending alone
     fleet.add("retired_pending", "n1", 2, (0, 0, 19), (1, 0, minutes - 20))
     fleet.add("remap_failure", "n1", 3, (0, 0, minutes))
@@ -50,7 +50,7 @@ def test_remap_failure_without_xid_and_pending_alone(tmp_path, source):
         {"eval_time": "21m", "alertname": "GPUHealthRowRemapFailure", "exp_alerts": [failure]},
         {"eval_time": "29m", "alertname": "GPUHealthRowRemapPending", "exp_alerts": []},   # within `for`
     ]
-    expected = [pending(1)] + ([pending(2)] if fleet.supports("retired_pending") else [])
+    expected = [pending(0), pending(1)] + ([pending(2)] if fleet.supports("retired_pending") else [])
     checks.append({"eval_time": "31m", "alertname": "GPUHealthRowRemapPending", "exp_alerts": expected})
     _run(tmp_path, source, fleet, checks)
 
