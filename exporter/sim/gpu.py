@@ -28,6 +28,7 @@ REASON_SW_POWER_CAP = pynvml.nvmlClocksEventReasonSwPowerCap
 REASON_SW_THERMAL = pynvml.nvmlClocksEventReasonSwThermalSlowdown
 REASON_HW_THERMAL = pynvml.nvmlClocksEventReasonHwThermalSlowdown
 REASON_HW_SLOWDOWN = pynvml.nvmlClocksEventReasonHwSlowdown
+REASON_HW_POWER_BRAKE = pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown
 
 Emit = Callable[[int, str, int | None], None]  # (gpu index, kernel log text, NVML XID event or None)
 
@@ -166,6 +167,9 @@ class FaultRun:
     def _fell_off_bus(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
         """No precursor."""
 
+    def _sram_uncorrectable(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        """No precursor: an SRAM uncorrectable error comes out of the blue."""
+
     # faults: hard failures
     def _fail_hbm_degradation(self, gpu: GpuState) -> None:
         xid = self.fault.params.get("xid", 95)
@@ -181,6 +185,12 @@ class FaultRun:
                 94: "pid=4242, name=python, Contained: SM (0x1). RST: No, D-RST: No",
                 95: "pid=4242, name=python, Uncontained: FBHUB. RST: Yes, D-RST: No"}[xid]
         self._xid(gpu, xid, text)
+        self._xid(gpu, 154, "GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)")
+
+    def _fail_sram_uncorrectable(self, gpu: GpuState) -> None:
+        gpu.ecc_uncorrected_volatile += 1
+        gpu.ecc_uncorrected_aggregate += 1
+        self._xid(gpu, 95, "pid=4242, name=python, Uncontained: SM (0x1). RST: Yes, D-RST: No")
         self._xid(gpu, 154, "GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)")
 
     def _fail_thermal_runaway(self, gpu: GpuState) -> None:
@@ -231,6 +241,67 @@ class FaultRun:
     def _idle_node(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
         if active:
             _idle(gpu)
+
+    def _sbe_chatter(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        self._sbe_burst(gpu, p, p_old, active)  # the same errors, spread thinly over a long window
+
+    @staticmethod
+    def _starts(p: float, p_old: float) -> bool:
+        """True at the event's first step past its start, for what happens once."""
+        return p_old == 0.0 < p
+
+    def _benign_remap(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        if self._starts(p, p_old):
+            gpu.remapped_correctable += 1
+            self._xid(gpu, 63, "pid=4242, name=python, Row Remapper: New row marked for remapping, reset gpu "
+                               "to activate.", event=False)
+        gpu.remap_pending = 1 if active else 0  # until the GPU reset that ends the event
+
+    def _contained_xid94(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        if self._starts(p, p_old):
+            gpu.ecc_uncorrected_volatile += 1
+            gpu.ecc_uncorrected_aggregate += 1
+            gpu.remapped_uncorrectable += 1
+            self._xid(gpu, 94, "pid=4242, name=python, Contained: SM (0x1). RST: No, D-RST: No")
+        gpu.remap_pending = 1 if active else 0
+
+    def _xid63(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        if self._starts(p, p_old):
+            gpu.remapped_correctable += 1
+            self._xid(gpu, 63, "pid=4242, name=python, Row Remapper: New row marked for remapping, reset gpu "
+                               "to activate.", event=False)
+
+    def _app_xid(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        """A buggy job faults on every GPU it runs on, about ten times over the event."""
+        if self._starts(p, p_old) or (active and int(10 * p) > int(10 * p_old)):
+            xid = self.fault.params.get("xid", 13)
+            self._xid(gpu, xid, "pid=4242, name=python, Graphics Exception: ESR 0x514648=0x1000e")
+
+    def _nvlink_flap(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        link = self.fault.params.get("link", 0)
+        key = (link, "crc_flit")
+        gpu.nvlink_errors[key] = gpu.nvlink_errors.get(key, 0.0) + 3000 * (p - p_old)
+        if active and 0.4 <= p <= 0.6:  # the link drops and retrains, then heals
+            gpu.nvlink_down.add(link)
+        else:
+            gpu.nvlink_down.discard(link)
+
+    def _pcie_replay_steady(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        gpu.pcie_replays += self.fault.params.get("count", 100) * (p - p_old)
+
+    def _warm_gpu(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        if active:
+            gpu.temp_offset += self.fault.params.get("delta_celsius", 6.0)
+
+    def _slow_nvml(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        if active:
+            gpu.nvml_delay = max(gpu.nvml_delay, 0.3)
+
+    def _power_brake(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
+        if active:
+            gpu.reasons |= REASON_HW_POWER_BRAKE | REASON_HW_SLOWDOWN
+            gpu.sm_clock *= 0.5
+            gpu.power_watts = min(gpu.power_watts, 0.45 * POWER_LIMIT_W)
 
 
 def _idle(gpu: GpuState) -> None:

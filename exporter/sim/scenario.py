@@ -14,8 +14,10 @@ from typing import Any
 import yaml
 
 FAULT_KINDS = ("hbm_degradation", "thermal_runaway", "pcie_degradation", "nvlink_errors", "gsp_timeout",
-               "fell_off_bus")
-NOISE_KINDS = ("sbe_burst", "hot_aisle", "boot_replay_burst", "power_cap", "idle_node")
+               "fell_off_bus", "sram_uncorrectable")
+NOISE_KINDS = ("sbe_burst", "hot_aisle", "boot_replay_burst", "power_cap", "idle_node", "sbe_chatter",
+               "benign_remap", "contained_xid94", "app_xid", "xid63", "nvlink_flap", "pcie_replay_steady",
+               "warm_gpu", "slow_nvml", "power_brake")
 HBM_XIDS = (48, 64, 94, 95)
 
 # kind -> (default precursor or duration seconds, extra keys it accepts)
@@ -31,8 +33,20 @@ _KIND_KEYS: dict[str, tuple[float, dict[str, type]]] = {
     "boot_replay_burst": (5.0, {"count": int}),
     "power_cap": (120.0, {"watts": float}),
     "idle_node": (120.0, {}),
+    "sram_uncorrectable": (0.0, {}),
+    "sbe_chatter": (600.0, {"count": int}),
+    "benign_remap": (120.0, {}),
+    "contained_xid94": (60.0, {}),
+    "app_xid": (120.0, {"xid": int}),
+    "xid63": (1.0, {}),
+    "nvlink_flap": (60.0, {"link": int}),
+    "pcie_replay_steady": (600.0, {"count": int}),
+    "warm_gpu": (600.0, {"delta_celsius": float}),
+    "slow_nvml": (60.0, {}),
+    "power_brake": (60.0, {}),
 }
-_NODE_WIDE = ("hot_aisle", "idle_node")
+_NODE_WIDE = ("hot_aisle", "idle_node", "app_xid", "slow_nvml", "power_brake")
+APP_XIDS = (13, 31, 43, 45)
 
 
 class ScenarioError(ValueError):
@@ -188,8 +202,10 @@ def _parse_fault(raw: Any, where: str, gpus: int, nvlinks: int, problems: list[s
     for key, cls in extra.items():
         if key in raw and _number(raw[key], f"{where}.{key}", problems, integer=cls is int) is not None:
             params[key] = cls(raw[key])
-    if params.get("xid", 95) not in HBM_XIDS:
+    if kind == "hbm_degradation" and params.get("xid", 95) not in HBM_XIDS:
         problems.append(f"{where}.xid: hbm_degradation ends in one of {HBM_XIDS}")
+    if kind == "app_xid" and params.get("xid", 13) not in APP_XIDS:
+        problems.append(f"{where}.xid: app_xid logs one of {APP_XIDS}")
     if params.get("link", 0) >= max(nvlinks, 1):
         problems.append(f"{where}.link: link {params['link']} does not exist (the scenario has {nvlinks})")
     if len(problems) > before:

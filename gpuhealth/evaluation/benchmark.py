@@ -13,7 +13,7 @@ import numpy as np
 from gpuhealth.evaluation import plot, report
 from gpuhealth.evaluation.alerts import AlertEvaluator, AlertRun, reads_alerts
 from gpuhealth.evaluation.fleet import BackfilledFleet, add_series, backfilled_prometheus
-from gpuhealth.evaluation.matching import score
+from gpuhealth.evaluation.matching import LEMON_ALERTS, score
 from gpuhealth.evaluation.progress import Progress
 from gpuhealth.evaluation.ranges import label_text
 from gpuhealth.evaluation.signals import Family
@@ -30,6 +30,8 @@ class Options:
     step: float | None = None
     fused_step: float | None = None
     plot: Path | None = None
+    plot_false_alarm: bool = False  # plot a false-alarm episode instead of a failure
+    lemon_alerts: str = LEMON_ALERTS
     progress: bool = True
 
 
@@ -83,12 +85,37 @@ def evaluate_fleet(fleet: BackfilledFleet, options: Options, began: float) -> di
             evaluator.evaluate_all(second, bar.advance)
     episodes = [e for e in evaluator.run.episodes() if e.start >= fleet.start]
     scenario = fleet.scenario
-    result = score(scenario.failures, episodes, fleet.start, scenario.duration, scenario.fleet.nodes)
+    result = score(
+        scenario.failures,
+        episodes,
+        fleet.start,
+        scenario.duration,
+        scenario.fleet.nodes,
+        min_lead=scenario.min_lead,
+        field_rate=scenario.field_rate,
+        lemon_window=scenario.lemon_window,
+        lemon_alerts=options.lemon_alerts,
+    )
+    reach = [(event, fleet.signals.reach(event)) for event in scenario.noise]
     if options.plot:
         shown = plot.timeline(
-            options.plot, evaluator, result, episodes, fleet.start, fleet.data_start, fleet.end
+            options.plot,
+            evaluator,
+            result,
+            episodes,
+            scenario,
+            fleet.data_start,
+            false_alarm=options.plot_false_alarm,
+            reach=reach,
         )
-        log.info("plot written path=%s failure=%s", options.plot, shown.failure if shown else None)
+        log.info("plot written path=%s shown=%s", options.plot, shown)
     return report.summary(
-        result, evaluator.run, scenario, rules, (step, fused_step), fleet.samples, time.monotonic() - began
+        result,
+        evaluator.run,
+        scenario,
+        rules,
+        (step, fused_step),
+        fleet.samples,
+        time.monotonic() - began,
+        reach,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import sys
 import tempfile
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from gpuhealth.evaluation.benchmark import Options, evaluate
 from gpuhealth.evaluation.fleet import BackfillError
+from gpuhealth.evaluation.matching import LEMON_ALERTS
 from gpuhealth.evaluation.report import table
 from gpuhealth.evaluation.rulefiles import RulesError
 from gpuhealth.evaluation.scenario import ScenarioError, parse_duration
@@ -26,14 +28,24 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _regex(text: str) -> str:
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular expression: {exc}") from None
+    return text
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "eval",
         help="measure detection quality on a simulated fleet",
         description="Simulate a fleet's metrics with injected failures and benign noise, backfill them into "
         "a real Prometheus, evaluate every alert rule over the period with Prometheus's own engine, "
-        "and score the alerts against the ground truth: recall, share predicted before the hard "
-        "failure, lead time, false alarms per day per 64 nodes.",
+        "and score the alerts against the ground truth: share detected within a minute of the failure "
+        "instant (its first XID), share predicted at least min_lead ahead (all failures, and those with "
+        "a precursor of an hour or more, with 95% Wilson intervals), late warnings, lead times, false "
+        "alarms and false drains per day per 64 nodes, precision at the field failure rate.",
         epilog="Scenario format: bench/scenarios/README.md. Exit status: 0 done, 2 bad scenario or rules, "
         "1 Prometheus/promtool failure, 130 interrupted.",
     )
@@ -44,7 +56,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--plot",
         type=Path,
         metavar="OUT.png",
-        help="write a timeline of one failure: its signal, evidence, risk score and alerts",
+        help="write a timeline of one failure (the one predicted with the longest lead, else the first "
+        "with a precursor): its signal, evidence, risk score and alerts",
+    )
+    parser.add_argument(
+        "--plot-false-alarm",
+        action="store_true",
+        help="with --plot, draw the longest false-alarm episode instead, with the benign event near it",
+    )
+    parser.add_argument(
+        "--lemon-alerts",
+        default=LEMON_ALERTS,
+        type=_regex,
+        metavar="REGEX",
+        help="alert names scored as lemon-node alerts: right when their node fails again within the "
+        f"scenario's lemon_window (default: {LEMON_ALERTS!r})",
     )
     parser.add_argument(
         "--rules",
@@ -101,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
                     step=args.step,
                     fused_step=args.fused_step,
                     plot=args.plot,
+                    plot_false_alarm=args.plot_false_alarm,
+                    lemon_alerts=args.lemon_alerts,
                     progress=True,
                 )
             )

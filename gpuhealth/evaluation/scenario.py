@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,29 +24,95 @@ FAULT_KINDS = (
     "nvlink_errors",
     "gsp_timeout",
     "fell_off_bus",
+    "sram_uncorrectable",
 )
-NOISE_KINDS = ("sbe_burst", "hot_aisle", "boot_replay_burst", "power_cap", "idle_node", "checkpoint_burst")
-# Faults that give no warning: their precursor onset is the hard failure itself.
-SUDDEN_KINDS = ("gsp_timeout", "fell_off_bus")
+NOISE_KINDS = (
+    "sbe_burst",
+    "hot_aisle",
+    "boot_replay_burst",
+    "power_cap",
+    "idle_node",
+    "checkpoint_burst",
+    "sbe_chatter",
+    "benign_remap",
+    "contained_xid94",
+    "app_xid",
+    "xid63",
+    "nvlink_flap",
+    "pcie_replay_steady",
+    "load_imbalance",
+    "warm_gpu",
+    "slow_nvml",
+    "power_brake",
+    "rack_cooling",
+    "reboot_loop",
+    "checkpoint_storm",
+)
+# Faults that never give warning: their precursor onset is the hard failure itself.
+SUDDEN_KINDS = ("gsp_timeout", "fell_off_bus", "sram_uncorrectable")
+# How a precursor evolves between onset and the first XID (``none``: no precursor at all).
+PRECURSOR_SHAPES = ("ramp", "plateau", "step", "intermittent", "none")
 # XIDs the kernel logs at the hard failure (docs/contract.md, fault vocabulary).
 FAULT_XIDS = {
     "hbm_degradation": (64, 94, 95, 48),
     "thermal_runaway": (79,),
     "pcie_degradation": (79,),
     "nvlink_errors": (74,),
-    "gsp_timeout": (119,),
+    "gsp_timeout": (119, 120),
     "fell_off_bus": (79,),
+    "sram_uncorrectable": (95, 94, 48),
 }
-# How long a benign event lasts when the scenario does not say (seconds, drawn uniformly).
+# ``mix: field``: shares of GPU-attributable interruptions (bench/scenarios/README.md cites each one;
+# Llama 3 on 16,384 H100 for 54 days; its 30.1 % "faulty GPU" is split between three kinds by assumption).
+FIELD_SHARES = {
+    "fell_off_bus": 15.0,
+    "pcie_degradation": 7.5,
+    "nvlink_errors": 7.6,
+    "hbm_degradation": 17.2,
+    "sram_uncorrectable": 4.5,
+    "gsp_timeout": 4.1,
+    "thermal_runaway": 1.4,
+}
+# Benign kinds about one GPU; ``GPU_OPTIONAL`` may name one GPU or leave the choice to the draw.
+GPU_NOISE = (
+    "sbe_burst",
+    "sbe_chatter",
+    "benign_remap",
+    "contained_xid94",
+    "xid63",
+    "nvlink_flap",
+    "pcie_replay_steady",
+    "warm_gpu",
+)
+GPU_OPTIONAL_NOISE = ("power_cap", "boot_replay_burst", "load_imbalance")
+# How long a benign event lasts when the scenario does not say (seconds, drawn log-uniformly).
 NOISE_DURATIONS = {
     "sbe_burst": (60, 900),
     "hot_aisle": (3600, 6 * 3600),
-    "boot_replay_burst": (60, 60),
+    "boot_replay_burst": (60, 600),
     "power_cap": (2 * 3600, 12 * 3600),
     "idle_node": (3600, 8 * 3600),
     "checkpoint_burst": (300, 1200),
+    "sbe_chatter": (6 * 3600, 3 * 86400),
+    "benign_remap": (6 * 3600, 4 * 86400),  # remap pending until the next GPU reset
+    "contained_xid94": (300, 2 * 3600),  # until the reset that follows
+    "app_xid": (1800, 12 * 3600),
+    "xid63": (60, 60),
+    "nvlink_flap": (300, 3 * 3600),
+    "pcie_replay_steady": (86400, 14 * 86400),
+    "load_imbalance": (2 * 3600, 36 * 3600),
+    "warm_gpu": (3 * 86400, 14 * 86400),
+    "slow_nvml": (120, 1800),
+    "power_brake": (60, 1200),
+    "rack_cooling": (1800, 4 * 3600),
+    "reboot_loop": (3600, 6 * 3600),
+    "checkpoint_storm": (600, 2700),
 }
 DEFAULT_PRECURSOR = (1800, 24 * 3600)
+DEFAULT_MIN_LEAD = 900.0  # time to checkpoint a job and drain its node
+DEFAULT_FIELD_RATE = 0.17  # GPU failures per day per 64 nodes in the field (../shared/DOMAIN.md)
+DEFAULT_LEMON_WINDOW = 7 * 86400
+HANG_MAX = 1800.0  # longest a job hangs after its GPU's hard failure before the node is drained
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
 _DURATION = re.compile(rf"^(?:{_DURATION_PART.pattern})+$")
@@ -80,6 +146,7 @@ class Fleet:
     model: str
     nvlinks: int
     node_name: str
+    rack_nodes: int = 4  # nodes sharing a rack's power and cooling
 
     def node(self, index: int) -> str:
         return self.node_name.format(index=index)
@@ -100,7 +167,11 @@ class Workload:
 
 @dataclass(frozen=True)
 class Failure:
-    """Ground truth for one failing GPU. Times are seconds since the evaluated period's start."""
+    """Ground truth for one failing GPU. Times are seconds since the evaluated period's start.
+
+    ``first_xid`` is the failure instant that scoring uses: the first XID the fault logs (some
+    faults log one before the GPU dies at ``failure``); None means at ``failure``. ``repaired`` is
+    when the node returns to service (None: never)."""
 
     node: str
     gpu: int
@@ -109,10 +180,21 @@ class Failure:
     failure: float
     xid: int
     strength: float
+    shape: str = "ramp"
+    first_xid: float | None = None
+    repaired: float | None = None
+
+    @property
+    def instant(self) -> float:
+        return self.failure if self.first_xid is None else self.first_xid
 
     @property
     def has_precursor(self) -> bool:
-        return self.onset < self.failure
+        return self.onset < self.instant
+
+    @property
+    def precursor_seconds(self) -> float:
+        return self.instant - self.onset
 
 
 @dataclass(frozen=True)
@@ -140,6 +222,9 @@ class Scenario:
     failures: tuple[Failure, ...] = field(default_factory=tuple)
     noise: tuple[Noise, ...] = field(default_factory=tuple)
     fused_step: float | None = None  # evaluation step of alerts reading recording rules; None: theirs
+    min_lead: float = DEFAULT_MIN_LEAD  # an alert predicts only this long before the failure instant
+    field_rate: float = DEFAULT_FIELD_RATE  # failures per day per 64 nodes, for precision
+    lemon_window: float = DEFAULT_LEMON_WINDOW  # a lemon alert is right if its node fails within it
 
     @property
     def end(self) -> float:
@@ -279,6 +364,10 @@ def parse_scenario(data: Any, source: str = "scenario", seed: int | None = None)
             "failures",
             "noise",
             "random",
+            "min_lead",
+            "field_rate",
+            "lemon_window",
+            "repair",
         },
         "scenario",
     )
@@ -290,10 +379,16 @@ def parse_scenario(data: Any, source: str = "scenario", seed: int | None = None)
     step = check.duration(data, "step", "scenario", default="60s")
     if step < 1 or step != int(step):
         check.problems.append(f"scenario.step: must be a whole number of seconds >= 1, got {step:g}s")
+    min_lead = check.duration(data, "min_lead", "scenario", default=DEFAULT_MIN_LEAD, positive=False)
+    field_rate = check.number(data, "field_rate", "scenario", DEFAULT_FIELD_RATE, 1e-6, 1000.0)
+    lemon_window = check.duration(data, "lemon_window", "scenario", default=DEFAULT_LEMON_WINDOW)
+    repair = check.duration_range(data, "repair", "scenario", None) if "repair" in data else None
 
     fused_step = check.duration(data, "fused_step", "scenario") if "fused_step" in data else None
     raw_fleet = check.mapping(data.get("fleet"), "fleet")
-    check.unknown(raw_fleet, {"nodes", "gpus_per_node", "model", "nvlinks", "node_name"}, "fleet")
+    check.unknown(
+        raw_fleet, {"nodes", "gpus_per_node", "model", "nvlinks", "node_name", "rack_nodes"}, "fleet"
+    )
     node_name = str(raw_fleet.get("node_name", "gpu-{index:03d}"))
     try:
         node_name.format(index=0)
@@ -306,6 +401,7 @@ def parse_scenario(data: Any, source: str = "scenario", seed: int | None = None)
         model=str(raw_fleet.get("model", "NVIDIA H100 80GB HBM3")),
         nvlinks=check.integer(raw_fleet, "nvlinks", "fleet", default=18, minimum=0),
         node_name=node_name,
+        rack_nodes=check.integer(raw_fleet, "rack_nodes", "fleet", default=4, minimum=1),
     )
 
     raw_work = check.mapping(data.get("workload"), "workload")
@@ -343,7 +439,9 @@ def parse_scenario(data: Any, source: str = "scenario", seed: int | None = None)
     rng = random.Random(seed)
     raw_random = check.mapping(data.get("random"), "random")
     check.unknown(raw_random, {"failures", "noise"}, "random")
-    failures += _random_failures(check, raw_random.get("failures"), rng, fleet, duration, failures)
+    if repair is not None:
+        failures = [_repaired(f, rng, repair) if f is not None else None for f in failures]
+    failures += _random_failures(check, raw_random.get("failures"), rng, fleet, duration, failures, repair)
     noise += _random_noise(check, raw_random.get("noise"), rng, fleet, duration)
     _check_overlaps(check, failures)
     if check.problems:
@@ -360,6 +458,9 @@ def parse_scenario(data: Any, source: str = "scenario", seed: int | None = None)
         workload=workload,
         failures=tuple(f for f in failures if f is not None),
         noise=tuple(n for n in noise if n is not None),
+        min_lead=min_lead,
+        field_rate=field_rate,
+        lemon_window=lemon_window,
     )
 
 
@@ -393,25 +494,51 @@ def _location(
 def _failure(
     check: _Checker, item: dict[str, Any], where: str, nodes: set[str], fleet: Fleet, duration: float
 ) -> Failure | None:
-    check.unknown(item, {"node", "gpu", "kind", "onset", "failure", "xid", "strength"}, where)
+    check.unknown(
+        item,
+        {"node", "gpu", "kind", "onset", "failure", "xid", "strength", "shape", "first_xid", "repaired"},
+        where,
+    )
     node, gpu = _location(check, item, where, nodes, fleet, gpu_required=True)
     kind = check.choice(item, "kind", where, FAULT_KINDS)
     known = len(check.problems)
     failure = check.duration(item, "failure", where)
-    onset = failure if kind in SUDDEN_KINDS else check.duration(item, "onset", where, positive=False)
-    if kind in SUDDEN_KINDS and "onset" in item:
-        check.problems.append(f"{where}.onset: {kind} has no precursor; leave onset out")
+    sudden = kind in SUDDEN_KINDS or item.get("shape") == "none"
+    onset = failure if sudden else check.duration(item, "onset", where, positive=False)
+    if sudden and "onset" in item:
+        what = kind if kind in SUDDEN_KINDS else f"{kind} with shape none"
+        check.problems.append(f"{where}.onset: {what} has no precursor; leave onset out")
+    shape = "none" if kind in SUDDEN_KINDS else str(item.get("shape", "ramp"))
+    if shape not in PRECURSOR_SHAPES:
+        check.problems.append(f"{where}.shape: {shape!r} is not one of {', '.join(PRECURSOR_SHAPES)}")
+    first_xid = check.duration(item, "first_xid", where, positive=False) if "first_xid" in item else None
+    if first_xid is not None and not onset <= first_xid <= failure:
+        check.problems.append(f"{where}.first_xid: must lie between onset and failure")
     if onset > failure and len(check.problems) == known:
         check.problems.append(f"{where}: onset {item.get('onset')} is after failure {item.get('failure')}")
     if failure >= duration:
         check.problems.append(f"{where}.failure: {item.get('failure')} is not within the scenario duration")
+    repaired = check.duration(item, "repaired", where) if "repaired" in item else None
+    if repaired is not None and repaired <= failure + HANG_MAX:
+        check.problems.append(f"{where}.repaired: must be more than 30m after the failure")
     xid = item.get("xid", FAULT_XIDS[kind][0])
     if xid not in FAULT_XIDS[kind]:
         check.problems.append(
             f"{where}.xid: {xid!r} is not an XID of {kind} ({', '.join(map(str, FAULT_XIDS[kind]))})"
         )
     strength = check.number(item, "strength", where, 0.7, 0.0, 1.0)
-    return Failure(node, gpu or 0, kind, onset, failure, int(xid) if isinstance(xid, int) else 0, strength)
+    return Failure(
+        node,
+        gpu or 0,
+        kind,
+        onset,
+        failure,
+        int(xid) if isinstance(xid, int) else 0,
+        strength,
+        shape,
+        first_xid,
+        repaired,
+    )
 
 
 def _noise(
@@ -419,7 +546,10 @@ def _noise(
 ) -> Noise | None:
     check.unknown(item, {"node", "gpu", "kind", "at", "duration", "strength"}, where)
     kind = check.choice(item, "kind", where, NOISE_KINDS)
-    node, gpu = _location(check, item, where, nodes, fleet, gpu_required=kind in ("sbe_burst", "power_cap"))
+    node, gpu = _location(check, item, where, nodes, fleet, gpu_required=kind in GPU_NOISE)
+    if gpu is not None and kind not in GPU_NOISE + GPU_OPTIONAL_NOISE:
+        check.problems.append(f"{where}.gpu: {kind} is node-wide; leave gpu out")
+        gpu = None
     at = check.duration(item, "at", where, positive=False)
     if at >= duration:
         check.problems.append(f"{where}.at: {item.get('at')} is not within the scenario duration")
@@ -429,14 +559,53 @@ def _noise(
     return Noise(node, kind, at, length, strength, gpu)
 
 
-def _random_section(
-    check: _Checker, value: Any, where: str, options: tuple[str, ...]
-) -> tuple[int, list[str], dict[str, Any]]:
-    section = check.mapping(value, where)
-    allowed = {"count", "kinds", "precursor"} if where == "random.failures" else {"count", "kinds"}
-    check.unknown(section, allowed, where)
-    count = check.integer(section, "count", where, default=0) if section else 0
-    return count, check.kinds(section, "kinds", where, options), section
+def _weights(
+    check: _Checker,
+    section: dict[str, Any],
+    key: str,
+    where: str,
+    options: tuple[str, ...],
+    default: dict[str, float],
+) -> dict[str, float]:
+    """A ``{name: share}`` mapping (or a list: equal shares) restricted to known names."""
+    value = section.get(key, default)
+    if isinstance(value, list):
+        value = dict.fromkeys(value, 1.0)
+    if not isinstance(value, dict) or not value:
+        check.problems.append(f"{where}.{key}: expected a list or a mapping of name: share")
+        return default
+    out = {}
+    for name, share in value.items():
+        if name not in options:
+            check.problems.append(f"{where}.{key}: unknown name {name!r} (known: {', '.join(options)})")
+        elif isinstance(share, bool) or not isinstance(share, int | float) or share < 0:
+            check.problems.append(f"{where}.{key}.{name}: expected a share >= 0, got {share!r}")
+        else:
+            out[name] = float(share)
+    if out and not sum(out.values()):
+        check.problems.append(f"{where}.{key}: every share is 0")
+    return out or default
+
+
+def _loguniform(rng: random.Random, low: float, high: float) -> float:
+    return math.exp(rng.uniform(math.log(low), math.log(high))) if low > 0 else rng.uniform(low, high)
+
+
+def _repaired(failure: Failure, rng: random.Random, repair: tuple[float, float]) -> Failure:
+    """A listed failure without ``repaired`` gets a drawn repair delay when the scenario has ``repair``."""
+    if failure.repaired is not None:
+        return failure
+    return replace(failure, repaired=round(failure.failure + HANG_MAX + _loguniform(rng, *repair)))
+
+
+def _busy(failures: list[Failure | None]) -> dict[str, list[tuple[float, float]]]:
+    """Per node, the spans a failure holds it: from precursor onset until it is back in service."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for f in failures:
+        if f is not None:
+            end = math.inf if f.repaired is None else f.repaired
+            spans.setdefault(f.node, []).append((f.onset, end))
+    return spans
 
 
 def _random_failures(
@@ -446,43 +615,95 @@ def _random_failures(
     fleet: Fleet,
     duration: float,
     fixed: list[Failure | None],
+    repair: tuple[float, float] | None,
 ) -> list[Failure]:
-    """Draw failures on distinct nodes, kinds taken in turn so that every listed kind occurs."""
-    count, kinds, section = _random_section(check, value, "random.failures", FAULT_KINDS)
+    """Draw failures where their node is in service for the whole precursor. Without ``mix: field``
+    kinds are taken in turn so that every listed kind occurs; with it they are drawn in field shares."""
+    section = check.mapping(value, "random.failures")
+    check.unknown(
+        section,
+        {"count", "kinds", "precursor", "mix", "shapes", "strength", "lemons", "early_xid"},
+        "random.failures",
+    )
+    count = check.integer(section, "count", "random.failures", default=0) if section else 0
     if not count:
         return []
+    kinds = check.kinds(section, "kinds", "random.failures", FAULT_KINDS)
+    mix = section.get("mix", "equal")
+    if mix not in ("equal", "field"):
+        check.problems.append(f"random.failures.mix: {mix!r} is not one of equal, field")
     low, high = (
         check.duration_range(section, "precursor", "random.failures", ["30m", "24h"])
         if "precursor" in section
         else DEFAULT_PRECURSOR
     )
-    taken = {f.node for f in fixed if f is not None}
-    free = [node for node in fleet.node_names if node not in taken]
-    if count > len(free):
+    shapes = _weights(check, section, "shapes", "random.failures", PRECURSOR_SHAPES, {"ramp": 1.0})
+    strength = section.get("strength", [0.25, 1.0])
+    if (
+        not isinstance(strength, list)
+        or len(strength) != 2
+        or not all(isinstance(x, int | float) and not isinstance(x, bool) and 0 < x <= 1 for x in strength)
+        or strength[0] > strength[1]
+    ):
         check.problems.append(
-            f"random.failures.count: {count} exceeds the {len(free)} nodes left to fail "
-            "(one failure per node)"
+            f"random.failures.strength: expected [low, high] within (0, 1], got {strength!r}"
         )
-        return []
+        strength = [0.25, 1.0]
+    early = check.number(section, "early_xid", "random.failures", 0.0, 0.0, 1.0)
+    lemons = check.mapping(section.get("lemons"), "random.failures.lemons")
+    check.unknown(lemons, {"nodes", "weight"}, "random.failures.lemons")
+    lemon_count = check.integer(lemons, "nodes", "random.failures.lemons", default=0)
+    lemon_weight = check.number(lemons, "weight", "random.failures.lemons", 10.0, 1.0, 1000.0)
     if high + 1800 >= duration:
         check.problems.append("random.failures.precursor: the longest precursor does not fit in the duration")
+    if lemon_count > fleet.nodes:
+        check.problems.append(
+            f"random.failures.lemons.nodes: {lemon_count} exceeds the fleet's {fleet.nodes}"
+        )
+    if check.problems:
         return []
-    order = [kinds[i % len(kinds)] for i in range(count)]
-    rng.shuffle(order)
-    drawn = []
-    for kind, node in zip(order, rng.sample(free, count), strict=True):
-        gpu = rng.randrange(fleet.gpus_per_node)
-        lead = 0.0 if kind in SUDDEN_KINDS else math.exp(rng.uniform(math.log(low), math.log(high)))
-        failure = rng.uniform(lead + 600, duration - 1800)
+    if mix == "field":
+        order = rng.choices(kinds, weights=[FIELD_SHARES[k] for k in kinds], k=count)
+    else:
+        order = [kinds[i % len(kinds)] for i in range(count)]
+        rng.shuffle(order)
+    names = fleet.node_names
+    lemon_nodes = set(rng.sample(names, lemon_count))
+    node_weights = [lemon_weight if n in lemon_nodes else 1.0 for n in names]
+    spans = _busy(fixed)
+    drawn: list[Failure] = []
+    for kind in order:
+        for _ in range(500):
+            shape = "none" if kind in SUDDEN_KINDS else rng.choices(list(shapes), list(shapes.values()))[0]
+            lead = 0.0 if shape == "none" else _loguniform(rng, low, high)
+            hard = rng.uniform(lead + 600, duration - 1800)
+            node = rng.choices(names, node_weights)[0]
+            back = None if repair is None else hard + HANG_MAX + _loguniform(rng, *repair)
+            end = math.inf if back is None else back
+            if all(end <= a or hard - lead >= b for a, b in spans.get(node, [])):
+                break
+        else:
+            check.problems.append(
+                f"random.failures.count: no room left for {count} failures (nodes stay out of service "
+                "from precursor onset until repaired; give repair, fewer failures or a longer duration)"
+            )
+            return []
+        first = None
+        if early and lead and kind in ("hbm_degradation", "nvlink_errors") and rng.random() < early:
+            first = round(hard - rng.uniform(0.02, 0.3) * lead)  # an XID logged before the GPU dies
+        spans.setdefault(node, []).append((hard - lead, end))
         drawn.append(
             Failure(
                 node,
-                gpu,
+                rng.randrange(fleet.gpus_per_node),
                 kind,
-                round(failure - lead),
-                round(failure),
+                round(hard - lead),
+                round(hard),
                 rng.choice(FAULT_XIDS[kind]),
-                round(rng.uniform(0.25, 1.0), 2),
+                round(_loguniform(rng, *strength), 2),
+                shape,
+                first,
+                None if back is None else round(back),
             )
         )
     return drawn
@@ -491,24 +712,27 @@ def _random_failures(
 def _random_noise(
     check: _Checker, value: Any, rng: random.Random, fleet: Fleet, duration: float
 ) -> list[Noise]:
-    count, kinds, _ = _random_section(check, value, "random.noise", NOISE_KINDS)
+    """Benign events in the listed kinds' shares (every listed kind at least once), durations drawn
+    log-uniformly from the kind's range."""
+    section = check.mapping(value, "random.noise")
+    check.unknown(section, {"count", "kinds"}, "random.noise")
+    count = check.integer(section, "count", "random.noise", default=0) if section else 0
+    shares = _weights(check, section, "kinds", "random.noise", NOISE_KINDS, dict.fromkeys(NOISE_KINDS, 1.0))
+    if not count or check.problems:
+        return []
+    kinds = _apportion(shares, count)
     drawn = []
-    for i in range(count):
-        kind = kinds[i % len(kinds)]
+    for kind in kinds:
         low, high = NOISE_DURATIONS[kind]
-        length = rng.uniform(low, high)
-        gpu = (
-            rng.randrange(fleet.gpus_per_node)
-            if kind in ("sbe_burst", "power_cap", "boot_replay_burst")
-            else None
-        )
+        length = min(_loguniform(rng, low, high), duration)
+        gpu = rng.randrange(fleet.gpus_per_node) if kind in GPU_NOISE else None
         drawn.append(
             Noise(
                 fleet.node(rng.randrange(fleet.nodes)),
                 kind,
                 round(rng.uniform(0, max(duration - length, 1))),
                 round(length),
-                round(rng.uniform(0.25, 1.0), 2),
+                round(rng.uniform(0.1, 1.0), 2),
                 gpu,
             )
         )
@@ -516,15 +740,35 @@ def _random_noise(
     return drawn
 
 
+def _apportion(shares: dict[str, float], count: int) -> list[str]:
+    """``count`` kinds in proportion to ``shares`` (largest remainder), each kind with a share > 0
+    at least once when ``count`` allows."""
+    kinds = [k for k, v in shares.items() if v > 0]
+    total = sum(shares[k] for k in kinds)
+    exact = {k: count * shares[k] / total for k in kinds}
+    taken = {k: max(int(exact[k]), 1 if count >= len(kinds) else 0) for k in kinds}
+    for k in sorted(kinds, key=lambda k: exact[k] - int(exact[k]), reverse=True):
+        if sum(taken.values()) >= count:
+            break
+        taken[k] += 1
+    while sum(taken.values()) > count:
+        k = max(kinds, key=lambda k: taken[k])
+        taken[k] -= 1
+    return [k for k in kinds for _ in range(taken[k])]
+
+
 def _check_overlaps(check: _Checker, failures: list[Failure | None]) -> None:
-    """A failed node is out of service until the end of the run, so it fails at most once."""
-    seen: dict[str, int] = {}
+    """A node is out of service from a failure's precursor onset until its repair (for ever without
+    one), so another failure on it must lie outside that span."""
+    seen: dict[str, list[tuple[int, float, float]]] = {}
     for i, failure in enumerate(failures):
         if failure is None:
             continue
-        if failure.node in seen:
-            check.problems.append(
-                f"failures[{i}]: {failure.node} already fails in "
-                f"failures[{seen[failure.node]}]; one failure per node"
-            )
-        seen[failure.node] = i
+        end = math.inf if failure.repaired is None else failure.repaired
+        for j, a, b in seen.get(failure.node, []):
+            if not (end <= a or failure.onset >= b):
+                check.problems.append(
+                    f"failures[{i}]: {failure.node} is out of service then because of failures[{j}] "
+                    "(until repaired; give `repaired` or `repair` to let a node fail again)"
+                )
+        seen.setdefault(failure.node, []).append((i, failure.onset, end))

@@ -1,21 +1,24 @@
 """The fleet's time series, under the exporter's metric names, with faults and benign noise applied.
 
-Shapes follow ../shared/DOMAIN.md: degradations ramp up between precursor onset and the hard failure
-with a per-event speed (the ramp exponent) and strength; sudden faults show nothing until the XID.
-After a hard failure the node's job hangs for a while (interrupts and runnable processes collapse),
-then the node is drained and stays idle. Values are ``float64`` arrays over the timeline, ``NaN``
-where the exporter would publish no sample (a GPU lost from the bus has no readings).
+Shapes follow ../shared/DOMAIN.md. A fault's precursor (ramp, plateau, steps or intermittent bursts,
+with its own strength) moves only signals physics ties to the fault, and each event draws which of
+them it moves; sudden faults show nothing until the XID. After a hard failure the node's job hangs
+for a while (interrupts and runnable processes collapse), then the node is drained until repaired.
+Benign events move the very signals faults move, so a naive rule is fooled by them. Values are
+``float64`` arrays over the timeline, ``NaN`` where the exporter would publish no sample (a GPU lost
+from the bus, a rebooting node).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
-from gpuhealth.evaluation.scenario import Failure, Noise, Scenario
+from gpuhealth.evaluation.scenario import HANG_MAX, Failure, Noise, Scenario
 from gpuhealth.evaluation.workload import Timeline, Workload, schedule
 
 SLOWDOWN_C, SHUTDOWN_C = 87.0, 92.0
@@ -186,52 +189,145 @@ class FleetSignals:
     def noise_of(self, *kinds: str) -> list[Noise]:
         return [n for n in self.scenario.noise if n.kind in kinds]
 
+    def noise_draws(self, *kinds: str) -> Iterator[tuple[Noise, np.random.Generator]]:
+        """Benign events of ``kinds``, each with its own random stream (its draws never depend on
+        which other events the scenario holds)."""
+        for i, noise in enumerate(self.scenario.noise):
+            if noise.kind in kinds:
+                yield noise, self.rng(f"noise-{i}-{noise.kind}")
+
     def faults_of(self, *kinds: str) -> list[Failure]:
         return [f for f in self.scenario.failures if f.kind in kinds]
 
+    def span(self, rel: float, length: float) -> slice:
+        """Sample indices of [rel, rel + length), at least one sample."""
+        a = self.at(rel)
+        return slice(a, max(self.at(rel + length), min(a + 1, self.timeline.count)))
+
+    def rack(self, node: str) -> range:
+        """Node indices in the rack of ``node``."""
+        size = self.fleet.rack_nodes
+        first = self.node_index(node) // size * size
+        return range(first, min(first + size, self.fleet.nodes))
+
+    def node_gpus(self, node: int) -> slice:
+        g = self.fleet.gpus_per_node
+        return slice(node * g, (node + 1) * g)
+
     @cached_property
     def failure_params(self) -> dict[Failure, dict[str, float]]:
-        """Per-event shape parameters: ramp exponent (slow or fast growth) and hang length."""
+        """Per-event draws: ramp exponent, hang length, and which of the signals physics ties to the
+        fault this one moves (a failing PCIe link does not always log AER or downgrade)."""
         rng = self.rng("failure-params")
         return {
             f: {
                 "shape": rng.uniform(1.0, 3.0),
-                "hang": rng.uniform(600, 1800),
+                "hang": rng.uniform(600, HANG_MAX),
                 "extra": rng.uniform(0, 1),
                 "link": rng.integers(0, max(self.fleet.nvlinks, 1)),
+                "aer": rng.random() < 0.5,
+                "downgrade": rng.random() < 0.35,
+                "generation": rng.random() < 0.4,
+                "remaps": rng.random(),  # how many rows the wear hits again and again (see ``hbm``)
+                "quiet": rng.random() < 0.35,
+                "rise": rng.uniform(0.03, 0.3),
+                "steps": rng.integers(1, 4),
+                "seed": rng.integers(0, 2**31),
             }
             for f in self.scenario.failures
         }
 
-    def ramp(self, failure: Failure) -> np.ndarray:
-        """0 before onset, rising to 1 at the hard failure with the event's shape, 0 afterwards."""
+    def precursor(self, failure: Failure) -> np.ndarray:
+        """0..1 over the timeline: the fault's precursor between onset and the first XID, in the
+        event's shape (ramp, plateau, step, intermittent bursts); 1 from the first XID to the hard
+        failure; 0 elsewhere."""
         out = np.zeros(self.timeline.count)
-        a, b = self.at(failure.onset), self.at(failure.failure)
-        if b > a:
-            out[a:b] = np.linspace(0, 1, b - a, endpoint=False) ** self.failure_params[failure]["shape"]
+        params = self.failure_params[failure]
+        a, b = self.at(failure.onset), self.at(failure.instant)
+        out[b : self.at(failure.failure)] = 1.0 if failure.has_precursor else 0.0
+        n = b - a
+        if n <= 0 or failure.shape == "none":
+            return out
+        x = np.linspace(0, 1, n, endpoint=False)
+        rng = np.random.default_rng(int(params["seed"]))
+        if failure.shape == "plateau":
+            out[a:b] = np.minimum(x / params["rise"], 1.0)
+        elif failure.shape == "step":
+            edges = np.sort(rng.uniform(0, 0.9, int(params["steps"])))
+            edges[0] = 0.0
+            out[a:b] = (x[:, None] >= edges[None, :]).sum(axis=1) / edges.size
+        elif failure.shape == "intermittent":
+            step, t = self.timeline.step, 0
+            while t < n:  # bursts of 10 min to 3 h, quiet for 6 h to 2 days between them
+                burst = int(np.exp(rng.uniform(np.log(600), np.log(3 * 3600))) / step) + 1
+                out[a + t : a + min(t + burst, n)] = 1.0
+                t += burst + int(np.exp(rng.uniform(np.log(6 * 3600), np.log(2 * 86400))) / step)
+        else:
+            out[a:b] = x ** params["shape"]
         return out
+
+    @cached_property
+    def down(self) -> np.ndarray:
+        """(nodes, T): the node is rebooting, its exporter does not answer."""
+        out = np.zeros((self.fleet.nodes, self.timeline.count), dtype=bool)
+        for noise, rng in self.noise_draws("reboot_loop"):
+            for boot in self.reboots(noise, rng):
+                out[self.node_index(noise.node), self.span(boot - rng.uniform(180, 600), 0)] = True
+        return out
+
+    def reboots(self, noise: Noise, rng: np.random.Generator) -> np.ndarray:
+        """Boot instants of a reboot loop (offsets from the start), two to eight in its duration."""
+        return np.sort(noise.at + rng.uniform(0, noise.duration, int(rng.integers(2, 9))))
 
     @cached_property
     def workload(self) -> Workload:
         work = schedule(self.scenario, self.timeline, self.rng("workload"))
-        for noise in self.noise_of("idle_node"):
-            work.job[self.node_index(noise.node), self.at(noise.at) : self.at(noise.at + noise.duration)] = -1
+        for noise in self.noise_of("idle_node", "reboot_loop"):
+            work.job[self.node_index(noise.node), self.span(noise.at, noise.duration)] = -1
         for noise in self.noise_of("boot_replay_burst"):  # the node reboots, then the burst
             work.job[self.node_index(noise.node), self.at(noise.at - 600) : self.at(noise.at)] = -1
-        for failure in self.scenario.failures:
+        for failure in self.scenario.failures:  # drained until repaired
             hang_end = failure.failure + self.failure_params[failure]["hang"]
-            work.job[self.node_index(failure.node), self.at(hang_end) :] = -1
+            back = self.timeline.count if failure.repaired is None else self.at(failure.repaired)
+            work.job[self.node_index(failure.node), self.at(hang_end) : back] = -1
         work.checkpoint &= work.job >= 0
         return work
 
+    def reach(self, noise: Noise) -> list[str]:
+        """The nodes a benign event touches: its job's nodes, its rack, or its own node."""
+        if noise.kind in ("app_xid", "checkpoint_storm"):
+            nodes = self.job_nodes(noise)
+            if noise.kind == "checkpoint_storm":
+                nodes = np.flatnonzero(
+                    self.checkpoint_load[:, self.span(noise.at, noise.duration)].max(axis=1) > 2
+                )
+            return [self.fleet.node(int(n)) for n in nodes]
+        if noise.kind in ("rack_cooling", "power_brake"):
+            return [self.fleet.node(n) for n in self.rack(noise.node)]
+        if noise.kind == "hot_aisle" and noise.strength > 0.6:
+            return [noise.node, self.fleet.node(min(self.node_index(noise.node) + 1, self.fleet.nodes - 1))]
+        return [noise.node]
+
+    def job_nodes(self, noise: Noise) -> list[int]:
+        """Nodes running the job that runs on the event's node when it starts (the node alone if idle)."""
+        node, at = self.node_index(noise.node), self.at(noise.at)
+        job = self.workload.job[node, min(at, self.timeline.count - 1)]
+        if job < 0:
+            return [node]
+        return np.flatnonzero(self.workload.job[:, min(at, self.timeline.count - 1)] == job).tolist()
+
     @cached_property
     def checkpoint_load(self) -> np.ndarray:
-        """(nodes, T) checkpoint write intensity: 1 for a regular checkpoint, more for a burst."""
+        """(nodes, T) checkpoint write intensity: 1 for a regular checkpoint, more for a burst or a
+        storm (several jobs writing at once)."""
         load = self.workload.checkpoint.astype(float)
         for noise in self.noise_of("checkpoint_burst"):
-            load[self.node_index(noise.node), self.at(noise.at) : self.at(noise.at + noise.duration)] = (
-                1.5 + 2 * noise.strength
-            )
+            load[self.node_index(noise.node), self.span(noise.at, noise.duration)] = 1.5 + 2 * noise.strength
+        for noise, rng in self.noise_draws("checkpoint_storm"):
+            others = np.flatnonzero(rng.random(self.fleet.nodes) < 0.2 + 0.5 * noise.strength)
+            for node in set(self.job_nodes(noise)) | set(others.tolist()):
+                where = self.span(noise.at, noise.duration)
+                load[node, where] = np.where(self.workload.busy[node, where], 2.5 + 3 * noise.strength, 0)
         return load
 
     @cached_property
@@ -246,12 +342,30 @@ class FleetSignals:
             ] = True
         return out
 
+    def out_of_service(self, failure: Failure) -> slice:
+        """From the hard failure until the node is back from repair."""
+        back = self.timeline.count if failure.repaired is None else self.at(failure.repaired)
+        return slice(self.at(failure.failure), back)
+
     @cached_property
     def lost(self) -> np.ndarray:
-        """(GPUs, T): NVML no longer answers for the GPU."""
-        out = np.zeros(self.shape, dtype=bool)
+        """(GPUs, T): NVML no longer answers for the GPU (until it is replaced), or the node reboots."""
+        out = self.per_gpu(self.down).copy()
         for failure in self.faults_of(*LOST_KINDS):
-            out[self.gpu_index(failure.node, failure.gpu), self.at(failure.failure) :] = True
+            out[self.gpu_index(failure.node, failure.gpu), self.out_of_service(failure)] = True
+        return out
+
+    def replaced(self, counter: np.ndarray, row: int | None = None) -> np.ndarray:
+        """A GPU's counter restarts from zero once the failed GPU is replaced by the repair: (GPUs, T)
+        values, or one GPU's row when ``row`` names it."""
+        out = counter.copy()
+        for failure in sorted(self.scenario.failures, key=lambda f: f.repaired or 0):
+            i, back = self.gpu_index(failure.node, failure.gpu), failure.repaired
+            if back is None or (row is not None and i != row) or self.at(back) >= self.timeline.count:
+                continue
+            r = self.at(back)
+            line = out if row is not None else out[i]
+            line[r:] -= line[max(r - 1, 0)]
         return out
 
     def per_gpu(self, node_values: np.ndarray) -> np.ndarray:
@@ -266,44 +380,96 @@ class FleetSignals:
         return self.per_gpu(self.workload.busy)
 
     @cached_property
+    def job_intensity(self) -> np.ndarray:
+        """(nodes, T) how hard the running job drives its GPUs: each job its own, 0.75..1."""
+        job = self.workload.job
+        return np.where(job >= 0, 0.75 + 0.25 * ((job * 2654435761) % 1009) / 1009, 1.0)
+
+    @cached_property
     def utilization(self) -> np.ndarray:
         rng = self.rng("utilization")
         util = np.clip(rng.normal(0.94, 0.025, self.shape), 0.6, 1.0) * self.busy
+        util *= self.per_gpu(self.job_intensity)
+        for noise, draw in self.noise_draws("load_imbalance"):  # one rank carries more work
+            node = self.node_index(noise.node)
+            heavy = noise.gpu if noise.gpu is not None else int(draw.integers(self.fleet.gpus_per_node))
+            light = [
+                i
+                for i in range(self.node_gpus(node).start, self.node_gpus(node).stop)
+                if i != self.gpu_index(noise.node, heavy)
+            ]
+            util[light, self.span(noise.at, noise.duration)] *= 1 - 0.1 - 0.35 * noise.strength
         util = np.where(self.per_gpu(self.checkpoint_load > 0), 0.12 * self.busy, util)
         return np.where(self.per_gpu(self.hung), 1.0, util)
 
     @cached_property
     def power_limit(self) -> np.ndarray:
         limit = np.full(self.shape, POWER_LIMIT_W)
-        for noise in self.noise_of("power_cap"):
+        for noise, rng in self.noise_draws("power_cap"):
             cap = POWER_LIMIT_W - 250 - 150 * noise.strength
-            limit[
-                self.gpu_index(noise.node, noise.gpu), self.at(noise.at) : self.at(noise.at + noise.duration)
-            ] = cap
+            node = self.node_index(noise.node)
+            gpus = (
+                [noise.gpu]
+                if noise.gpu is not None
+                else rng.choice(
+                    self.fleet.gpus_per_node,
+                    int(rng.integers(2, self.fleet.gpus_per_node + 1)),
+                    replace=False,
+                ).tolist()
+            )
+            for gpu in gpus:
+                limit[node * self.fleet.gpus_per_node + gpu, self.span(noise.at, noise.duration)] = cap
         return limit
+
+    @cached_property
+    def power_brake(self) -> np.ndarray:
+        """(GPUs, T): the facility asserts power brake over a rack (HW slowdown on every GPU)."""
+        out = np.zeros(self.shape, dtype=bool)
+        for noise in self.noise_of("power_brake"):
+            for node in self.rack(noise.node):
+                out[self.node_gpus(node), self.span(noise.at, noise.duration)] = True
+        return out
 
     @cached_property
     def power(self) -> np.ndarray:
         rng = self.rng("power")
         load_power = rng.uniform(600, 690, (self.gpus, 1))
         draw = IDLE_POWER_W + self.utilization * (load_power - IDLE_POWER_W) + rng.normal(0, 10, self.shape)
+        draw = np.where(self.power_brake, np.minimum(draw, 0.45 * POWER_LIMIT_W), draw)
         return np.clip(draw, IDLE_POWER_W - 15, self.power_limit)
+
+    def _envelope(self, noise: Noise, rise: float = 900.0) -> tuple[slice, np.ndarray]:
+        """The event's span and a 0..1 envelope rising and falling over ``rise`` seconds."""
+        where = self.span(noise.at, noise.duration)
+        n = where.stop - where.start
+        ramp = np.minimum(np.arange(n) + 1, np.arange(n)[::-1] + 1) * self.timeline.step / rise
+        return where, np.minimum(1, ramp)
 
     @cached_property
     def thermal_offset(self) -> np.ndarray:
-        """Extra heat at the same load: hot aisles (whole nodes) and thermal faults (one GPU)."""
+        """Extra heat at the same load: hot aisles and rack cooling incidents (unevenly over the GPUs
+        of a node: position in the airflow matters), chronically warm GPUs, and thermal faults."""
         offset = np.zeros(self.shape)
         g = self.fleet.gpus_per_node
-        for noise in self.noise_of("hot_aisle"):
-            a, b = self.at(noise.at), self.at(noise.at + noise.duration)
-            shape = np.minimum(
-                1, np.minimum(np.arange(b - a) + 1, np.arange(b - a)[::-1] + 1) * self.timeline.step / 900
-            )
+        for noise, rng in self.noise_draws("hot_aisle", "rack_cooling"):
+            where, shape = self._envelope(noise)
             first = self.node_index(noise.node)
-            for node in range(first, min(first + (2 if noise.strength > 0.6 else 1), self.fleet.nodes)):
-                offset[node * g : (node + 1) * g, a:b] += (3 + 6 * noise.strength) * shape
+            if noise.kind == "rack_cooling":
+                nodes, heat = list(self.rack(noise.node)), 4 + 10 * noise.strength
+            else:
+                nodes, heat = (
+                    range(first, min(first + (2 if noise.strength > 0.6 else 1), self.fleet.nodes)),
+                    (3 + 6 * noise.strength),
+                )
+            for node in nodes:
+                position = rng.uniform(0.4, 1.5, g)[:, None]
+                offset[node * g : (node + 1) * g, where] += heat * position * shape
+        for noise in self.noise_of("warm_gpu"):
+            offset[self.gpu_index(noise.node, noise.gpu), self.span(noise.at, noise.duration)] += (
+                2 + 8 * noise.strength
+            )
         for failure in self.faults_of("thermal_runaway"):
-            offset[self.gpu_index(failure.node, failure.gpu)] += (6 + 12 * failure.strength) * self.ramp(
+            offset[self.gpu_index(failure.node, failure.gpu)] += (6 + 12 * failure.strength) * self.precursor(
                 failure
             )
         return offset
@@ -340,17 +506,17 @@ class FleetSignals:
             "gpu_idle": 1 - busy,
             "applications_clocks_setting": zero,
             "sw_power_cap": capped.astype(float),
-            "hw_slowdown": zero,
+            "hw_slowdown": self.power_brake.astype(float),
             "sync_boost": zero,
             "sw_thermal_slowdown": np.clip((self.temperature_max - (SLOWDOWN_C - 4)) / 4, 0, 1),
             "hw_thermal_slowdown": np.clip((self.temperature_max - SLOWDOWN_C + 1) / 3, 0, 1),
-            "hw_power_brake_slowdown": zero,
+            "hw_power_brake_slowdown": self.power_brake.astype(float),
             "display_clock_setting": zero,
         }
 
     # ---- GPU families -------------------------------------------------------------------------------
     def _up(self) -> Iterator[Family]:
-        yield self._gauge("up", np.ones((self.fleet.nodes, self.timeline.count)), node=True)
+        yield self._gauge("up", np.where(self.down, 0.0, 1.0), node=True)
 
     def _collectors(self) -> Iterator[Family]:
         ones = np.ones((self.fleet.nodes, self.timeline.count))
@@ -364,7 +530,7 @@ class FleetSignals:
         expected = np.full((self.fleet.nodes, self.timeline.count), float(self.fleet.gpus_per_node))
         visible = expected.copy()
         for failure in self.faults_of("thermal_runaway", "pcie_degradation", "fell_off_bus"):
-            visible[self.node_index(failure.node), self.at(failure.failure) :] -= 1
+            visible[self.node_index(failure.node), self.out_of_service(failure)] -= 1
         yield self._gauge("gpuhealth_gpus_expected", expected, node=True)
         yield self._gauge("gpuhealth_gpus_visible", visible, node=True)
 
@@ -393,8 +559,9 @@ class FleetSignals:
         for failure in self.faults_of(*LOST_KINDS):
             error = "timeout" if failure.kind == "gsp_timeout" else "gpu_is_lost"
             i = self.gpu_index(failure.node, failure.gpu)
-            values = np.cumsum(self.lost[i].astype(float))
-            values[values == 0] = np.nan
+            lost = np.zeros(self.timeline.count)
+            lost[self.out_of_service(failure)] = 1
+            values = _first_event_on(np.cumsum(lost))
             rows.append((f'error="{error}",{self.gpu_labels[i]}', values))
         yield Family("gpuhealth_gpu_nvml_errors_total", "counter", rows)
 
@@ -402,10 +569,15 @@ class FleetSignals:
         rng = self.rng("nvml-latency")
         latency = 0.003 + 0.002 * rng.lognormal(0, 0.4, self.shape)
         for failure in self.faults_of("gsp_timeout"):
-            if self.failure_params[failure]["extra"] < 0.5:  # slow answers before some GSP timeouts
-                a = self.at(failure.failure - 300 - 600 * failure.strength)
+            if self.failure_params[failure]["extra"] < 0.4:  # slow answers before some GSP timeouts,
+                a = self.at(failure.failure - 300 - 600 * failure.strength)  # for every GPU of the node
                 b = self.at(failure.failure)
-                latency[self.gpu_index(failure.node, failure.gpu), a:b] += np.linspace(0.05, 1.5, b - a)
+                latency[self.node_gpus(self.node_index(failure.node)), a:b] += np.linspace(0.05, 1.5, b - a)
+        for noise, draw in self.noise_draws("slow_nvml"):  # a busy node answers slowly, then recovers
+            where = self.span(noise.at, noise.duration)
+            latency[self.node_gpus(self.node_index(noise.node)), where] += draw.uniform(
+                0.1, 0.3 + 2.5 * noise.strength, (self.fleet.gpus_per_node, where.stop - where.start)
+            )
         yield self._gauge("gpuhealth_gpu_nvml_latency_seconds", self.readable(np.round(latency, 4)))
 
     def _temperatures(self) -> Iterator[Family]:
@@ -439,6 +611,7 @@ class FleetSignals:
             (self.power_limit / POWER_LIMIT_W) ** 0.6
             * (1 - 0.25 * events["sw_thermal_slowdown"])
             * (1 - 0.3 * events["hw_thermal_slowdown"])
+            * (1 - 0.5 * events["hw_slowdown"])
         )
         clock = np.where(self.busy, np.round(SM_CLOCK_MAX_HZ * factor / 15e6) * 15e6, SM_CLOCK_IDLE_HZ)
         yield self._gauge("gpuhealth_gpu_sm_clock_hertz", self.readable(clock))
@@ -487,37 +660,60 @@ class FleetSignals:
 
     @cached_property
     def hbm(self) -> dict[str, np.ndarray]:
-        """ECC and row-remap increments: background SBEs, SBE bursts and HBM degradations."""
+        """ECC and row-remap increments: background SBEs, SBE bursts and chatter, benign remaps and
+        contained errors, HBM degradations and sudden uncorrectable errors."""
         rng = self.rng("hbm")
+        minutes = self.timeline.step / 60
         corrected = np.zeros(self.shape)
         background = rng.random(self.gpus) < 0.04  # a few GPUs log the odd corrected error
         corrected[background] = rng.poisson(
             self.timeline.step / 86400, (int(background.sum()), self.timeline.count)
         )
-        for noise in self.noise_of("sbe_burst"):
-            a, b = self.at(noise.at), max(self.at(noise.at + noise.duration), self.at(noise.at) + 1)
-            corrected[self.gpu_index(noise.node, noise.gpu), a:b] += rng.poisson(
-                (20 + 280 * noise.strength) / (b - a), b - a
-            )
         remapped = np.zeros(self.shape)
         uncorrectable = np.zeros(self.shape)
         uncorrected = np.zeros(self.shape)
         pending = np.zeros(self.shape)
         failed = np.zeros(self.shape)
-        for failure in self.faults_of("hbm_degradation"):
-            i, ramp = self.gpu_index(failure.node, failure.gpu), self.ramp(failure)
-            minutes = self.timeline.step / 60
-            corrected[i] += rng.poisson((2 + 40 * failure.strength) * minutes * ramp)
-            rows = 4 + 40 * failure.strength
-            remapped[i] += rng.poisson(rows * ramp / max(ramp.sum(), 1))
-            a, b = self.at(failure.onset), self.at(failure.failure)
-            if failure.strength > 0.5 and b - a > 2:  # strong degradations run out of spare rows first
-                k = a + int((b - a) * 0.9)
+        for noise, draw in self.noise_draws("sbe_burst", "sbe_chatter"):
+            i, where = self.gpu_index(noise.node, noise.gpu), self.span(noise.at, noise.duration)
+            n = where.stop - where.start
+            if noise.kind == "sbe_burst":
+                corrected[i, where] += draw.poisson((20 + 280 * noise.strength) / n, n)
+            else:  # a low steady rate for hours to days: 1 to 30 an hour
+                corrected[i, where] += draw.poisson((1 + 29 * noise.strength) / 60 * minutes, n)
+        for noise in self.noise_of("benign_remap", "contained_xid94", "xid63"):
+            i, at = self.gpu_index(noise.node, noise.gpu), self.at(noise.at)
+            if at >= self.timeline.count:
+                continue
+            if noise.kind == "contained_xid94":  # one uncorrectable error, contained, its row remapped
+                uncorrected[i, at] += 1
+                uncorrectable[i, at] += 1
+            else:
+                remapped[i, at] += 1
+            if noise.kind != "xid63":  # the remap takes effect at the next GPU reset
+                pending[i, self.span(noise.at, noise.duration)] = 1
+        for failure in self.faults_of("hbm_degradation", "sram_uncorrectable"):
+            i, level = self.gpu_index(failure.node, failure.gpu), self.precursor(failure)
+            params = self.failure_params[failure]
+            corrected[i] += rng.poisson((2 + 40 * failure.strength) * minutes * level)
+            # rows whose errors recur get remapped: one to many, some wear hits few rows again
+            remaps = params["remaps"] > 0.3
+            rows = 1 + 40 * failure.strength * params["remaps"]
+            remapped[i] += rng.poisson(rows * level / max(level.sum(), 1))
+            a, b = self.at(failure.onset), self.at(failure.instant)
+            if failure.first_xid is not None and b < self.timeline.count:  # a contained error first
+                uncorrected[i, b] += 1
+                uncorrectable[i, b] += 1
+                pending[i, b : self.at(failure.failure)] = 1
+            elif failure.kind == "hbm_degradation" and failure.strength > 0.5 and b - a > 2 and remaps:
+                k = a + int((b - a) * 0.9)  # strong degradations run out of spare rows first
                 uncorrectable[i, k] += 1
                 pending[i, k:b] = 1
-            uncorrected[i, b] += 1 + int(failure.strength * 3)
+            end = self.at(failure.failure)
+            if end < self.timeline.count:
+                uncorrected[i, end] += 1 + int(failure.strength * 3)
             if failure.xid == 64:
-                failed[i, b:] = 1
+                failed[i, self.out_of_service(failure)] = 1
         return {
             "corrected": corrected,
             "uncorrected": uncorrected,
@@ -537,7 +733,7 @@ class FleetSignals:
             ("uncorrected", "volatile", 0.0),
             ("uncorrected", "aggregate", 0.0),
         ):
-            values = self.readable(_counter(self.hbm[kind], offset))
+            values = self.readable(self.replaced(_counter(self.hbm[kind], offset)))
             rows += self._rows(values, self.gpu_labels, f'type="{kind}",counter="{counter_kind}",')
         yield Family("gpuhealth_gpu_ecc_errors_total", "counter", rows)
 
@@ -549,12 +745,12 @@ class FleetSignals:
             "gauge",
             [
                 *self._rows(
-                    self.readable(_counter(self.hbm["remapped"], lifetime)),
+                    self.readable(self.replaced(_counter(self.hbm["remapped"], lifetime))),
                     self.gpu_labels,
                     'type="correctable",',
                 ),
                 *self._rows(
-                    self.readable(_counter(self.hbm["uncorrectable"])),
+                    self.readable(self.replaced(_counter(self.hbm["uncorrectable"]))),
                     self.gpu_labels,
                     'type="uncorrectable",',
                 ),
@@ -567,60 +763,132 @@ class FleetSignals:
     def replays(self) -> np.ndarray:
         rng = self.rng("pcie")
         replays = np.zeros(self.shape)
-        for noise in self.noise_of("boot_replay_burst"):
+        for noise, draw in self.noise_draws("boot_replay_burst"):  # spread over the first minutes
             gpus = [noise.gpu] if noise.gpu is not None else range(self.fleet.gpus_per_node)
+            where = self.span(noise.at, noise.duration)
+            n = where.stop - where.start
             for gpu in gpus:
-                replays[self.gpu_index(noise.node, gpu), self.at(noise.at)] += int(50 + 450 * noise.strength)
+                replays[self.gpu_index(noise.node, gpu), where] += draw.poisson(
+                    (50 + 450 * noise.strength) / n, n
+                )
+        for noise, draw in self.noise_draws("reboot_loop"):  # every boot retrains the links
+            for boot in self.reboots(noise, draw):
+                gpu = int(draw.integers(self.fleet.gpus_per_node))
+                at = self.at(boot)
+                if at < self.timeline.count:
+                    replays[self.gpu_index(noise.node, gpu), at] += int(draw.integers(20, 400))
+        for noise, draw in self.noise_draws("pcie_replay_steady"):  # a healthy link that replays steadily
+            where = self.span(noise.at, noise.duration)
+            rate = (0.05 + 3 * noise.strength) * self.timeline.step / 60
+            replays[self.gpu_index(noise.node, noise.gpu), where] += draw.poisson(
+                rate, where.stop - where.start
+            )
         for failure in self.faults_of("pcie_degradation"):
             per_step = (1 + 40 * failure.strength) * self.timeline.step / 60
-            replays[self.gpu_index(failure.node, failure.gpu)] += rng.poisson(per_step * self.ramp(failure))
+            replays[self.gpu_index(failure.node, failure.gpu)] += rng.poisson(
+                per_step * self.precursor(failure)
+            )
         return replays
+
+    @cached_property
+    def aer(self) -> dict[int, np.ndarray]:
+        """Corrected AER increments per GPU: some failing links and some healthy replaying ones log
+        them, at their own rate."""
+        rng = self.rng("aer")
+        out: dict[int, np.ndarray] = {}
+        for failure in self.faults_of("pcie_degradation"):
+            if self.failure_params[failure]["aer"]:
+                i = self.gpu_index(failure.node, failure.gpu)
+                per_step = (0.2 + 10 * failure.strength) * self.timeline.step / 60
+                out[i] = out.get(i, 0) + rng.poisson(per_step * self.precursor(failure))
+        for noise, draw in self.noise_draws("pcie_replay_steady"):
+            if draw.random() < 0.5:
+                i = self.gpu_index(noise.node, noise.gpu)
+                out[i] = out.get(i, 0) + np.floor(self.replays[i] / 3)
+        return out
 
     def _pcie(self) -> Iterator[Family]:
         rng = self.rng("pcie-lifetime")
         lifetime = np.where(rng.random(self.gpus) < 0.1, rng.integers(1, 200, self.gpus), 0).astype(float)
         width = np.full(self.shape, 16.0)
+        generation = np.full(self.shape, 5.0)
         for failure in self.faults_of("pcie_degradation"):
-            if failure.strength > 0.4:
-                a, b = self.at(failure.onset), self.at(failure.failure)
-                width[self.gpu_index(failure.node, failure.gpu), a + int((b - a) * 0.6) :] = 8
-        yield self._count("gpuhealth_gpu_pcie_replays_total", self.readable(_counter(self.replays, lifetime)))
-        yield self._gauge("gpuhealth_gpu_pcie_link_generation", self.readable(np.full(self.shape, 5.0)))
+            params = self.failure_params[failure]
+            if params["downgrade"] and failure.has_precursor:  # the link retrains lower late in the decay
+                a, b = self.at(failure.onset), self.at(failure.instant)
+                where = slice(
+                    a + int((b - a) * (0.4 + 0.55 * params["extra"])), self.out_of_service(failure).stop
+                )
+                target = generation if params["generation"] else width
+                target[self.gpu_index(failure.node, failure.gpu), where] = 4 if params["generation"] else 8
+        yield self._count(
+            "gpuhealth_gpu_pcie_replays_total", self.readable(self.replaced(_counter(self.replays, lifetime)))
+        )
+        yield self._gauge("gpuhealth_gpu_pcie_link_generation", self.readable(generation))
         yield self._gauge("gpuhealth_gpu_pcie_link_generation_max", self.readable(np.full(self.shape, 5.0)))
         yield self._gauge("gpuhealth_gpu_pcie_link_width_lanes", self.readable(width))
         yield self._gauge("gpuhealth_gpu_pcie_link_width_max_lanes", self.readable(np.full(self.shape, 16.0)))
-        yield self._gauge("gpuhealth_gpu_pcie_link_downgraded", self.readable((width < 16).astype(float)))
+        yield self._gauge(
+            "gpuhealth_gpu_pcie_link_downgraded",
+            self.readable(((width < 16) | (generation < 5)).astype(float)),
+        )
 
     def _aer(self) -> Iterator[Family]:
         rows = []
-        for failure in self.faults_of("pcie_degradation"):
-            i = self.gpu_index(failure.node, failure.gpu)
-            values = np.floor(_counter(self.replays[i]) / 3)
+        for i, increments in sorted(self.aer.items()):
+            node, gpu = divmod(i, self.fleet.gpus_per_node)
             rows.append(
                 (
-                    f'pci_bus_id="00000000:{18 + failure.gpu:02X}:00.0",severity="corrected",'
-                    f'gpu="{failure.gpu}",{self.node_labels[self.node_index(failure.node)]}',
-                    values,
+                    f'pci_bus_id="00000000:{18 + gpu:02X}:00.0",severity="corrected",'
+                    f'gpu="{gpu}",{self.node_labels[node]}',
+                    _counter(increments),
                 )
             )
         yield Family("gpuhealth_pcie_aer_errors_total", "counter", rows)
 
-    def _nvlink(self) -> Iterator[Family]:
-        """Every link of every GPU; only a failing GPU's one link moves."""
+    @cached_property
+    def nvlink_errors(self) -> tuple[dict[tuple[int, int], np.ndarray], dict[tuple[int, int], np.ndarray]]:
+        """CRC flit increments and down masks per (GPU, link): failing links (some stay quiet until the
+        end) and links that flap and heal."""
         rng = self.rng("nvlink")
-        moving: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-        down: dict[tuple[int, int], int] = {}
+        flits: dict[tuple[int, int], np.ndarray] = {}
+        down: dict[tuple[int, int], np.ndarray] = {}
+        per_minute = self.timeline.step / 60
         for failure in self.faults_of("nvlink_errors"):
-            i, ramp = self.gpu_index(failure.node, failure.gpu), self.ramp(failure)
-            link = int(self.failure_params[failure]["link"])
-            flit = rng.poisson((2 + 200 * failure.strength) * self.timeline.step / 60 * ramp)
-            moving[(i, link)] = {
+            i, level = self.gpu_index(failure.node, failure.gpu), self.precursor(failure)
+            params = self.failure_params[failure]
+            rate = 0.01 + 0.05 * failure.strength if params["quiet"] else 2 + 200 * failure.strength
+            key = (i, int(params["link"]))
+            flits[key] = flits.get(key, 0) + rng.poisson(rate * per_minute * level)
+            down.setdefault(key, np.zeros(self.timeline.count, dtype=bool))[self.out_of_service(failure)] = (
+                True
+            )
+        for noise, draw in self.noise_draws("nvlink_flap"):
+            key = (self.gpu_index(noise.node, noise.gpu), int(draw.integers(max(self.fleet.nvlinks, 1))))
+            where = self.span(noise.at, noise.duration)
+            n = where.stop - where.start
+            bursty = draw.random(n) < 0.3
+            increments = np.zeros(self.timeline.count)
+            increments[where] = draw.poisson((5 + 400 * noise.strength) * per_minute * bursty)
+            flits[key] = flits.get(key, 0) + increments
+            if noise.strength > 0.4:  # the link drops and retrains within a couple of minutes
+                mask = down.setdefault(key, np.zeros(self.timeline.count, dtype=bool))
+                mask[self.span(noise.at + noise.duration / 2, 120)] = True
+        return flits, down
+
+    def _nvlink(self) -> Iterator[Family]:
+        """Every link of every GPU; only failing or flapping links move."""
+        rng = self.rng("nvlink-split")
+        flits, down = self.nvlink_errors
+        moving = {
+            key: {
                 "crc_flit": flit,
-                "crc_data": rng.binomial(flit, 0.1),
-                "replay": rng.binomial(flit, 0.2),
-                "recovery": rng.binomial(flit, 0.01),
+                "crc_data": rng.binomial(flit.astype(np.int64), 0.1),
+                "replay": rng.binomial(flit.astype(np.int64), 0.2),
+                "recovery": rng.binomial(flit.astype(np.int64), 0.01),
             }
-            down[(i, link)] = self.at(failure.failure)
+            for key, flit in flits.items()
+        }
         zeros = self.readable(np.zeros(self.shape))
         ones = self.readable(np.ones(self.shape))
         up_rows, error_rows = [], []
@@ -629,19 +897,22 @@ class FleetSignals:
             for i, labels in enumerate(self.gpu_labels):
                 state = ones[i]
                 if (i, link) in down:
-                    state = state.copy()
-                    state[down[(i, link)] :] = np.where(np.isnan(state[down[(i, link)] :]), np.nan, 0.0)
+                    state = np.where(down[(i, link)] & ~np.isnan(state), 0.0, state)
                 up_rows.append((f'link="{link}",{labels}', state))
                 for kind in NVLINK_ERROR_TYPES:
                     values = zeros[i]
                     if (i, link) in moving:
-                        values = np.where(self.lost[i], np.nan, _counter(moving[(i, link)][kind]))
+                        counter = self.replaced(_counter(moving[(i, link)][kind]), i)
+                        values = np.where(self.lost[i], np.nan, counter)
                         totals[i] = totals[i] + values
                     error_rows.append((f'link="{link}",type="{kind}",{labels}', values))
         yield Family("gpuhealth_gpu_nvlink_up", "gauge", up_rows)
         yield Family("gpuhealth_gpu_nvlink_errors_total", "counter", error_rows)
-        yield Family("gpuhealth_gpu_nvlink_errors_all_links_total", "counter",
-                     [(self.gpu_labels[i], values) for i, values in totals.items()])
+        yield Family(
+            "gpuhealth_gpu_nvlink_errors_all_links_total",
+            "counter",
+            [(self.gpu_labels[i], values) for i, values in totals.items()],
+        )
 
     def _processes(self) -> Iterator[Family]:
         yield self._gauge("gpuhealth_gpu_processes", self.readable(self.busy.astype(float)))
@@ -657,28 +928,72 @@ class FleetSignals:
                 ]
         yield Family("gpuhealth_gpu_job_info", "gauge", rows)
 
-    def _xids(self) -> Iterator[Family]:
-        """A GPU's counter of an XID appears with its first event, as the exporter publishes them."""
+    @cached_property
+    def boots(self) -> dict[int, list[int]]:
+        """Per node, the sample indices where the node (and its exporter) starts again: back from
+        repair, or a reboot; the exporter's event counters start from zero there."""
+        out: dict[int, list[int]] = {}
+        for failure in self.scenario.failures:
+            if failure.repaired is not None:
+                out.setdefault(self.node_index(failure.node), []).append(self.at(failure.repaired))
+        for noise, rng in self.noise_draws("reboot_loop"):
+            out.setdefault(self.node_index(noise.node), []).extend(
+                self.at(b) for b in self.reboots(noise, rng)
+            )
+        return {node: sorted(i for i in set(boots) if i < self.timeline.count) for node, boots in out.items()}
+
+    def events_counter(self, i: int, increments: np.ndarray) -> np.ndarray:
+        """The exporter's counter of events on GPU ``i``: absent until the first event after each boot."""
+        out = np.empty(self.timeline.count)
+        edges = [0, *self.boots.get(i // self.fleet.gpus_per_node, []), self.timeline.count]
+        for a, b in itertools.pairwise(edges):
+            out[a:b] = _first_event_on(np.cumsum(increments[a:b]))
+        return out
+
+    @cached_property
+    def xid_events(self) -> dict[tuple[int, int], np.ndarray]:
+        """Increments per (GPU, XID): remaps (63), contained errors (94), buggy jobs (13/31/43/45),
+        NVLink flaps (74), and every fault's XIDs from its first one on."""
         events: dict[tuple[int, int], np.ndarray] = {}
 
-        def add(i: int, xid: int, increments: np.ndarray) -> None:
-            events.setdefault((i, xid), np.zeros(self.timeline.count))
-            events[(i, xid)] += increments
+        def add(i: int, xid: int, at: int, count: float = 1.0) -> None:
+            if at < self.timeline.count:
+                events.setdefault((i, xid), np.zeros(self.timeline.count))[at] += count
 
+        remaps = self.hbm["remapped"] + self.hbm["uncorrectable"]
+        for i, k in zip(*np.nonzero(remaps), strict=True):
+            add(int(i), 63, int(k), remaps[i, k])
+        for noise in self.noise_of("contained_xid94"):
+            add(self.gpu_index(noise.node, noise.gpu), 94, self.at(noise.at))
+        for noise, rng in self.noise_draws("app_xid"):  # every node of the buggy job, again and again
+            xid = int(rng.choice([13, 31, 43, 45], p=[0.35, 0.35, 0.15, 0.15]))
+            for node in self.job_nodes(noise):
+                t = noise.at + rng.uniform(0, 600)
+                while t < noise.at + noise.duration:
+                    for gpu in rng.choice(self.fleet.gpus_per_node, int(rng.integers(1, 9)), replace=False):
+                        add(node * self.fleet.gpus_per_node + int(gpu), xid, self.at(t))
+                        if xid == 13 and rng.random() < 0.5:
+                            add(node * self.fleet.gpus_per_node + int(gpu), 43, self.at(t))
+                    t += np.exp(rng.uniform(np.log(300), np.log(2 * 3600)))
+        for noise in self.noise_of("nvlink_flap"):
+            if noise.strength > 0.5:
+                add(self.gpu_index(noise.node, noise.gpu), 74, self.at(noise.at + noise.duration / 2))
         for failure in self.scenario.failures:
             i = self.gpu_index(failure.node, failure.gpu)
-            if failure.kind == "hbm_degradation":
-                add(i, 63, self.hbm["remapped"][i] + self.hbm["uncorrectable"][i])
-            if failure.kind == "nvlink_errors":
-                hit = np.zeros(self.timeline.count)
-                hit[self.at(failure.failure - 120) : self.at(failure.failure)] = 1  # the link's last gasps
-                add(i, 74, hit)
-            hit = np.zeros(self.timeline.count)
-            hit[self.at(failure.failure)] = 1
-            add(i, failure.xid, hit)
-        rows = []
-        for (i, xid), increments in sorted(events.items()):
-            rows.append((f'xid="{xid}",{self.gpu_labels[i]}', _first_event_on(_counter(increments))))
+            if failure.first_xid is not None:  # logged before the GPU dies
+                first = 94 if failure.kind == "hbm_degradation" else failure.xid
+                every = max(int(120 / self.timeline.step), 1)
+                for k in range(self.at(failure.instant), self.at(failure.failure), every):
+                    add(i, first, k)
+            add(i, failure.xid, self.at(failure.failure))
+        return events
+
+    def _xids(self) -> Iterator[Family]:
+        """A GPU's counter of an XID appears with its first event, as the exporter publishes them."""
+        rows = [
+            (f'xid="{xid}",{self.gpu_labels[i]}', self.events_counter(i, increments))
+            for (i, xid), increments in sorted(self.xid_events.items())
+        ]
         yield Family("gpuhealth_xid_events_total", "counter", rows)
 
     def _fallen(self) -> Iterator[Family]:
@@ -686,8 +1001,10 @@ class FleetSignals:
         falls: dict[int, np.ndarray] = {}
         for failure in self.faults_of("thermal_runaway", "pcie_degradation", "fell_off_bus"):
             i = self.gpu_index(failure.node, failure.gpu)
-            falls.setdefault(i, np.zeros(self.timeline.count))[self.at(failure.failure)] += 1
-        rows = [(self.gpu_labels[i], _first_event_on(_counter(f))) for i, f in sorted(falls.items())]
+            at = self.at(failure.failure)
+            if at < self.timeline.count:
+                falls.setdefault(i, np.zeros(self.timeline.count))[at] += 1
+        rows = [(self.gpu_labels[i], self.events_counter(i, f)) for i, f in sorted(falls.items())]
         yield Family("gpuhealth_gpu_fallen_off_bus_total", "counter", rows)
 
     # ---- host families ------------------------------------------------------------------------------
@@ -752,13 +1069,15 @@ class FleetSignals:
 
     @cached_property
     def storage_stress(self) -> np.ndarray:
-        """(nodes, T) 0..1: some HBM failures stall the host before the XID (paging, slow NFS metadata)."""
+        """(nodes, T) 0..1: some HBM failures stall the host before the XID (paging, slow NFS metadata),
+        and so do checkpoint storms."""
         stress = np.zeros((self.fleet.nodes, self.timeline.count))
         for failure in self.faults_of("hbm_degradation"):
-            if self.failure_params[failure]["extra"] < 0.5:
-                a, b = self.at(failure.failure - 1800), self.at(failure.failure)
+            if self.failure_params[failure]["extra"] < 0.3:
+                a, b = self.at(failure.instant - 1800), self.at(failure.instant)
                 stress[self.node_index(failure.node), a:b] = failure.strength
-        return stress
+        # a checkpoint storm saturates the client's RPC slots: metadata calls queue and pages go out
+        return np.maximum(stress, np.clip((self.checkpoint_load - 1.5) / 4, 0, 0.8))
 
     def _paging(self) -> Iterator[Family]:
         step = self.timeline.step

@@ -161,9 +161,24 @@ def test_eval_on_small_scenario(tmp_path: Path, rules_dir: Path, capsys: pytest.
     # checkpoint queueing is informational: counted apart, never a false alarm
     assert result["per_alert"]["TestNfsQueueing"]["informational"] >= 1
     assert result["per_alert"]["TestNfsQueueing"]["false_alarms"] == 0
-    # the ALERTS-reading rule ran on the backfilled ALERTS: gpu-001 had two drain alerts at its failure
+    # the ALERTS-reading rule ran on the backfilled ALERTS: gpu-001 had two drain alerts at its failure;
+    # a lemon alert on a node already out of service is counted apart, neither right nor wrong
     assert result["per_alert"]["TestLemon"]["error"] is None
-    assert result["per_alert"]["TestLemon"]["detected"] == 1
+    assert result["per_alert"]["TestLemon"]["after_failure"] >= 1
+    assert result["lemon_alerts"] == {"right": 0, "wrong": 0, "precision": None}
+    for key in (
+        "detected_fraction",
+        "detection_latency_seconds",
+        "predicted_long_precursor_fraction",
+        "predicted_long_precursor_fraction_ci95",
+        "late_warnings",
+        "false_drains_per_day",
+        "precision_at_field_rate",
+    ):
+        assert key in result, key
+    assert result["detected_fraction"] == 1.0  # both XIDs alerted within a minute of the instant
+    assert result["predicted_fraction_ci95"][0] < 0.5 < result["predicted_fraction_ci95"][1]
+    assert result["false_drains"] >= 1 and result["precision_at_field_rate"] < 0.5
     assert png.stat().st_size > 10_000
     assert "recall" in capsys.readouterr().out
     assert processes_using(keep) == []
@@ -243,3 +258,32 @@ def test_the_shipped_rules_evaluate_cleanly_on_small_scenario(tmp_path: Path) ->
     assert result["rule_errors"] == {}
     assert result["recall"] == 1.0
     assert "GPUHealthGpuFailureRisk" in result["per_alert"]
+
+
+@pytest.mark.slow
+def test_every_kind_runs_end_to_end_and_plots_a_false_alarm(tmp_path: Path, rules_dir: Path) -> None:
+    """kinds.yaml holds every fault kind, precursor shape and benign kind: it runs through the real
+    Prometheus, and a false alarm a naive rule raises on a benign event can be drawn."""
+    from gpuhealth.evaluation.scenario import FAULT_KINDS, NOISE_KINDS
+
+    kinds = SMALL.parent / "kinds.yaml"
+    out, png = tmp_path / "result.json", tmp_path / "false-alarm.png"
+    argv = ["eval", "--scenario", str(kinds), "--rules", str(rules_dir), "--json", str(out)]
+    assert main([*argv, "--plot", str(png), "--plot-false-alarm"]) == 0
+    result = json.loads(out.read_text())
+    assert result["rule_errors"] == {}
+    assert {d["kind"] for d in result["failures_detail"]} == set(FAULT_KINDS)
+    assert set(result["noise_by_kind"]) == set(NOISE_KINDS)
+    details = {(d["node"], d["gpu"]): d for d in result["failures_detail"]}
+    # the HBM fault that logs a contained XID 94 at 42 h: its instant is that XID, not the death at 44 h
+    early = details[("gpu-000", 4)]
+    assert early["instant_seconds"] == 42 * 3600 and early["failure_seconds"] == 44 * 3600
+    assert details[("gpu-009", 2)]["precursor_seconds"] == 0
+    # the node that failed at 20 h was repaired and failed again at 44 h: both scored
+    assert sum(d["node"] == "gpu-000" for d in result["failures_detail"]) == 2
+    # the naive XID rule drains on the contained XID 94, the naive ECC rule on the SBE burst: false
+    # drains, each blamed on its benign event
+    causes = {(a["alert"], a["near_noise"]) for a in result["false_alarm_episodes"]}
+    assert {("TestXid", "contained_xid94"), ("TestRisk", "sbe_burst")} <= causes
+    assert result["false_drains"] >= 2
+    assert png.stat().st_size > 10_000

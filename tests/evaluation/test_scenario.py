@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,10 @@ import yaml
 from gpuhealth.cli import main
 from gpuhealth.evaluation.scenario import (
     FAULT_KINDS,
+    FIELD_SHARES,
     NOISE_KINDS,
+    PRECURSOR_SHAPES,
+    SUDDEN_KINDS,
     ScenarioError,
     load_scenario,
     parse_duration,
@@ -27,16 +31,45 @@ def test_small_scenario_matches_the_issue() -> None:
     assert all(f.onset == f.failure for f in small.failures if f.kind == "fell_off_bus")
 
 
-def test_reference_scenario_covers_every_kind() -> None:
+def test_reference_scenario_meets_its_specification() -> None:
     reference = load_scenario(SCENARIOS / "reference.yaml")
     assert reference.fleet.nodes == 64 and reference.fleet.gpus_per_node == 8
     assert reference.duration == 14 * 86400 and reference.fused_step == 300
-    assert len(reference.failures) >= 24 and {f.kind for f in reference.failures} == set(FAULT_KINDS)
-    assert len(reference.noise) == 200 and {n.kind for n in reference.noise} == set(NOISE_KINDS)
-    assert len({f.node for f in reference.failures}) == len(reference.failures)
+    assert reference.min_lead == 900 and reference.field_rate == 0.17
+    assert len(reference.failures) >= 40
+    assert sum(f.precursor_seconds >= 3600 for f in reference.failures) >= 15
+    assert len(reference.noise) >= 400 and {n.kind for n in reference.noise} == set(NOISE_KINDS)
     for f in reference.failures:
-        assert 0 <= f.onset <= f.failure < reference.duration
-        assert (f.onset == f.failure) == (f.kind in ("gsp_timeout", "fell_off_bus"))
+        assert 0 <= f.onset <= f.instant <= f.failure < reference.duration
+        assert f.repaired is not None and f.repaired > f.failure
+        if f.kind in SUDDEN_KINDS:
+            assert f.shape == "none" and not f.has_precursor
+    # repaired nodes fail again, and a few lemon nodes hold a large share of the failures
+    per_node = sorted(Counter(f.node for f in reference.failures).values(), reverse=True)
+    assert sum(per_node[:3]) >= 0.2 * len(reference.failures) and per_node[0] >= 4
+    assert {f.shape for f in reference.failures} == set(PRECURSOR_SHAPES)
+
+
+def test_field_mix_draws_kinds_in_the_published_shares() -> None:
+    kinds = Counter(
+        f.kind for seed in range(6) for f in load_scenario(SCENARIOS / "reference.yaml", seed=seed).failures
+    )
+    total = sum(kinds.values())
+    shares = {k: v / sum(FIELD_SHARES.values()) for k, v in FIELD_SHARES.items()}
+    for kind, share in shares.items():
+        assert abs(kinds[kind] / total - share) < 0.06, kind
+    assert kinds["hbm_degradation"] > kinds["gsp_timeout"] > kinds["thermal_runaway"]
+
+
+def test_tuning_differs_from_the_reference_in_its_generator_not_only_its_seed() -> None:
+    def generator(name: str) -> dict:
+        data = yaml.safe_load((SCENARIOS / f"{name}.yaml").read_text())
+        return data["random"]
+
+    tuning, reference = generator("tuning"), generator("reference")
+    assert tuning["failures"]["precursor"] != reference["failures"]["precursor"]
+    assert tuning["failures"]["shapes"] != reference["failures"]["shapes"]
+    assert tuning["noise"]["kinds"] != reference["noise"]["kinds"]
 
 
 def test_seed_changes_the_draws_and_is_reproducible() -> None:
@@ -48,10 +81,61 @@ def test_seed_changes_the_draws_and_is_reproducible() -> None:
 
 def test_draws_mix_slow_and_fast_weak_and_strong_degradations() -> None:
     failures = [f for f in load_scenario(SCENARIOS / "reference.yaml").failures if f.has_precursor]
-    leads = sorted(f.failure - f.onset for f in failures)
+    leads = sorted(f.precursor_seconds for f in failures)
     strengths = sorted(f.strength for f in failures)
     assert leads[0] < 3 * 3600 and leads[-1] > 24 * 3600
-    assert strengths[0] < 0.5 < strengths[-1]
+    assert strengths[0] < 0.2 and strengths[-1] > 0.6
+
+
+# the tuning scenario as it was before precursor shapes, repairs and field mixes existed
+OLD_FORMAT = """
+name: tuning
+seed: 11
+start: 2026-01-05T00:00:00Z
+duration: 4d
+warmup: 1d
+step: 60s
+fused_step: 5m
+fleet: {nodes: 16, gpus_per_node: 8, model: NVIDIA H100 80GB HBM3, nvlinks: 18}
+workload: {job_nodes: [2, 8], job_duration: [3h, 36h], idle_gap: [5m, 2h], checkpoint_every: 1h,
+           checkpoint_duration: 4m}
+random:
+  failures:
+    count: 12
+    kinds: [hbm_degradation, thermal_runaway, pcie_degradation, nvlink_errors, gsp_timeout, fell_off_bus]
+    precursor: [30m, 3d]
+  noise:
+    count: 50
+    kinds: [sbe_burst, hot_aisle, boot_replay_burst, power_cap, idle_node, checkpoint_burst]
+"""
+
+
+def test_old_scenario_files_still_parse_with_todays_defaults() -> None:
+    old = parse_scenario(yaml.safe_load(OLD_FORMAT), "old.yaml")
+    assert len(old.failures) == 12 and len(old.noise) == 50
+    assert Counter(f.kind for f in old.failures) == dict.fromkeys(FAULT_KINDS[:6], 2)
+    assert Counter(n.kind for n in old.noise) == dict.fromkeys(NOISE_KINDS[:6], 8) | {
+        "sbe_burst": 9,
+        "hot_aisle": 9,
+    }
+    assert len({f.node for f in old.failures}) == 12  # a failed node never returns
+    for f in old.failures:
+        assert f.repaired is None and f.first_xid is None
+        assert f.shape == ("none" if f.kind in SUDDEN_KINDS else "ramp")
+        assert 0.25 <= f.strength <= 1.0
+    assert (old.min_lead, old.field_rate) == (900, 0.17)
+    small = load_scenario(SCENARIOS / "small.yaml")
+    assert small.failures[0].shape == "ramp" and small.failures[0].instant == 14 * 3600
+
+
+def test_a_node_fails_again_only_after_its_repair() -> None:
+    base = yaml.safe_load((SCENARIOS / "small.yaml").read_text())
+    again = {"node": "gpu-001", "gpu": 1, "kind": "fell_off_bus", "failure": "20h"}
+    with pytest.raises(ScenarioError, match="out of service"):
+        parse_scenario(base | {"failures": [*base["failures"], again]})
+    base["failures"][0]["repaired"] = "16h"
+    scenario = parse_scenario(base | {"failures": [*base["failures"], again]})
+    assert [f.node for f in scenario.failures].count("gpu-001") == 2
 
 
 BAD = {
@@ -130,3 +214,13 @@ def test_compound_durations_and_no_follow_up_error_for_an_unreadable_one() -> No
     assert caught.value.problems == [
         "failures[0].failure: '14 hours' is not a duration (e.g. 30s, 15m, 6h, 14d, 1h30m)"
     ]
+
+
+def test_cli_rejects_a_lemon_pattern_that_is_not_a_regular_expression(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["eval", "--scenario", str(SCENARIOS / "small.yaml"), "--lemon-alerts", "("])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert "not a regular expression" in err and "Traceback" not in err

@@ -98,3 +98,51 @@ def test_kmsg_sequence_continues_across_restarts(tmp_path: Path, clock: FakeCloc
             nvml.nvmlDeviceGetHandleByIndex(0)
     seqs = [int(line.split(",")[1]) for line in kmsg.read_text().splitlines()]
     assert seqs == [0, 1, 2, 3]
+
+
+def test_benign_kinds_shared_with_the_detection_benchmark(tmp_path: Path, clock: FakeClock) -> None:
+    kmsg = tmp_path / "kmsg"
+    naps: list[float] = []
+    nvml = SimulatedNvml(parse_scenario({"gpus": 4, "nvlinks": 2, "faults": [
+        {"kind": "benign_remap", "gpu": 0, "duration": 50},
+        {"kind": "contained_xid94", "gpu": 1, "duration": 50},
+        {"kind": "nvlink_flap", "gpu": 2, "link": 1, "duration": 100},
+        {"kind": "warm_gpu", "gpu": 3, "delta_celsius": 9, "duration": 100},
+        {"kind": "app_xid", "xid": 31, "gpus": [0, 1], "duration": 100},
+        {"kind": "power_brake", "gpus": [2], "duration": 100},
+        {"kind": "slow_nvml", "duration": 30},
+        {"kind": "pcie_replay_steady", "gpu": 3, "count": 80, "duration": 100},
+        {"kind": "sram_uncorrectable", "gpu": 3, "start": 200}]}), kmsg, clock=clock, sleep=naps.append)
+    nvml.nvmlInit()
+    gpus = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(4)]
+    clock.advance(10)
+    assert nvml.nvmlDeviceGetRemappedRows(gpus[0])[2] == 1 and nvml.nvmlDeviceGetRemappedRows(gpus[1])[2] == 1
+    assert nvml.nvmlDeviceGetTemperature(gpus[3], 0) >= nvml.nvmlDeviceGetTemperature(gpus[2], 0) + 5
+    assert naps and min(naps) >= 0.3  # every GPU of the node answers slowly
+    reasons = nvml.nvmlDeviceGetCurrentClocksEventReasons(gpus[2])
+    assert reasons & pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown
+    clock.advance(40)
+    assert nvml.nvmlDeviceGetNvLinkState(gpus[2], 1) == pynvml.NVML_FEATURE_DISABLED  # mid-flap
+    clock.advance(60)
+    naps.clear()
+    nvml.nvmlDeviceGetTemperature(gpus[0], 0)
+    assert not naps
+    assert nvml.nvmlDeviceGetRemappedRows(gpus[0])[2] == 0  # pending until the reset that ended it
+    assert nvml.nvmlDeviceGetNvLinkState(gpus[2], 1) == pynvml.NVML_FEATURE_ENABLED  # it healed
+    assert nvml.nvmlDeviceGetPcieReplayCounter(gpus[3]) == 80
+    clock.advance(150)
+    nvml.nvmlDeviceGetTemperature(gpus[3], 0)  # the simulator moves when it is read
+    lines = kmsg.read_text()
+    assert ": 63, " in lines and ": 94, " in lines and ": 95, " in lines
+    assert lines.count(": 31, ") >= 4  # on both GPUs of the job, again at later reads
+
+
+def test_the_demo_can_inject_every_kind_of_the_simulator() -> None:
+    from gpuhealth.demo import stack
+    from gpuhealth.exporter.sim import scenario
+
+    assert set(stack.FAULT_KINDS) == set(scenario.FAULT_KINDS)
+    assert set(stack.NOISE_KINDS) == set(scenario.NOISE_KINDS)
+    for kind in (*stack.FAULT_KINDS, *stack.NOISE_KINDS):
+        entry = stack.Fault("gpu-000", kind, gpu=1, duration=10.0).scenario_entry()
+        assert parse_scenario({"faults": [entry]}).faults[0].kind == kind
