@@ -184,6 +184,8 @@ def _check_definitive(k: dict[str, Any], errors: list[str]) -> None:
         if not _number(value) or value <= low or (high is not None and value >= high):
             bounds = f"in ({low}, {high})" if high is not None else f"above {low}"
             errors.append(f"defaults.definitive.ecc_storm.{key}: must be a number {bounds}, got {value!r}")
+    _xid_list((k.get("uncorrectable_ecc") or {}).get("contained_xids"),
+              "defaults.definitive.uncorrectable_ecc.contained_xids", errors)
     for path in ("nvswitch.non_fatal_count", "repeated_gpus_missing.count"):
         block, key = path.split(".")
         value = (k.get(block) or {}).get(key)
