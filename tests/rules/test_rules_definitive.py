@@ -38,7 +38,7 @@ def test_remap_failure_without_xid_and_pending_alone(tmp_path, source):
 
     def pending(gpu: int) -> dict:
         return _gpu_alert(
-            "GPUHealthRowRemapPending", "n1", gpu, "1", "info", "drain_reset_gpu",
+            "GPUHealthRowRemapPending", "n1", gpu, "1", "info", "none",
             f"Row remap pending on n1 GPU {gpu}: reset when the job ends",
             f"GPU {gpu} of n1 has a row remap (or page retirement) waiting for a reset. Routine: the GPU "
             "works, and the repair takes effect at the next reset. Let the running job finish, then reset "

@@ -279,7 +279,7 @@ def test_a_value_missing_from_the_catalogue_is_a_clear_error(tmp_path, monkeypat
     """Templates render with StrictUndefined: a required value that is gone fails loudly, no traceback."""
     text = catalogue.BUILTIN.read_text()
     broken = tmp_path / "catalogue.yaml"
-    reasons = "      reasons: sw_thermal_slowdown|hw_thermal_slowdown|hw_slowdown\n"
+    reasons = "      reasons: sw_thermal_slowdown|hw_thermal_slowdown\n"
     assert reasons in text
     broken.write_text(text.replace(reasons, "", 1))
     monkeypatch.setattr(catalogue, "BUILTIN", broken)
