@@ -137,6 +137,8 @@ def test_each_signal_and_benign_noise(tmp_path, source):
     fleet.add("power_cap_seconds", "n2", 2, (0, 60, minutes))                    # operator's power cap
     fleet.add("temperature", "n2", 2, (50, 0, minutes))
     fleet.add("power_brake_seconds", "n2", 3, (0, 6, minutes))
+    for gpu in range(7):                                     # the facility brakes the whole node (a rack)
+        fleet.add("power_brake_seconds", "n6", gpu, (0, 6, minutes))
     fleet.add("pcie_replays", "n2", 4, (0, 20, minutes))                         # replays keep coming
     fleet.add("pcie_replays", "n2", 5, (0, 150, 2), (300, 0, minutes - 3))       # one burst at boot
     fleet.add("pcie_width", "n2", 6, (16, 0, 49), (8, 0, minutes - 50))
@@ -169,6 +171,7 @@ def test_each_signal_and_benign_noise(tmp_path, source):
     if fleet.supports("power_brake_seconds"):
         exprs.append(_evidence("power_brake", "n2", 3, at, 0.99))
         exprs.append(_evidence("power_brake", "n2", 2, at))
+        exprs.extend(_evidence("power_brake", "n6", gpu, at) for gpu in range(7))
     if fleet.supports("nvml_latency"):
         exprs.append(_evidence("nvml_latency", "n1", 4, at, 0.99))
     # Benign noise raises no evidence at all.
