@@ -81,7 +81,8 @@ def _risk(settings: Settings) -> list:
         table_panel(
             "Top signals of the riskiest GPUs",
             f"For each of the {settings.top_gpus} riskiest GPUs, the {settings.top_signals} signals that "
-            "add most to its risk (weight x evidence; the risk is their sum, capped at 1).",
+            "add most to its risk (weight x evidence; within a cause the largest counts, causes add, "
+            "capped at 1).",
             [query(signals, instant=True, table_format=True)],
             w=14, h=10, hide=("__name__",), rename={"Value": "contribution"}, sort_by="contribution"),
     ]

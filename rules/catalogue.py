@@ -7,6 +7,8 @@ making the operator fix a file one error at a time.
 from __future__ import annotations
 
 import copy
+import csv
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,15 +17,18 @@ from typing import Any
 import yaml
 
 BUILTIN = Path(__file__).with_name("catalogue.yaml")
+XID_TABLE = Path(__file__).with_name("xid_catalogue.csv")
 ACTIONS = ("none", "restart_job", "drain", "drain_reset_gpu", "drain_reboot", "replace")
 SEVERITIES = ("critical", "warning", "info")
-GROUPS = ("xid", "evidence", "fusion", "lemon", "storage", "meta")
+GROUPS = ("xid", "definitive", "evidence", "fusion", "lemon", "storage", "meta")
+XID_CLASSES = ("restart_job", "drain", "drain_reset_gpu", "drain_reboot")  # what an XID alone can ask
 RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
 MIN_SAMPLES_PER_WINDOW = 4
 GPU_SHARDS = (1, 2, 5, 10)  # divisors of 10: shards by the last digit of the GPU index
 
 _DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
 _UNITS = (86400, 3600, 60, 1)
+_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
 class CatalogueError(Exception):
@@ -46,6 +51,28 @@ def seconds(duration: str) -> int:
 class Catalogue:
     defaults: dict[str, Any]
     alerts: dict[str, dict[str, Any]]
+
+    def xid_classes(self) -> dict[str, list[int]]:
+        """XIDs per action class (and ``none``): each table XID by its bucket, then the overrides."""
+        return xid_classes(self.defaults["xid"])
+
+
+@functools.cache
+def xid_table() -> dict[int, str]:
+    """NVIDIA's XID catalogue as vendored in rules/xid_catalogue.csv: XID -> resolution bucket."""
+    lines = [line for line in XID_TABLE.read_text().splitlines() if not line.startswith("#")]
+    return {int(row["xid"]): row["resolution"] for row in csv.DictReader(lines)}
+
+
+def xid_classes(xid: dict[str, Any]) -> dict[str, list[int]]:
+    by_xid = {number: xid["buckets"].get(bucket) for number, bucket in xid_table().items()}
+    for klass, xids in xid["overrides"].items():
+        by_xid.update(dict.fromkeys(xids, klass))
+    classes: dict[str, list[int]] = {klass: [] for klass in (*XID_CLASSES, "none")}
+    for number, klass in sorted(by_xid.items()):
+        if klass in classes:
+            classes[klass].append(number)
+    return classes
 
 
 def merge(base: Any, overlay: Any, path: str, errors: list[str]) -> Any:
@@ -140,12 +167,39 @@ def check(data: dict[str, Any]) -> list[str]:
     if d.get("gpu_shards") not in GPU_SHARDS:
         errors.append(f"defaults.gpu_shards: must be one of {', '.join(map(str, GPU_SHARDS))} (shards by the "
                       f"last digit of the GPU index), got {d.get('gpu_shards')!r}")
+    _check_identity(d.get("identity_labels"), errors)
+    _check_definitive(d.get("definitive") or {}, errors)
     if not isinstance(d.get("gpus_per_node"), int) or d["gpus_per_node"] < 1:
         errors.append(f"defaults.gpus_per_node: must be a positive integer, got {d.get('gpus_per_node')!r}")
     for path, value in _leaves(d.get("selectors", {}), "defaults.selectors"):
         if not isinstance(value, str) or value.strip().startswith("{"):
             errors.append(f"{path}: must be label matchers without braces, e.g. 'job=\"x\"', got {value!r}")
     return errors
+
+
+def _check_definitive(k: dict[str, Any], errors: list[str]) -> None:
+    storm = k.get("ecc_storm") or {}
+    for key, low, high in (("min_per_second", 0, None), ("fleet_quantile", 0, 1), ("fleet_factor", 0, None)):
+        value = storm.get(key)
+        if not _number(value) or value <= low or (high is not None and value >= high):
+            bounds = f"in ({low}, {high})" if high is not None else f"above {low}"
+            errors.append(f"defaults.definitive.ecc_storm.{key}: must be a number {bounds}, got {value!r}")
+    _xid_list((k.get("uncorrectable_ecc") or {}).get("contained_xids"),
+              "defaults.definitive.uncorrectable_ecc.contained_xids", errors)
+    for path in ("nvswitch.non_fatal_count", "repeated_gpus_missing.count"):
+        block, key = path.split(".")
+        value = (k.get(block) or {}).get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            errors.append(f"defaults.definitive.{path}: must be a positive integer, got {value!r}")
+
+
+def _check_identity(labels: Any, errors: list[str]) -> None:
+    where = "defaults.identity_labels"
+    if not isinstance(labels, list) or not all(isinstance(x, str) and _LABEL.fullmatch(x) for x in labels):
+        errors.append(f"{where}: must be a list of label names, got {labels!r}")
+    elif "node" not in labels or "gpu" in labels or len(set(labels)) != len(labels):
+        errors.append(f"{where}: must name `node` (the webhook drains by it), not `gpu`, each once; "
+                      f"got {labels!r}")
 
 
 def _is_duration_key(key: str) -> bool:
@@ -172,7 +226,7 @@ def _check_durations(d: dict[str, Any], errors: list[str]) -> int:
 def _check_windows(d: dict[str, Any], scrape: int, errors: list[str]) -> None:
     """Range windows need several samples; subquery windows must hold whole steps."""
     minimum = MIN_SAMPLES_PER_WINDOW * scrape
-    for section in ("xid", "evidence", "lemon", "storage"):
+    for section in ("xid", "definitive", "evidence", "lemon", "storage"):
         for path, value in _leaves(d.get(section, {}), f"defaults.{section}"):
             key = path.rsplit(".", 1)[1]
             if not (key.endswith("window") or key == "step"):
@@ -184,7 +238,8 @@ def _check_windows(d: dict[str, Any], scrape: int, errors: list[str]) -> None:
             if length < minimum:
                 errors.append(f"{path}: {value} holds fewer than {MIN_SAMPLES_PER_WINDOW} samples at "
                               f"scrape_interval {d.get('scrape_interval')}; use at least {minimum}s")
-    for path in ("evidence.ecc_corrected_growth", "evidence.pcie_replay", "lemon"):
+    for path in ("evidence.ecc_corrected_growth", "evidence.pcie_replay", "lemon",
+                 "definitive.repeated_gpus_missing"):
         block = d
         for part in path.split("."):
             block = block.get(part, {}) if isinstance(block, dict) else {}
@@ -221,23 +276,48 @@ def _check_fusion(d: dict[str, Any], errors: list[str]) -> None:
         if not _number(weight) or not 0 <= weight <= 1:
             errors.append(f"{where}: must be a number in 0..1, got {weight!r}")
         elif threshold is not None and weight >= threshold:
-            errors.append(f"{where}: {weight} >= fusion.threshold {threshold}: that signal alone would "
-                          "raise GPUHealthGpuFailureRisk; give it its own alert instead")
+            errors.append(f"{where}: {weight} >= fusion.threshold {threshold}: that signal (and its cause) "
+                          "alone would raise GPUHealthGpuFailureRisk; give it its own alert instead")
     for name in sorted(signals - set(weights)):
         errors.append(f"defaults.fusion.weights: no weight for signal {name}")
+    home: dict[str, str] = {}
+    for cause, members in (fusion.get("causes") or {}).items():
+        where = f"defaults.fusion.causes.{cause}"
+        if not _LABEL.fullmatch(str(cause)) or not isinstance(members, list):
+            errors.append(f"{where}: must be a list of signals under a label-safe cause name")
+            continue
+        for name in members:
+            if name not in signals:
+                errors.append(f"{where}: no evidence signal {name!r}")
+            elif name in home:
+                errors.append(f"{where}: {name} is also in cause {home[name]}")
+            home.setdefault(name, cause)
+    for name in sorted(signals - set(home)):
+        errors.append(f"defaults.fusion.causes: signal {name} is in no cause")
 
 
 def _check_xid(d: dict[str, Any], errors: list[str]) -> None:
     xid = d.get("xid") or {}
+    classes = (*XID_CLASSES, "none")
+    buckets = xid.get("buckets") or {}
+    for bucket, klass in buckets.items():
+        if klass not in classes:
+            errors.append(f"defaults.xid.buckets.{bucket}: {klass!r} is not one of {', '.join(classes)}")
+    for bucket in sorted({b for b in xid_table().values() if b} - set(buckets)):
+        errors.append(f"defaults.xid.buckets: no entry for NVIDIA's bucket {bucket} "
+                      f"(XIDs {', '.join(str(x) for x, b in xid_table().items() if b == bucket)})")
     seen: dict[int, str] = {}
-    for klass, xids in (xid.get("classes") or {}).items():
-        where = f"defaults.xid.classes.{klass}"
-        if klass not in ACTIONS or klass == "none":
-            errors.append(f"{where}: not an action ({', '.join(ACTIONS[1:])})")
-        for value in _xid_list(xids, where, errors):
+    for klass, xids in (xid.get("overrides") or {}).items():
+        where = f"defaults.xid.overrides.{klass}"
+        for value in _xid_list(xids, where, errors, empty=True):
             if value in seen:
                 errors.append(f"{where}: XID {value} is also in class {seen[value]}")
             seen[value] = klass
+    unbucketed = sorted(x for x, b in xid_table().items() if not b and x not in seen)
+    if unbucketed:
+        errors.append(f"defaults.xid.overrides: XIDs {', '.join(map(str, unbucketed))} have no bucket in "
+                      "NVIDIA's catalogue: list each under a class, or under `none`")
+    _xid_list((xid.get("fabric_manager") or {}).get("xids"), "defaults.xid.fabric_manager.xids", errors)
     for klass, actions in (xid.get("recovery_actions") or {}).items():
         where = f"defaults.xid.recovery_actions.{klass}"
         if klass not in ACTIONS or klass == "none":
@@ -253,13 +333,16 @@ def _check_xid(d: dict[str, Any], errors: list[str]) -> None:
     lemon = d.get("lemon") or {}
     if not isinstance(lemon.get("actions"), list) or any(a not in ACTIONS for a in lemon["actions"]):
         errors.append(f"defaults.lemon.actions: must list actions from {', '.join(ACTIONS)}")
+    if not isinstance(lemon.get("severities"), list) or any(s not in SEVERITIES for s in lemon["severities"]):
+        errors.append(f"defaults.lemon.severities: must list severities from {', '.join(SEVERITIES)}")
     if not isinstance(lemon.get("count"), int) or lemon["count"] < 1:
         errors.append(f"defaults.lemon.count: must be a positive integer, got {lemon.get('count')!r}")
 
 
-def _xid_list(xids: Any, where: str, errors: list[str]) -> list[int]:
-    if not isinstance(xids, list) or not xids or not all(isinstance(x, int) and 0 < x < 1000 for x in xids):
-        errors.append(f"{where}: must be a non-empty list of XID numbers, got {xids!r}")
+def _xid_list(xids: Any, where: str, errors: list[str], empty: bool = False) -> list[int]:
+    if not isinstance(xids, list) or not (xids or empty) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 < x < 1000 for x in xids):
+        errors.append(f"{where}: must be a {'' if empty else 'non-empty '}list of XID numbers, got {xids!r}")
         return []
     return xids
 

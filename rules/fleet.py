@@ -89,9 +89,14 @@ class _QuietServer(ThreadingHTTPServer):
 
 
 class SyntheticFleet:
-    """``nodes`` nodes of ``gpus`` GPUs each; one GPU in ``sick_every`` carries precursors."""
+    """``nodes`` nodes of ``gpus`` GPUs each; one GPU in ``sick_every`` carries precursors. With
+    ``cluster``, every target also carries that ``cluster`` label, as a multi-cluster scrape config
+    sets it."""
 
-    def __init__(self, nodes: int, gpus: int = 8, nvlinks: int = 4, sick_every: int = 97) -> None:
+    def __init__(self, nodes: int, gpus: int = 8, nvlinks: int = 4, sick_every: int = 97,
+                 cluster: str | None = None) -> None:
+        self.cluster = cluster
+        self.sick_every = sick_every
         self.names = [f"node{i:04d}" for i in range(nodes)]
         self.series: dict[str, list[Series]] = {}
         for index, name in enumerate(self.names):
@@ -144,13 +149,21 @@ class SyntheticFleet:
             self._server.server_close()
             self._server = None
 
+    def sick(self) -> set[tuple[str, str]]:
+        """(node, gpu) of the GPUs that carry precursors."""
+        gpus = self.gpus // len(self.names)
+        return {(name, str(gpu)) for index, name in enumerate(self.names) for gpu in range(gpus)
+                if (index * gpus + gpu) % self.sick_every == 0}
+
     def scrape_config(self, interval: str) -> dict:
-        """One scrape job with a target per node; ``node`` is a target label, as in production."""
+        """One scrape job with a target per node; ``node`` (and ``cluster``) are target labels, as in
+        production."""
+        identity = {"cluster": self.cluster} if self.cluster else {}
         return {
             "job_name": "gpuhealth-exporter",
             "scrape_interval": interval,
             "scrape_timeout": interval,
-            "static_configs": [{"targets": [f"127.0.0.1:{self.port}"], "labels": {"node": name}}
+            "static_configs": [{"targets": [f"127.0.0.1:{self.port}"], "labels": {**identity, "node": name}}
                                for name in self.names],
             "relabel_configs": [{"source_labels": ["node"], "target_label": "__param_node"}],
         }

@@ -90,6 +90,8 @@ class Renderer:
             extra: dict[str, Any] = {"src": src}
             if name == "fusion":
                 extra["gpu_signals"], extra["node_signals"] = _signals(groups["evidence"])
+            if name == "xid":
+                extra["classes"] = self.catalogue.xid_classes()
             rendered = yaml.load(self._render(f"groups/{name}.yml.j2", **extra), Loader=_Loader)
             groups[name] = rendered if isinstance(rendered, list) else [rendered]
         for group in (g for file in groups.values() for g in file):
@@ -125,7 +127,7 @@ class Renderer:
             "alertmanager.yml.j2",
             webhook_actions=actions,
             hard_alerts=sorted(n for n, a in alerts.items()
-                               if a["group"] == "xid" and a["severity"] == "critical"),
+                               if a["group"] in ("xid", "definitive") and a["severity"] == "critical"),
             predictive_alerts=sorted(n for n, a in alerts.items() if a["group"] == "fusion"),
         )
         return HEADER.format(what="Alertmanager routing") + dump(yaml.load(text, Loader=_Loader))

@@ -149,3 +149,12 @@ def test_non_default_settings_take_effect():
     risk = json.loads(render(settings)["gpuhealth-fleet.json"])
     steps = next(p for p in panels(risk) if p["title"] == "Failure risk by node and GPU")
     assert [s["value"] for s in steps["fieldConfig"]["defaults"]["thresholds"]["steps"]] == [None, 0.35, 0.75]
+
+
+def test_risk_panels_follow_the_cluster_picker(models):
+    """The rules keep `cluster` on every record, so each panel reading one filters by the picker."""
+    risk = [query.expr for model in models.values() for query in panel_queries(model)
+            if re.search(r"gpuhealth:(gpu|node)_(failure_risk|evidence)", query.expr)]
+    assert risk, "no panel reads the risk or evidence records"
+    for expr in risk:
+        assert 'cluster=~"$cluster"' in expr, expr

@@ -112,7 +112,9 @@ def test_slow_precursor_drains_before_the_hard_failure(loop):
     stack, observer, where = loop
     node = stack.slurm.node(where["slow"])
     assert "DRAIN" in node.state
-    assert "GPUHealthGpuFailureRisk" in node.reason, node.reason
+    # Memory evidence alone is one cause, below the risk threshold; in the demo's compressed time the
+    # HBM precursor's corrected errors come at storm rates, which drain it ahead of its XID.
+    assert "GPUHealthEccCorrectedStorm" in node.reason, node.reason
     latency = observer.latencies()[where["slow"]]
     assert latency["drain_from_hard_failure_seconds"] < 0, latency
     job = stack.jobs[1]

@@ -29,6 +29,9 @@ INPUTS: dict[str, dict[str, tuple[str, dict[str, str], float]]] = {
         "temperature": ("gpuhealth_gpu_temperature_celsius", {}, 1),
         "utilization": ("gpuhealth_gpu_utilization_ratio", {}, 1),
         "ecc_corrected": ("gpuhealth_gpu_ecc_errors_total", {"type": "corrected", "counter": "volatile"}, 1),
+        "ecc_uncorrected": ("gpuhealth_gpu_ecc_errors_total",
+                            {"type": "uncorrected", "counter": "volatile"}, 1),
+        "retired_pending": ("gpuhealth_gpu_retired_pages_pending", {}, 1),
         "rows_correctable": ("gpuhealth_gpu_remapped_rows", {"type": "correctable"}, 1),
         "remap_pending": ("gpuhealth_gpu_remap_pending", {}, 1),
         "remap_failure": ("gpuhealth_gpu_remap_failure", {}, 1),
@@ -53,6 +56,8 @@ INPUTS: dict[str, dict[str, tuple[str, dict[str, str], float]]] = {
         "temperature": ("DCGM_FI_DEV_GPU_TEMP", {"modelName": MODEL}, 1),
         "utilization": ("DCGM_FI_DEV_GPU_UTIL", {}, 100),
         "ecc_corrected": ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", {}, 1),
+        "ecc_uncorrected": ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", {}, 1),
+        "retired_pending": ("DCGM_FI_DEV_RETIRED_PENDING", {}, 1),
         "rows_correctable": ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", {}, 1),
         "remap_pending": ("DCGM_FI_DEV_ROW_REMAP_PENDING", {}, 1),
         "remap_failure": ("DCGM_FI_DEV_ROW_REMAP_FAILURE", {}, 1),
@@ -165,6 +170,27 @@ class Fleet:
         """One XID counter (gpuhealth source) with its values in promtool notation."""
         labels = _labels({**self._target(node), "gpu": str(gpu), "xid": str(xid)})
         self.series[f"gpuhealth_xid_events_total{{{labels}}}"] = points
+        return self
+
+    def sxid(self, node: str, severity: str, minutes_with_events: list[int], minutes: int) -> Fleet:
+        """NVSwitch SXIDs of ``severity`` (fatal, non_fatal) at the given minutes: gpuhealth-exporter's
+        counter (absent until the first), or DCGM's gauge of the switch's last SXID, alternating
+        between two SXID numbers so that each event is a change."""
+        points, count = [], 0
+        for minute in range(minutes + 1):
+            count += minutes_with_events.count(minute)
+            points.append(count)
+        target = self._target(node)
+        if self.source == "dcgm":
+            metric = {"fatal": "DCGM_FI_DEV_NVSWITCH_FATAL_ERRORS",
+                      "non_fatal": "DCGM_FI_DEV_NVSWITCH_NON_FATAL_ERRORS"}[severity]
+            gauge = " ".join("0" if c == 0 else str(12028 + c % 2) for c in points)
+            self.series[f"{metric}{{{_labels({**target, 'nvswitch': '0'})}}}"] = gauge
+            return self
+        first = min(minutes_with_events)
+        labels = _labels({**target, "device": "0000:05:00.0", "sxid": "12028", "severity": severity})
+        self.series[f"gpuhealth_sxid_events_total{{{labels}}}"] = " ".join(
+            "_" if minute < first else str(c) for minute, c in enumerate(points))
         return self
 
     def nfs(self, node: str, mount: str, op: str, per_second: dict[str, float], minutes: int) -> Fleet:

@@ -52,7 +52,8 @@ def test_output_is_deterministic():
 @pytest.mark.parametrize("source", SOURCES)
 def test_promtool_check_rules(source):
     files = sorted((GENERATED / source).glob("*.yml"))
-    assert [f.stem for f in files] == sorted(["xid", "evidence", "fusion", "lemon", "storage", "meta"])
+    assert [f.stem for f in files] == sorted(["xid", "definitive", "evidence", "fusion", "lemon", "storage",
+                                              "meta"])
     result = subprocess.run([_tool("promtool"), "check", "rules", *map(str, files)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -92,9 +93,10 @@ def test_alertmanager_config_routes_by_action_and_inhibits(tmp_path):
         assert receiver("node=n1", f"action={action}") == "gpuhealth-webhook"
     assert receiver("node=n1", "action=none") == "gpuhealth-notify"
     data = yaml.safe_load(config.read_text())
-    assert data["route"]["group_by"] == ["node"]
+    assert data["route"]["group_by"] == ["cluster", "node"]
     (inhibit,) = data["inhibit_rules"]
-    assert inhibit["equal"] == ["node"] and "GPUHealthGpuFailureRisk" in inhibit["target_matchers"][0]
+    assert inhibit["equal"] == ["cluster", "node"]
+    assert "GPUHealthGpuFailureRisk" in inhibit["target_matchers"][0]
     assert "GPUHealthXidRebootNode" in inhibit["source_matchers"][0]
     webhook = data["receivers"][1]["webhook_configs"][0]
     assert webhook["url"] == "http://127.0.0.1:9836/alerts"
@@ -108,10 +110,13 @@ def test_catalogue_errors_are_all_listed_without_traceback(tmp_path, capsys):
             "scrape_interval": "2m",                              # makes 5m windows too short
             "evidence": {"nvlink_errors": {"low": 2, "high": 1, "windw": "5m"},
                          "pcie_replay": {"step": "7m"}},          # 1h is not a multiple of 7m
-            "fusion": {"weights": {"nvlink_errors": 0.9}},        # alone above the threshold
-            "xid": {"classes": {"drain_reboot": [79, 48], "reboot_now": [13]}},
+            "fusion": {"weights": {"nvlink_errors": 0.9},         # alone above the threshold
+                       "causes": {"nvlink": ["nvlink_errors", "pcie_replay"], "firmware": []}},
+            "xid": {"overrides": {"drain_reboot": [167, 168], "reboot_now": [13]},
+                    "buckets": {"RESET_GPU": "reboot"}},
             "for": {"GPUHealthExporterDown": "soon"},
             "gpu_shards": 4,
+            "definitive": {"ecc_storm": {"fleet_quantile": 1.5}},
         },
         "alerts": {"GPUHealthLemonNode": {"action": "shoot"}},
     }))
@@ -124,11 +129,15 @@ def test_catalogue_errors_are_all_listed_without_traceback(tmp_path, capsys):
         "defaults.storage.window: 5m holds fewer than 4 samples at scrape_interval 2m; use at least 480s",
         "defaults.evidence.pcie_replay: window 1h must be a multiple (> 1) of step 7m",
         "defaults.fusion.weights.nvlink_errors: 0.9 >= fusion.threshold 0.6",
-        "defaults.xid.classes.drain_reboot: XID 48 is also in class drain_reset_gpu",
-        "defaults.xid.classes.reboot_now: unknown key",
+        "defaults.fusion.causes.nvlink: pcie_replay is also in cause pcie",
+        "defaults.fusion.causes: signal nvml_latency is in no cause",
+        "defaults.xid.overrides.drain_reboot: XID 168 is also in class drain_reset_gpu",
+        "defaults.xid.overrides.reboot_now: unknown key",
+        "defaults.xid.buckets.RESET_GPU: 'reboot' is not one of restart_job, drain, drain_reset_gpu",
         "defaults.for.GPUHealthExporterDown: not a duration: 'soon'",
         "alerts.GPUHealthLemonNode.action: must be one of",
         "defaults.gpu_shards: must be one of 1, 2, 5, 10",
+        "defaults.definitive.ecc_storm.fleet_quantile: must be a number in (0, 1), got 1.5",
     ):
         assert expected in err, f"missing {expected!r} in:\n{err}"
     assert not (tmp_path / "out").exists()
@@ -166,6 +175,8 @@ def test_gpu_shards_cover_every_gpu_once(shards):
 def _changed(value: Any, key: str) -> Any:
     """A different, still valid value for a knob."""
     if isinstance(value, list):
+        if not value:
+            return [1]
         return value[:-1] if len(value) > 1 else ([value[0] + 1] if isinstance(value[0], int) else [])
     if key == "gpu_shards":
         return 2 if value != 2 else 5
@@ -203,8 +214,19 @@ def test_every_knob_takes_effect():
         new = _changed(value, path[-1])
         if path[-1] in ("gpuhealth_job", "dcgm_job", "node_exporter_job"):
             new = 'job="renamed"'
+        if path[-1] == "identity_labels":
+            new = ["site", *value]
+        if path[-2] == "buckets":
+            new = "drain" if value != "drain" else "none"
+        if path[-2] == "overrides":   # move one more XID: 13 out of restart_job, or 1 (unused) into a class
+            new = [*value, 13 if path[-1] == "none" else 1]
+        overlay = _overlay(path, new)
+        if path[-2] == "causes":   # move the cause's first signal into another cause
+            causes = builtin["defaults"]["fusion"]["causes"]
+            other = next(c for c in causes if c != path[-1])
+            overlay = _overlay(path[:-1], {path[-1]: value[1:], other: [*causes[other], value[0]]})
         try:
-            rendered = render_all(catalogue.resolve(_overlay(path, new)))
+            rendered = render_all(catalogue.resolve(overlay))
         except catalogue.CatalogueError as exc:
             invalid.append(f"{'.'.join(path)}={new!r}: {exc.errors}")
             continue
@@ -241,8 +263,8 @@ def test_demo_overlay_fires_within_two_minutes(tmp_path):
     fleet.add("nvlink_crc", "n2", 3, (0, 0, 11), (0, 5, steps - 12))    # errors from the first minute
     risk = alert("GPUHealthGpuFailureRisk",
                  {"alertname": "GPUHealthGpuFailureRisk", "node": "n2", "gpu": "3"},
-                 "GPU 3 on n2 is likely to fail (risk 0.95)",
-                 "Several precursor signals of GPU 3 on n2 together put its failure risk at 0.95. Top "
+                 "GPU 3 on n2 is likely to fail (risk 0.75)",
+                 "Several precursor signals of GPU 3 on n2 together put its failure risk at 0.75. Top "
                  "contributions: nvlink_errors=0.45, interrupt_collapse=0.30, procs_running_collapse=0.20.",
                  "warning", "drain")
     checks = [{"eval_time": "1m", "alertname": "GPUHealthGpuFailureRisk", "exp_alerts": []},
@@ -257,7 +279,7 @@ def test_a_value_missing_from_the_catalogue_is_a_clear_error(tmp_path, monkeypat
     """Templates render with StrictUndefined: a required value that is gone fails loudly, no traceback."""
     text = catalogue.BUILTIN.read_text()
     broken = tmp_path / "catalogue.yaml"
-    reasons = "      reasons: sw_thermal_slowdown|hw_thermal_slowdown|hw_slowdown\n"
+    reasons = "      reasons: sw_thermal_slowdown|hw_thermal_slowdown\n"
     assert reasons in text
     broken.write_text(text.replace(reasons, "", 1))
     monkeypatch.setattr(catalogue, "BUILTIN", broken)

@@ -6,10 +6,11 @@ import pytest
 from rules_promtool import JOBS, SOURCES, Fleet, alert, run_promtool
 
 
-def _firing(node: str, alertname: str, action: str, hours: list[int], total_hours: int) -> tuple[str, str]:
+def _firing(node: str, alertname: str, action: str, hours: list[int], total_hours: int,
+            severity: str = "critical") -> tuple[str, str]:
     """An ALERTS series as Prometheus writes it (10-minute samples), firing an hour from each of ``hours``."""
     labels = (f'ALERTS{{alertname="{alertname}", alertstate="firing", node="{node}", gpu="0", '
-              f'severity="critical", action="{action}"}}')
+              f'severity="{severity}", action="{action}"}}')
     points = ["1" if any(h * 6 <= t < (h + 1) * 6 for h in hours) else "_"
               for t in range(total_hours * 6 + 1)]
     return labels, " ".join(points)
@@ -23,6 +24,8 @@ def test_lemon_node(tmp_path, source):
     fleet.raw(*_firing("n2", "GPUHealthXidResetGpu", "drain_reset_gpu", [2, 60], hours))       # 2 failures
     fleet.raw(*_firing("n3", "GPUHealthXidRestartJob", "restart_job", [2, 30, 60], hours))     # job restarts
     fleet.raw(*_firing("n3", "GPUHealthNfsQueueingDominates", "none", [10, 40, 70], hours))
+    fleet.raw(*_firing("n4", "GPUHealthRowRemapPending", "drain_reset_gpu", [2, 30, 60], hours,
+                       severity="info"))                                                     # routine resets
     lemon = alert("GPUHealthLemonNode", {"alertname": "GPUHealthLemonNode", "node": "n1"},
                   "n1 failed 3 times recently: take it out of rotation",
                   "n1 had 3 separate failures or exclusions in the lemon window. A few nodes cause most "

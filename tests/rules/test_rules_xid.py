@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from gpuhealth.rules import catalogue
 from rules_promtool import SOURCES, Fleet, alert, run_promtool
 
 MINUTES = 90
@@ -57,7 +58,9 @@ def test_action_classes(tmp_path, source):
 def test_repetition_escalates(tmp_path, source):
     fleet = Fleet(source)
     fleet.xid("n1", 1, [(5, 31), (15, 13), (25, 31)], MINUTES)   # app faults repeating on one GPU
-    fleet.xid("n1", 5, [(5, 31)], MINUTES)                       # once only: just restart
+    fleet.xid("n4", 5, [(5, 31)], MINUTES)                       # once only: just restart
+    for gpu in (0, 3, 6):                                        # a buggy job faults on every GPU it uses
+        fleet.xid("n5", gpu, [(5, 13), (15, 31), (25, 13)], MINUTES)
     fleet.xid("n2", 2, [(5, 64), (15, 48), (30, 64)], MINUTES)   # remap failure back after a reset
     fleet.xid("n3", 0, [(5, 79)], MINUTES)                       # two GPUs of n3 fall off the bus
     fleet.xid("n3", 6, [(40, 79)], MINUTES)
@@ -79,7 +82,7 @@ def test_repetition_escalates(tmp_path, source):
                 "take the node out of rotation and check risers, board and power.", "critical", "replace")
     checks = [
         {"eval_time": "24m", "alertname": "GPUHealthXidDrain", "exp_alerts": []},
-        {"eval_time": "26m", "alertname": "GPUHealthXidDrain", "exp_alerts": [drain]},
+        {"eval_time": "26m", "alertname": "GPUHealthXidDrain", "exp_alerts": [drain]},   # n5: the job's fault
         {"eval_time": "29m", "alertname": "GPUHealthXidReplaceGpu", "exp_alerts": []},
         {"eval_time": "31m", "alertname": "GPUHealthXidReplaceGpu", "exp_alerts": [replace]},
         {"eval_time": "39m", "alertname": "GPUHealthNodeRepeatedFallOffBus", "exp_alerts": []},
@@ -138,3 +141,63 @@ def test_counter_growth_and_exporter_restart(tmp_path):
         {"eval_time": "76m", "alertname": "GPUHealthXidResetGpu", "exp_alerts": [reset(1, "1")]},
     ]
     run_promtool(tmp_path, "gpuhealth", ["xid"], [_case(fleet, checks)])
+
+
+def test_every_xid_of_nvidias_catalogue_has_a_class_or_is_informational():
+    """Each XID of the vendored table resolves to an action class, or to `none` through a bucket or an
+    override that says so; an XID NVIDIA gives no bucket must be listed by hand, or the catalogue fails."""
+    table = catalogue.xid_table()
+    assert len(table) >= 172 and table[79] == "RESTART_BM" and table[61] == "CONTACT_SUPPORT"
+    builtin = catalogue.load()
+    classes = builtin.xid_classes()
+    placed = [x for xids in classes.values() for x in xids]
+    assert sorted(placed) == sorted(table), set(table) ^ set(placed)
+    assert {46, 110, 136, 155, 156, 158} <= set(classes["drain_reset_gpu"])
+    assert 54 in classes["drain"] and 151 in classes["drain_reboot"]
+    assert 61 in classes["none"] and 45 in classes["none"]     # unused; 45 only alone (fabric manager)
+    overrides = dict(builtin.defaults["xid"]["overrides"])
+    overrides["none"] = [x for x in overrides["none"] if x != 172]
+    with pytest.raises(catalogue.CatalogueError, match="XIDs 172 have no bucket"):
+        catalogue.resolve({"defaults": {"xid": {"overrides": overrides}}})
+    moved = catalogue.resolve({"defaults": {"xid": {"overrides": {**builtin.defaults["xid"]["overrides"],
+                                                                  "restart_job": [48]}}}})
+    assert 48 in moved.xid_classes()["restart_job"] and 48 not in moved.xid_classes()["drain_reset_gpu"]
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_catalogue_classes_and_fabric_manager(tmp_path, source):
+    fleet = Fleet(source)
+    fleet.xid("n1", 0, [(5, 46)], MINUTES)           # RESET_GPU bucket, missing from the old hand list
+    fleet.xid("n1", 1, [(5, 61)], MINUTES)           # unused in NVIDIA's catalogue: nothing
+    fleet.xid("n1", 2, [(5, 54)], MINUTES)           # auxiliary power: drain, someone checks the board
+    fleet.xid("n2", 3, [(5, 45)], MINUTES)           # 45 alone: restart the fabric manager (no drain)
+    fleet.xid("n2", 4, [(5, 48), (6, 45)], MINUTES)  # 45 cleaning up after a DBE: follow the 48
+    reset = _xid_alert("GPUHealthXidResetGpu", "n1", 0, 46, "1", "critical", "drain_reset_gpu",
+                       "reset the GPU", RESET)
+    dbe = _xid_alert("GPUHealthXidResetGpu", "n2", 4, 48, "1", "critical", "drain_reset_gpu",
+                     "reset the GPU", RESET)
+
+    def drain(node: str, gpu: int, xid: int, reason: str) -> dict:
+        return alert("GPUHealthXidDrain", {"alertname": "GPUHealthXidDrain", "node": node, "gpu": str(gpu),
+                                           "xid": str(xid), "reason": reason},
+                     f"GPU {gpu} on {node} needs diagnostics ({reason})",
+                     f"GPU {gpu} of {node}: {reason} (1). Drain the node and run diagnostics before it takes "
+                     "more jobs.", "warning", "drain")
+
+    fabric = alert("GPUHealthXidFabricManager", {"alertname": "GPUHealthXidFabricManager", "node": "n2",
+                                                 "gpu": "3", "xid": "45"},
+                   "XID 45 alone on n2 GPU 3: restart the fabric manager",
+                   "GPU 3 of n2 logged XID 45 (preemptive cleanup) with no other XID in the last window. "
+                   "NVIDIA's workflow for a lone XID 45 is to restart the fabric manager; if a job's code "
+                   "faults, fix the job instead.", "warning", "none")
+
+    checks = [
+        {"eval_time": "4m", "alertname": "GPUHealthXidDrain", "exp_alerts": []},
+        {"eval_time": "10m", "alertname": "GPUHealthXidResetGpu", "exp_alerts": [reset, dbe]},
+        {"eval_time": "10m", "alertname": "GPUHealthXidDrain", "exp_alerts": [drain("n1", 2, 54, "XID 54")]},
+        {"eval_time": "4m", "alertname": "GPUHealthXidFabricManager", "exp_alerts": []},
+        {"eval_time": "10m", "alertname": "GPUHealthXidFabricManager", "exp_alerts": [fabric]},
+        {"eval_time": "10m", "alertname": "GPUHealthXidRestartJob", "exp_alerts": []},
+        {"eval_time": "10m", "alertname": "GPUHealthXidRebootNode", "exp_alerts": []},
+    ]
+    run_promtool(tmp_path, source, ["xid"], [_case(fleet, checks)])

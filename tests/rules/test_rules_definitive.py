@@ -1,0 +1,162 @@
+"""Definitive signals: each raises its own alert without fusion, on both input sources; the noise next
+to each (an SBE burst, a slow HBM degradation, a pending remap, a few non-fatal SXIDs) stays quiet."""
+
+from __future__ import annotations
+
+import pytest
+from rules_promtool import SOURCES, Fleet, alert, run_promtool
+
+GROUPS = ["xid", "definitive", "evidence"]
+
+
+def _gpu_alert(name: str, node: str, gpu: int, value: str, severity: str, action: str, summary: str,
+               description: str) -> dict:
+    return alert(name, {"alertname": name, "node": node, "gpu": str(gpu)}, summary, description, severity,
+                 action)
+
+
+def _run(tmp_path, source: str, fleet: Fleet, checks: list[dict]) -> None:
+    run_promtool(tmp_path, source, GROUPS, [{"interval": "1m", "input_series": fleet.input_series(),
+                                             "alert_rule_test": checks}])
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_remap_failure_without_xid_and_pending_alone(tmp_path, source):
+    minutes = 60
+    fleet = Fleet(source).node("n1", minutes)
+    fleet.add("remap_failure", "n1", 0, (0, 0, 19), (1, 0, minutes - 20))   # no XID 64 logged at all
+    fleet.add("remap_pending", "n1", 0, (0, 0, 19), (1, 0, minutes - 20))   # both alerts: failure leads
+    fleet.add("remap_pending", "n1", 1, (0, 0, 19), (1, 0, minutes - 20))   # pending alone
+    fleet.add("retired_pending", "n1", 2, (0, 0, 19), (1, 0, minutes - 20))
+    fleet.add("remap_failure", "n1", 3, (0, 0, minutes))
+    failure = _gpu_alert(
+        "GPUHealthRowRemapFailure", "n1", 0, "1", "critical", "drain_reset_gpu",
+        "Row remapping failed on n1 GPU 0: reset the GPU",
+        "GPU 0 of n1 reports a row-remap failure: a memory bank has no spare row left for a failing address. "
+        "Drain the node, requeue its jobs and reset the GPU; if the failure comes back after the reset, "
+        "replace it.")
+
+    def pending(gpu: int) -> dict:
+        return _gpu_alert(
+            "GPUHealthRowRemapPending", "n1", gpu, "1", "info", "none",
+            f"Row remap pending on n1 GPU {gpu}: reset when the job ends",
+            f"GPU {gpu} of n1 has a row remap (or page retirement) waiting for a reset. Routine: the GPU "
+            "works, and the repair takes effect at the next reset. Let the running job finish, then reset "
+            "the GPU.")
+
+    checks = [
+        {"eval_time": "19m", "alertname": "GPUHealthRowRemapFailure", "exp_alerts": []},
+        {"eval_time": "20m", "alertname": "GPUHealthRowRemapFailure", "exp_alerts": []},   # within `for`
+        {"eval_time": "21m", "alertname": "GPUHealthRowRemapFailure", "exp_alerts": [failure]},
+        {"eval_time": "29m", "alertname": "GPUHealthRowRemapPending", "exp_alerts": []},   # within `for`
+    ]
+    expected = [pending(0), pending(1)] + ([pending(2)] if fleet.supports("retired_pending") else [])
+    checks.append({"eval_time": "31m", "alertname": "GPUHealthRowRemapPending", "exp_alerts": expected})
+    _run(tmp_path, source, fleet, checks)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_uncorrectable_ecc_counts_rising(tmp_path, source):
+    """A double-bit error alerts without any XID (dcgm input has no XID counter); one the GPU contained
+    (XID 94 logged with it) only restarts the job, by the XID's own alert."""
+    minutes = 60
+    fleet = Fleet(source).node("n1", minutes)
+    fleet.add("ecc_uncorrected", "n1", 0, (0, 0, 19), (2, 0, minutes - 20))     # two DBEs at minute 20
+    fleet.add("ecc_uncorrected", "n1", 1, (7, 0, minutes))                      # old errors, none new
+    fleet.add("ecc_uncorrected", "n1", 2, (3, 0, 29), (0, 0, minutes - 30))     # reset by a GPU reset
+    fleet.add("ecc_uncorrected", "n1", 3, (0, 0, 19), (1, 0, minutes - 20))     # contained: XID 94 with it
+    fleet.xid("n1", 3, [(20, 94)], minutes)
+    dbe = _gpu_alert(
+        "GPUHealthUncorrectableEccErrors", "n1", 0, "2", "critical", "drain_reset_gpu",
+        "2 uncorrectable ECC error(s) on n1 GPU 0",
+        "GPU 0 of n1 counted 2 uncorrectable (double-bit) ECC error(s) in the last window: its memory "
+        "returned data it could not correct. Drain the node, requeue its jobs and reset the GPU so that "
+        "the row is remapped.")
+    checks = [
+        {"eval_time": "19m", "alertname": "GPUHealthUncorrectableEccErrors", "exp_alerts": []},
+        # One minute of `for`: the XID that says the error was contained may come a scrape later.
+        {"eval_time": "20m", "alertname": "GPUHealthUncorrectableEccErrors", "exp_alerts": []},
+        {"eval_time": "21m", "alertname": "GPUHealthUncorrectableEccErrors", "exp_alerts": [dbe]},
+        {"eval_time": "34m", "alertname": "GPUHealthUncorrectableEccErrors", "exp_alerts": [dbe]},
+        {"eval_time": "36m", "alertname": "GPUHealthUncorrectableEccErrors", "exp_alerts": []},
+        {"eval_time": "40m", "alertname": "GPUHealthUncorrectableEccErrors", "exp_alerts": []},
+    ]
+    _run(tmp_path, source, fleet, checks)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_corrected_ecc_storm_against_the_fleet(tmp_path, source):
+    minutes = 60
+    fleet = Fleet(source)
+    for node in ("n1", "n2"):
+        fleet.node(node, minutes)
+        for gpu in range(8):     # every GPU reports the counter; most correct nothing
+            fleet.add("ecc_corrected", node, gpu, (0, 0, minutes))
+    fleet.add("ecc_corrected", "n1", 0, (0, 0, 9), (0, 3000 * 60, minutes - 10))   # 3,000/s from minute 10
+    fleet.add("ecc_corrected", "n1", 1, (0, 0, 9), (60_000, 0, minutes - 10))      # one burst that stops
+    fleet.add("ecc_corrected", "n1", 2, (0, 60, minutes))                           # slow HBM degradation
+    storm = _gpu_alert(
+        "GPUHealthEccCorrectedStorm", "n1", 0, "3000", "warning", "drain_reset_gpu",
+        "Corrected-ECC storm on n1 GPU 0 (3000/s)",
+        "GPU 0 of n1 corrects 3000 ECC errors per second, far above the rest of the fleet. The driver "
+        "still reports it healthy, but the storm slows every job on it and often precedes uncorrectable "
+        "errors: drain the node and reset the GPU.")
+    checks = [
+        {"eval_time": "20m", "alertname": "GPUHealthEccCorrectedStorm", "exp_alerts": []},   # within `for`
+        {"eval_time": "23m", "alertname": "GPUHealthEccCorrectedStorm", "exp_alerts": [storm]},
+        {"eval_time": "50m", "alertname": "GPUHealthEccCorrectedStorm", "exp_alerts": [storm]},
+    ]
+    _run(tmp_path, source, fleet, checks)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_nvswitch_sxids(tmp_path, source):
+    minutes = 90
+    fleet = Fleet(source)
+    fleet.sxid("n1", "fatal", [10], minutes)
+    fleet.sxid("n2", "non_fatal", list(range(20, 40, 2)), minutes)     # ten within the hour: repeating
+    fleet.sxid("n3", "non_fatal", [20, 30, 40], minutes)               # a few: quiet
+    fatal = alert("GPUHealthNvswitchFatalError", {"alertname": "GPUHealthNvswitchFatalError", "node": "n1"},
+                  "Fatal NVSwitch error on n1 (1 in the last window)",
+                  "An NVSwitch of n1 reported 1 fatal SXID(s): NVLink traffic through it is lost and jobs "
+                  "spanning its GPUs fail. Drain the node; the switch and its GPUs need a reset (usually a "
+                  "node reboot) before it takes jobs again.", "critical", "drain")
+    repeating = alert(
+        "GPUHealthNvswitchErrorsRepeating", {"alertname": "GPUHealthNvswitchErrorsRepeating", "node": "n2"},
+        "NVSwitch errors repeating on n2 (10 in the last window)",
+        "The NVSwitches of n2 reported 10 non-fatal SXIDs in the last window. Each is recovered, but a link "
+        "or switch that keeps erring is degrading: check the SXIDs in the kernel log and plan a maintenance "
+        "window.", "warning", "none")
+    checks = [
+        {"eval_time": "9m", "alertname": "GPUHealthNvswitchFatalError", "exp_alerts": []},
+        {"eval_time": "11m", "alertname": "GPUHealthNvswitchFatalError", "exp_alerts": [fatal]},
+        {"eval_time": "37m", "alertname": "GPUHealthNvswitchErrorsRepeating", "exp_alerts": []},
+        {"eval_time": "39m", "alertname": "GPUHealthNvswitchErrorsRepeating", "exp_alerts": [repeating]},
+    ]
+    _run(tmp_path, source, fleet, checks)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_gpus_missing_repeatedly(tmp_path, source):
+    minutes = 150
+    fleet = Fleet(source)
+    fleet.node("n1", minutes, gpus=7)                    # GPU 7 shows on and off: missing twice
+    fleet.node("n2", minutes, gpus=7)                    # missing once, for long
+    for node, gaps in (("n1", [(15, 35), (95, 115)]), ("n2", [(15, minutes + 1)])):
+        shape = " ".join("_" if any(a <= m < b for a, b in gaps) else "60" for m in range(minutes + 1))
+        fleet.add("temperature", node, 7, shape)
+        fleet.add("info", node, 7, shape.replace("60", "1"), uuid=f"GPU-{node}-7")
+        fleet.add("utilization", node, 7, shape.replace("60", "0.9"))
+        fleet.add("gpus_expected", node, None, (8, 0, minutes))
+        visible = " ".join("7" if any(a <= m < b for a, b in gaps) else "8" for m in range(minutes + 1))
+        fleet.add("gpus_visible", node, None, visible)
+    repeated = alert(
+        "GPUHealthGpusMissingRepeatedly", {"alertname": "GPUHealthGpusMissingRepeatedly", "node": "n1"},
+        "GPUs of n1 went missing 2 times: repair the node",
+        "n1 lost GPUs from the driver on 2 separate occasions in the repeat window. Reboots are not fixing "
+        "it: take the node out of rotation and check risers, board and power.", "critical", "replace")
+    checks = [
+        {"eval_time": "90m", "alertname": "GPUHealthGpusMissingRepeatedly", "exp_alerts": []},
+        {"eval_time": "125m", "alertname": "GPUHealthGpusMissingRepeatedly", "exp_alerts": [repeated]},
+    ]
+    _run(tmp_path, source, fleet, checks)
