@@ -31,7 +31,7 @@ LEGACY_NVLINK_ERROR_TYPES = ("crc_flit", "crc_data", "replay", "recovery")  # nv
 REMAP_AVAILABILITY = ("max", "high", "partial", "low", "none")
 RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset",  # NVML 0..7
                     "recover_imex_domain", "bus_reset", "system_reboot")
-KMSG_RESULTS = ("xid", "sxid", "aer", "fallen_off_bus", "ignored", "malformed")
+KMSG_RESULTS = ("xid", "sxid", "aer", "fallen_off_bus", "ignored", "malformed", "not_kernel", "over_limit")
 
 SPECS: dict[str, Spec] = {
     # exporter and node level
