@@ -218,3 +218,44 @@ def test_an_unknown_user_costs_one_password_check_like_a_known_one(monkeypatch) 
         checks.clear()
         ok = auth.verify("Basic " + base64.b64encode(user).decode())
         assert len(checks) == 1 and ok == (user == b"prometheus:right")
+
+
+def test_a_password_longer_than_bcrypt_reads_is_refused_not_dropped(sampler: Sampler) -> None:
+    """bcrypt reads 72 bytes; the library raises on more, which must be a 401 like any wrong password."""
+    hashed = bcrypt.hashpw(b"p" * 72, bcrypt.gensalt(rounds=4)).decode()
+    for address in serve(make_server("127.0.0.1", free_port(), sampler, users={"prometheus": hashed})):
+        for password in (b"p" * 73, b"p" * 72 + b"extra", "é".encode() * 60):
+            header = {"Authorization": "Basic " + base64.b64encode(b"prometheus:" + password).decode()}
+            assert get(f"http://{address}/metrics", header)[0] == 401
+        for user in (b"nobody", b"prometheus"):  # unknown user, too: same answer, same cost
+            header = {"Authorization": "Basic " + base64.b64encode(user + b":" + b"x" * 100).decode()}
+            assert get(f"http://{address}/metrics", header)[0] == 401
+        good = {"Authorization": "Basic " + base64.b64encode(b"prometheus:" + b"p" * 72).decode()}
+        assert get(f"http://{address}/metrics", good)[0] == 200
+
+
+@pytest.mark.parametrize(("accept", "gzipped"), [
+    ("gzip", True), ("GZIP", True), ("deflate, gzip;q=0.5", True), ("*", True), ("br, *;q=0.1", True),
+    ("gzip;q=0", False), ("gzip; q=0.000", False), ("identity", False), ("x-gzip-not", False),
+    ("notgzip", False), ("*;q=0", False), ("gzip;q=0, *;q=1", False), ("gzip;q=abc", False), ("", False),
+])
+def test_gzip_only_when_the_accept_encoding_header_allows_it(sampler: Sampler, accept: str,
+                                                             gzipped: bool) -> None:
+    for address in serve(make_server("127.0.0.1", free_port(), sampler)):
+        answer = _raw(address, b"GET /metrics HTTP/1.1\r\nAccept-Encoding: " + accept.encode()
+                      + b"\r\nConnection: close\r\n\r\n")
+        head = answer.split(b"\r\n\r\n", 1)[0]
+        assert head.startswith(b"HTTP/1.1 200") and b"Vary: Accept-Encoding" in head
+        assert (b"Content-Encoding: gzip" in head) == gzipped
+
+
+def test_a_request_with_a_body_is_refused_so_it_cannot_smuggle_a_second_request(sampler: Sampler) -> None:
+    hashed = bcrypt.hashpw(b"scrape-me", bcrypt.gensalt(rounds=4)).decode()
+    for address in serve(make_server("127.0.0.1", free_port(), sampler, users={"prometheus": hashed})):
+        smuggled = b"GET /metrics HTTP/1.1\r\nAuthorization: Basic eDp5\r\n\r\n"
+        for framing in (b"Content-Length: %d" % len(smuggled), b"Transfer-Encoding: chunked",
+                        b"Content-Length: %d\r\nContent-Length: 0" % len(smuggled)):
+            answer = _raw(address, b"GET /healthz HTTP/1.1\r\n" + framing + b"\r\n\r\n" + smuggled)
+            assert answer.startswith(b"HTTP/1.1 400") and answer.count(b"HTTP/1.1 ") == 1, answer[:200]
+        assert _raw(address, b"GET /healthz HTTP/1.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                    ).startswith(b"HTTP/1.1 200")
