@@ -79,3 +79,14 @@ def test_jobs_golden(clock: FakeClock) -> None:
     assert value(text, "gpuhealth_gpu_job_info", gpu="1", job_id="771299") == 1
     assert value(text, "gpuhealth_gpu_job_info", gpu="1", job_id="771234") == 1
     assert value(text, "gpuhealth_gpu_job_info", gpu="2", job_id="771234") is None
+
+
+@pytest.mark.parametrize("value", [b'1"} 1\ngpuhealth_gpu_up{gpu="0"} 0', b"9" * 5000, b"\xff\xfe", b"-1",
+                                   b"12 13", b"771234\n"])
+def test_a_job_id_a_user_sets_in_the_environment_must_be_a_slurm_job_id(tmp_path: Path, value: bytes) -> None:
+    """Anyone can start a GPU process with SLURM_JOB_ID set to anything: only a job id's grammar is read."""
+    (tmp_path / "77").mkdir()
+    (tmp_path / "77" / "environ").write_bytes(b"HOME=/x\0SLURM_JOB_ID=" + value + b"\0")
+    assert slurm_job_of(tmp_path, 77) is None
+    (tmp_path / "77" / "environ").write_bytes(b"SLURM_JOB_ID=771234\0")
+    assert slurm_job_of(tmp_path, 77) == "771234"
