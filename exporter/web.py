@@ -113,7 +113,7 @@ class BasicAuth:
 
     def verify(self, header: str | None) -> bool:
         """The slow path, run off the event loop."""
-        if not header or not header.startswith("Basic "):
+        if not header or header[:6].lower() != "basic ":  # the scheme is case-insensitive (RFC 9110)
             return False
         try:
             user, sep, password = base64.b64decode(header[6:], validate=True).decode().partition(":")
@@ -252,6 +252,8 @@ class ExporterServer:
             name, sep, value = line.partition(":")
             if sep:
                 name, value = name.strip().lower(), value.strip()
+                if name == "authorization" and name in headers:
+                    value = ""  # two credentials: a proxy may have checked the other one, so neither counts
                 headers[name] = value
                 has_body |= name == "transfer-encoding" or (name == "content-length" and value != "0")
         keep_alive = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"

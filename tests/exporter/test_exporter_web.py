@@ -259,3 +259,17 @@ def test_a_request_with_a_body_is_refused_so_it_cannot_smuggle_a_second_request(
             assert answer.startswith(b"HTTP/1.1 400") and answer.count(b"HTTP/1.1 ") == 1, answer[:200]
         assert _raw(address, b"GET /healthz HTTP/1.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
                     ).startswith(b"HTTP/1.1 200")
+
+
+def test_basic_is_case_insensitive_and_two_authorization_headers_are_refused(sampler: Sampler) -> None:
+    hashed = bcrypt.hashpw(b"scrape-me", bcrypt.gensalt(rounds=4)).decode()
+    token = base64.b64encode(b"prometheus:scrape-me")
+    for address in serve(make_server("127.0.0.1", free_port(), sampler, users={"prometheus": hashed})):
+        for scheme in (b"Basic", b"basic", b"BASIC"):
+            answer = _raw(address, b"GET /metrics HTTP/1.1\r\nAuthorization: " + scheme + b" " + token
+                          + b"\r\nConnection: close\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 200"), scheme
+        for first, second in ((token, b"eDp5"), (b"eDp5", token), (token, token)):
+            answer = _raw(address, b"GET /metrics HTTP/1.1\r\nAuthorization: Basic " + first
+                          + b"\r\nAuthorization: Basic " + second + b"\r\nConnection: close\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 401"), (first, second)
