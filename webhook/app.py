@@ -79,6 +79,23 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
 
 
 ACTOR = web.RequestKey("actor", str)  # the audit name of who made the request
+# What a browser may send cross-site without asking first (a form, fetch in no-cors mode); no sender
+# of ours uses them, and refusing them keeps a web page from driving the webhook through an operator's
+# browser when credentials come from an authenticating proxy.
+BROWSER_FORM_TYPES = frozenset({"application/x-www-form-urlencoded", "multipart/form-data", "text/plain"})
+
+
+@web.middleware
+async def _no_browser_writes(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Writes come from Alertmanager and operators' tools, never from a web page (an ``Origin``
+    header, or a form's content type)."""
+    if request.method not in ("GET", "HEAD", "OPTIONS"):
+        if "Origin" in request.headers or request.headers.get("Sec-Fetch-Site", "none") != "none":
+            raise _json_error(web.HTTPForbidden, "requests from a web page cannot change anything here")
+        if request.content_type in BROWSER_FORM_TYPES:
+            raise _json_error(web.HTTPUnsupportedMediaType, f"content type {request.content_type!r}: send "
+                                                            "application/json")
+    return await handler(request)
 
 
 @web.middleware
@@ -306,7 +323,8 @@ async def status_page(request: web.Request) -> web.Response:
 
 def create_app(config: Config, *, backend: Backend | None = None) -> web.Application:
     """The webhook application; ``backend`` defaults to the one the config names."""
-    app = web.Application(middlewares=[_json_errors, _require_auth], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[_json_errors, _no_browser_writes, _require_auth],
+                          client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[BACKEND] = backend if backend is not None else create_backend(config.backend)
     app[AUTH] = Authenticator.from_config(config)
