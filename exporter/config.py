@@ -72,7 +72,7 @@ def read_yaml(path: Path, problems: list[str]) -> dict[str, Any]:
     except OSError as exc:
         problems.append(f"{path}: cannot read: {exc.strerror}")
         return {}
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         problems.append(f"{path}: not valid YAML: {exc}")
         return {}
     if not isinstance(data, dict):
@@ -121,7 +121,7 @@ def _apply_web_config(settings: Settings, path: Path, problems: list[str]) -> No
     """Prometheus exporter-toolkit's web configuration file: ``tls_server_config``, ``basic_auth_users``."""
     try:
         data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
         problems.append(f"web_config_file: {path}: cannot read: {exc}")
         return
     if not isinstance(data, dict):

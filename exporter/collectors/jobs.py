@@ -22,7 +22,8 @@ _JOB_ID = re.compile(rb"[0-9]{1,12}")
 def slurm_job_of(procfs: Path, pid: int) -> str | None:
     """The Slurm job id of ``pid``: its cgroup path (``.../job_<id>/...``), else ``SLURM_JOB_ID``."""
     try:
-        cgroup = (procfs / str(pid) / "cgroup").read_text()
+        # a delegated cgroup may be named with any bytes by the process owner
+        cgroup = (procfs / str(pid) / "cgroup").read_text(errors="surrogateescape")
     except OSError:  # the process ended, or it is in another pid namespace: try its environment
         cgroup = ""
     if match := _CGROUP_JOB.search(cgroup):

@@ -188,3 +188,14 @@ def test_a_wrongly_typed_user_mapping_is_reported_without_echoing_its_hashes() -
     with pytest.raises(ConfigError) as caught:
         build_settings({"basic_auth_users": {123: hashed}}, {}, ["nfs"])
     assert "basic_auth_users" in str(caught.value) and hashed.split("$")[3] not in str(caught.value)
+
+
+def test_a_config_file_that_is_not_utf8_is_one_clear_problem(tmp_path: Path) -> None:
+    path = tmp_path / "exporter.yaml"
+    path.write_bytes(b"backend: sim\nlisten: \"\xff\"\n")
+    problems: list[str] = []
+    assert read_yaml(path, problems) == {} and len(problems) == 1 and "not valid YAML" in problems[0]
+    web = tmp_path / "web.yaml"
+    web.write_bytes(b"basic_auth_users:\n  \xff: x\n")
+    with pytest.raises(ConfigError, match="web_config_file"):
+        build_settings({"web_config_file": str(web)}, {}, ["nfs"])

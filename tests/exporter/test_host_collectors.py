@@ -124,3 +124,12 @@ def test_a_label_value_python_cannot_encode_is_rendered_escaped_not_fatal() -> N
     text = render(families).decode()
     promtool_check(text)
     assert len(_label_sets(text)) == 2
+
+
+def test_a_cgroup_named_with_bytes_that_are_not_utf8_does_not_stop_job_attribution(tmp_path: Path) -> None:
+    (tmp_path / "78").mkdir()
+    (tmp_path / "78" / "cgroup").write_bytes(b"0::/user.slice/user@1000.service/\xff\xfe\n")
+    (tmp_path / "78" / "environ").write_bytes(b"SLURM_JOB_ID=4711\0")
+    assert slurm_job_of(tmp_path, 78) == "4711"
+    (tmp_path / "78" / "cgroup").write_bytes(b"0::/system.slice/slurmstepd.scope/job_4712/\xff\n")
+    assert slurm_job_of(tmp_path, 78) == "4712"
