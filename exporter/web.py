@@ -140,6 +140,7 @@ class Limits:
     head_timeout: float = 10.0      # to send the request line and headers
     idle_timeout: float = 60.0      # between requests on a kept-alive connection
     handshake_timeout: float = 10.0
+    write_timeout: float = 10.0     # for a client to take an answer: one that never reads is closed
 
 
 class _Connection:
@@ -227,7 +228,7 @@ class ExporterServer:
                     break
                 connection.waiting = False
                 keep_alive = await self._respond(head, writer)
-                await writer.drain()
+                await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
                 if not keep_alive:
                     break
                 connection.waiting = True

@@ -9,6 +9,7 @@ import ipaddress
 import socket
 import ssl
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -274,3 +275,23 @@ def test_basic_is_case_insensitive_and_two_authorization_headers_are_refused(sam
             answer = _raw(address, b"GET /metrics HTTP/1.1\r\nAuthorization: Basic " + first
                           + b"\r\nAuthorization: Basic " + second + b"\r\nConnection: close\r\n\r\n")
             assert answer.startswith(b"HTTP/1.1 401"), (first, second)
+
+
+def test_a_client_that_never_reads_its_answers_is_closed_after_the_write_deadline(sampler: Sampler) -> None:
+    """Pipelined requests whose answers are never read would hold a connection and a body each forever."""
+    server = make_server("127.0.0.1", free_port(), sampler, limits=Limits(write_timeout=0.5))
+    for address in serve(server):
+        host, port = address.rsplit(":", 1)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 3000)  # ~10 MB of answers
+        deadline = time.monotonic() + 20
+        while not server._connections:  # accepted and answering
+            assert time.monotonic() < deadline, "the connection was never accepted"
+            time.sleep(0.01)
+        while server._connections:
+            assert time.monotonic() < deadline, "a connection that never reads was kept"
+            time.sleep(0.05)
+        sock.close()
+        assert get(f"http://{address}/healthz")[0] in (200, 503)
