@@ -94,8 +94,10 @@ async def test_reads_are_open_and_writes_need_credentials(webhook):
     (json.dumps(notification({**alert(), "startsAt": "20261130T050000Z"})).encode(), "not an RFC 3339 time"),
     (json.dumps(notification({**alert(), "startsAt": "2026-11-30 05:00:00Z"})).encode(), "not an RFC 3339"),
     (json.dumps(notification({**alert(), "endsAt": "2026-11-30T05:00:00"})).encode(), "alerts[0].endsAt"),
-    (json.dumps(notification({**alert(), "generatorURL": "javascript:alert(1)"})).encode(),
-     "generatorURL: 'javascript:alert(1)' is not an http(s) URL"),
+    (json.dumps(notification({**alert(), "generatorURL": "http://prom:9090/graph?g0.expr=up == 0"})).encode(),
+     "generatorURL: 'http://prom:9090/graph?g0.expr=up == 0' is not an absolute URI"),
+    (json.dumps(notification({**alert(), "generatorURL": "/graph?g0.expr=up"})).encode(), "absolute URI"),
+    (json.dumps(notification({**alert(), "generatorURL": "http://pröm:9090/"})).encode(), "absolute URI"),
     (json.dumps({**notification(alert()), "externalURL": "http://am:9093/\r\nX-Forged: 1"}).encode(),
      "externalURL: holds control characters"),
     (json.dumps({**notification(alert()), "receiver": "gpuhealth\nevent=forged"}).encode(),
@@ -134,6 +136,13 @@ async def test_unwritable_journal_answers_503_so_alertmanager_retries(webhook, t
     await hook.post(alert())
     assert len(await hook.settle()) == 1
     assert await hook.metric("gpuhealth_webhook_notifications_total", outcome="journal_error") == 1
+
+
+def test_parser_accepts_a_generator_url_of_any_scheme_from_tools_other_than_prometheus():
+    for url in ("", "http://prometheus:9090/graph?g0.expr=up%20%3D%3D%200&g0.tab=1", "https://grafana/x",
+                "grafana+alerting://rule/abc"):
+        [a] = parse_notification(notification({**alert(), "generatorURL": url})).alerts
+        assert a.generator_url == url
 
 
 def test_parser_accepts_alertmanager_times_and_ignores_go_zero_end():
