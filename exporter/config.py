@@ -72,7 +72,7 @@ def read_yaml(path: Path, problems: list[str]) -> dict[str, Any]:
     except OSError as exc:
         problems.append(f"{path}: cannot read: {exc.strerror}")
         return {}
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         problems.append(f"{path}: not valid YAML: {exc}")
         return {}
     if not isinstance(data, dict):
@@ -121,7 +121,7 @@ def _apply_web_config(settings: Settings, path: Path, problems: list[str]) -> No
     """Prometheus exporter-toolkit's web configuration file: ``tls_server_config``, ``basic_auth_users``."""
     try:
         data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
         problems.append(f"web_config_file: {path}: cannot read: {exc}")
         return
     if not isinstance(data, dict):
@@ -166,7 +166,8 @@ def build_settings(file_values: dict[str, Any], flag_values: dict[str, Any], col
     for key, value in merged.items():
         why = _type_problem(key, value)
         if why is not None:
-            problems.append(f"{key}: {why}, got {value!r}")
+            shown = "a mapping" if key == "basic_auth_users" else repr(value)  # never echo hashes
+            problems.append(f"{key}: {why}, got {shown}")
             continue
         if key in _PATHS:
             value = Path(value)
@@ -225,6 +226,9 @@ def _check(s: Settings, collector_names: list[str], problems: list[str]) -> None
         problems.append("web.basic_auth_users: expected a mapping of user: password hash")
     else:
         for user, hashed in s.basic_auth_users.items():
+            if not user or ":" in user or not user.isprintable():  # RFC 7617: the user-id ends at ':'
+                problems.append(f"web.basic_auth_users: user name {user!r} can never log in (empty, a ':' "
+                                "or a control character)")
             if (why := hash_problem(str(hashed))) is not None:
                 problems.append(f"web.basic_auth_users.{user}: {why}")
     if not (s.procfs / "stat").is_file():

@@ -25,7 +25,8 @@ MAX_READ_BYTES = 1 << 20  # per sampling run from a file: a flood is read over s
 
 _DICTIONARY = re.compile(r" [A-Z_]{1,32}=")
 _KMSG_PREFIX = re.compile(r"^(\d+),(\d+),(\d+),[^;]{0,16};")
-_PCI = r"(?:PCI:)?([0-9a-fA-F]{1,8}):([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})(?:\.([0-7]))?"
+# domain:bus:device[.function]; a device number is 0-1f (32 per bus), a function 0-7
+_PCI = r"(?:PCI:)?([0-9a-fA-F]{1,8}):([0-9a-fA-F]{1,2}):([01]?[0-9a-fA-F])(?:\.([0-7]))?"
 # Every pattern is matched at a position found with str.find, never searched across the record:
 # the cost of a record is linear in its length whatever it contains.
 _XID = re.compile(r"NVRM: Xid \(" + _PCI + r"\): (\d{1,5}),")  # the comma: a cut line is not XID 7
@@ -79,9 +80,19 @@ def split_record(line: str) -> tuple[int | None, float | None, str]:
     return int(match.group(2)), int(match.group(3)) / 1e6, line[match.end():]
 
 
+def _from_user_space(line: str) -> bool:
+    """A kmsg record's facility (priority >> 3) is 0 only for the kernel: the kernel files whatever
+    user space writes to /dev/kmsg under LOG_USER at least, so such a record cannot forge an XID."""
+    match = _KMSG_PREFIX.match(line)
+    return match is not None and int(match.group(1)) >> 3 != 0
+
+
 def parse_line(line: str) -> Event:
     """Classify one kernel log line or kmsg record (prefix optional). Never raises; linear time."""
-    seq, _, text = split_record(line[:MAX_RECORD_CHARS].rstrip("\n"))
+    line = line[:MAX_RECORD_CHARS].rstrip("\n")
+    seq, _, text = split_record(line)
+    if _from_user_space(line):
+        return Event("not_kernel", seq=seq)
     if not text.strip() or _DICTIONARY.match(text):
         return Event("ignored", seq=seq)  # blanks and /dev/kmsg dictionary lines (" SUBSYSTEM=pci")
     text = unescape_record(text)
@@ -95,7 +106,9 @@ def parse_line(line: str) -> Event:
         return Event("fallen_off_bus", "", seq=seq)  # the GPU is named on the notice's first line
     if (at := text.find(": SXid (")) >= 0:
         start = text.rfind("nvidia-nvswitch", max(at - 24, 0), at)
-        if start >= 0 and (match := _SXID.match(text, start)):
+        if start >= 0 and (match := _SXID.match(text, start)) is None:
+            return Event("malformed", seq=seq)
+        if start >= 0:
             severity = "fatal" if match.group(7).lower() == "fatal" else "non_fatal"
             return Event("sxid", pci_bus_id(*match.group(2, 3, 4, 5)), code=int(match.group(6)),
                          severity=severity, device=match.group(1).removeprefix("nvidia-"), seq=seq)

@@ -31,7 +31,7 @@ LEGACY_NVLINK_ERROR_TYPES = ("crc_flit", "crc_data", "replay", "recovery")  # nv
 REMAP_AVAILABILITY = ("max", "high", "partial", "low", "none")
 RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset",  # NVML 0..7
                     "recover_imex_domain", "bus_reset", "system_reboot")
-KMSG_RESULTS = ("xid", "sxid", "aer", "fallen_off_bus", "ignored", "malformed")
+KMSG_RESULTS = ("xid", "sxid", "aer", "fallen_off_bus", "ignored", "malformed", "not_kernel", "over_limit")
 
 SPECS: dict[str, Spec] = {
     # exporter and node level
@@ -175,6 +175,20 @@ MAX_CACHED_SERIES = 100_000
 _ESCAPES = str.maketrans({"\\": "\\\\", "\n": "\\n", '"': '\\"'})
 
 
+def _utf8(value: str) -> str:
+    """A label value the exposition can carry: the kernel's names are bytes, read with surrogateescape,
+    and a byte that is not UTF-8 is shown as ``\\xff`` instead of failing the whole scrape."""
+    try:
+        value.encode()
+        return value
+    except UnicodeEncodeError:
+        pass
+    try:
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that no byte escaped
+        return value.encode("utf-8", "backslashreplace").decode()
+
+
 def _format_value(value: float) -> str:
     if value != value:
         return "NaN"
@@ -200,7 +214,7 @@ class Renderer:
         if prefix is None:
             if len(self._prefixes) > MAX_CACHED_SERIES:  # label values churned (jobs come and go)
                 self._prefixes.clear()
-            inner = ",".join(f'{k}="{str(v).translate(_ESCAPES)}"' for k, v in sorted(labels.items()))
+            inner = ",".join(f'{k}="{_utf8(str(v)).translate(_ESCAPES)}"' for k, v in sorted(labels.items()))
             prefix = self._prefixes[key] = f"{name}{{{inner}}} " if inner else f"{name} "
         return prefix
 

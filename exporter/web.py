@@ -40,6 +40,23 @@ MIN_ITERATIONS = 1000
 _BCRYPT = re.compile(r"^\$2[aby]\$(0[4-9]|[12]\d|3[01])\$[./A-Za-z0-9]{53}$")
 MAX_HEAD_BYTES = 8192
 MAX_VERIFIED = 64
+BCRYPT_MAX_BYTES = 72
+_QVALUE = re.compile(r"(?:0(?:\.[0-9]{0,3})?|1(?:\.0{0,3})?)")  # RFC 9110 section 12.4.2
+
+
+def accepts_gzip(header: str) -> bool:
+    """Whether an Accept-Encoding header allows gzip: named with q > 0, or not named and ``*`` allowed.
+    A malformed weight counts as 0, so a doubtful scraper gets plain text."""
+    weights: dict[str, float] = {}
+    for item in header.split(","):
+        coding, *params = (part.strip() for part in item.split(";"))
+        weight = 1.0
+        for param in params:
+            name, _, raw = param.partition("=")
+            if name.strip().lower() == "q":
+                weight = float(raw.strip()) if _QVALUE.fullmatch(raw.strip()) else 0.0
+        weights[coding.lower()] = weight
+    return weights.get("gzip", weights.get("*", 0.0)) > 0
 
 
 def hash_password(password: str, iterations: int = HASH_ITERATIONS) -> str:
@@ -72,7 +89,10 @@ def hash_problem(hashed: str) -> str | None:
 def check_password(password: str, hashed: str) -> bool:
     """Constant-time comparison; ``hashed`` was validated by ``hash_problem`` at start-up."""
     if hashed.startswith("$2"):
-        return bcrypt.checkpw(password.encode(), hashed.encode())
+        secret = password.encode()
+        # bcrypt reads 72 bytes and the library raises on more: a longer password costs the same check
+        # and never matches (Go's exporter-toolkit refuses it too)
+        return bcrypt.checkpw(secret[:BCRYPT_MAX_BYTES], hashed.encode()) and len(secret) <= BCRYPT_MAX_BYTES
     _, iterations, salt, digest = hashed.split("$")
     computed = hashlib.pbkdf2_hmac("sha256", password.encode(), base64.b64decode(salt), int(iterations))
     return hmac.compare_digest(computed, base64.b64decode(digest))
@@ -93,7 +113,7 @@ class BasicAuth:
 
     def verify(self, header: str | None) -> bool:
         """The slow path, run off the event loop."""
-        if not header or not header.startswith("Basic "):
+        if not header or header[:6].lower() != "basic ":  # the scheme is case-insensitive (RFC 9110)
             return False
         try:
             user, sep, password = base64.b64decode(header[6:], validate=True).decode().partition(":")
@@ -120,6 +140,7 @@ class Limits:
     head_timeout: float = 10.0      # to send the request line and headers
     idle_timeout: float = 60.0      # between requests on a kept-alive connection
     handshake_timeout: float = 10.0
+    write_timeout: float = 10.0     # for a client to take an answer: one that never reads is closed
 
 
 class _Connection:
@@ -207,7 +228,7 @@ class ExporterServer:
                     break
                 connection.waiting = False
                 keep_alive = await self._respond(head, writer)
-                await writer.drain()
+                await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
                 if not keep_alive:
                     break
                 connection.waiting = True
@@ -227,11 +248,21 @@ class ExporterServer:
             self._write(writer, HTTPStatus.BAD_REQUEST, b"bad request\n", "text/plain", {}, False)
             return False
         headers = {}
+        has_body = False  # any framing header, repeated ones included, that announces a body
         for line in header_lines:
             name, sep, value = line.partition(":")
             if sep:
-                headers[name.strip().lower()] = value.strip()
+                name, value = name.strip().lower(), value.strip()
+                if name == "authorization" and name in headers:
+                    value = ""  # two credentials: a proxy may have checked the other one, so neither counts
+                headers[name] = value
+                has_body |= name == "transfer-encoding" or (name == "content-length" and value != "0")
         keep_alive = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
+        if has_body:
+            # no endpoint takes a body, and one left unread would be parsed as the next request
+            self._write(writer, HTTPStatus.BAD_REQUEST, b"a request body is not accepted\n", "text/plain", {},
+                        False)
+            return False
         if method not in ("GET", "HEAD"):
             self._write(writer, HTTPStatus.METHOD_NOT_ALLOWED, b"method not allowed\n", "text/plain",
                         {"Allow": "GET, HEAD"}, keep_alive)
@@ -248,9 +279,9 @@ class ExporterServer:
                         {"WWW-Authenticate": 'Basic realm="gpuhealth-exporter"'}, keep_alive)
             return keep_alive
         if path == "/metrics":
-            body, extra = self.sampler.exposition, {}
-            if "gzip" in headers.get("accept-encoding", ""):
-                body, extra = self._gzipped(body), {"Content-Encoding": "gzip"}
+            body, extra = self.sampler.exposition, {"Vary": "Accept-Encoding"}
+            if accepts_gzip(headers.get("accept-encoding", "")):
+                body, extra = self._gzipped(body), extra | {"Content-Encoding": "gzip"}
             self._write(writer, HTTPStatus.OK, body, CONTENT_TYPE_LATEST, extra, keep_alive, method == "HEAD")
         elif path == "/":
             self._write(writer, HTTPStatus.OK, LANDING, "text/html", {}, keep_alive, method == "HEAD")

@@ -13,7 +13,6 @@ import logging
 import re
 import sqlite3
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from gpuhealth.webhook.journal import (
     JournalUnwritable,
 )
 from gpuhealth.webhook.metrics import Metrics
-from gpuhealth.webhook.models import PayloadError, parse_notification
+from gpuhealth.webhook.models import PayloadError, decode_body, parse_notification, rfc3339
 from gpuhealth.webhook.outcomes import Outcome, Reason
 from gpuhealth.webhook.policy import decide
 from gpuhealth.webhook.worker import Worker
@@ -65,8 +64,12 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
     without a traceback to the client."""
     try:
         return await handler(request)
-    except web.HTTPException:
-        raise
+    except web.HTTPException as exc:
+        if exc.status < 400 or exc.content_type == "application/json":
+            raise
+        # aiohttp's own answers (no route, wrong method, body too large) are plain text: JSON them too
+        headers = {k: v for k, v in exc.headers.items() if k not in ("Content-Type", "Content-Length")}
+        return web.json_response({"error": exc.text or exc.reason}, status=exc.status, headers=headers)
     except (JournalUnwritable, *JOURNAL_ERRORS) as exc:
         log.error("event=journal_error path=%r error=%r", request.path[:100], exc)
         raise _json_error(web.HTTPServiceUnavailable, f"journal cannot be written now: {exc}") from None
@@ -76,6 +79,15 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
 
 
 ACTOR = web.RequestKey("actor", str)  # the audit name of who made the request
+@web.middleware
+async def _no_browser_writes(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Writes come from Alertmanager and operators' tools, never from a web page: browsers mark every
+    cross-site write (a form, a no-cors fetch) with ``Origin``, so a page cannot drive the webhook
+    through an operator's browser when an authenticating proxy supplies the credentials."""
+    if request.method not in ("GET", "HEAD", "OPTIONS") and (
+            "Origin" in request.headers or request.headers.get("Sec-Fetch-Site", "none") != "none"):
+        raise _json_error(web.HTTPForbidden, "requests from a web page cannot change anything here")
+    return await handler(request)
 
 
 @web.middleware
@@ -84,7 +96,10 @@ async def _require_auth(request: web.Request, handler: Any) -> web.StreamRespons
     reads stay open."""
     if request.method not in ("GET", "HEAD", "OPTIONS"):
         intake = request.path == "/alerts"
-        who = request.app[AUTH].identify(request.headers.get("Authorization"), operator=not intake)
+        headers = request.headers.getall("Authorization", [])
+        # two credentials in one request: a proxy may have checked the other one, so neither counts
+        header = headers[0] if len(headers) == 1 else None
+        who = request.app[AUTH].identify(header, operator=not intake)
         if who is None:
             if intake:
                 request.app[METRICS].notifications.labels("unauthorized").inc()
@@ -103,11 +118,20 @@ async def post_alerts(request: web.Request) -> web.Response:
     except web.HTTPRequestEntityTooLarge:
         metrics.notifications.labels("too_large").inc()
         raise
-    try:
-        notification = parse_notification(json.loads(raw))
-    except (ValueError, RecursionError) as exc:
+    except web.RequestPayloadError as exc:  # a broken gzip/deflate body or chunked encoding
         metrics.notifications.labels("malformed").inc()
-        message = str(exc) if isinstance(exc, PayloadError) else f"body is not valid JSON: {exc}"
+        detail = " ".join(str(exc.__cause__ or exc).split())
+        log.warning("event=notification_rejected remote=%s error=%r", request.remote, detail[:200])
+        # the rest of the stream cannot be parsed: end the body here and close after answering
+        request.content.feed_eof()
+        answer = web.json_response({"error": f"body cannot be read: {detail[:200]}"}, status=400)
+        answer.force_close()
+        return answer
+    try:
+        notification = parse_notification(decode_body(raw))
+    except PayloadError as exc:
+        metrics.notifications.labels("malformed").inc()
+        message = str(exc)
         log.warning("event=notification_rejected remote=%s error=%r", request.remote, message[:300])
         raise _json_error(web.HTTPBadRequest, message) from None
     if notification.truncated_alerts:
@@ -152,14 +176,14 @@ def _since(value: str | None) -> float | None:
         return None
     if UNIX_SECONDS.fullmatch(value):
         return float(value)
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
+    parsed = rfc3339(value)
+    if parsed is None:
         raise _json_error(web.HTTPBadRequest, f"since: {value[:40]!r} is neither unix seconds nor an "
-                                              "RFC 3339 time") from None
-    if parsed.tzinfo is None:
-        raise _json_error(web.HTTPBadRequest, f"since: {value[:40]!r} needs a time zone")
-    return parsed.timestamp()
+                                              "RFC 3339 time with its time zone")
+    try:
+        return parsed.timestamp()
+    except OverflowError:
+        raise _json_error(web.HTTPBadRequest, f"since: {value[:40]!r} is out of range") from None
 
 
 async def get_actions(request: web.Request) -> web.Response:
@@ -291,7 +315,8 @@ async def status_page(request: web.Request) -> web.Response:
 
 def create_app(config: Config, *, backend: Backend | None = None) -> web.Application:
     """The webhook application; ``backend`` defaults to the one the config names."""
-    app = web.Application(middlewares=[_json_errors, _require_auth], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[_json_errors, _no_browser_writes, _require_auth],
+                          client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[BACKEND] = backend if backend is not None else create_backend(config.backend)
     app[AUTH] = Authenticator.from_config(config)

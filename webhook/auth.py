@@ -56,7 +56,8 @@ class Credentials:
         scheme, _, value = (header or "").partition(" ")
         scheme = scheme.lower()
         if scheme == "bearer" and self.token is not None:
-            ok = hmac.compare_digest(value.strip().encode(), self.token.encode())
+            # aiohttp keeps a header's non-UTF-8 bytes as surrogates: compare those bytes, never fail on them
+            ok = hmac.compare_digest(value.strip().encode("utf-8", "surrogateescape"), self.token.encode())
             return f"{self.role} token" if ok else None
         if scheme == "basic" and self.basic is not None:
             try:

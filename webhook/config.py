@@ -373,6 +373,6 @@ def load_config(path: Path, check_backend: Callable[[dict[str, Any]], list[str]]
         data = yaml.safe_load(Path(path).read_text())
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read: {exc.strerror}"]) from None
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
     return parse_config(data, Path(path).resolve().parent, check_backend)

@@ -7,15 +7,57 @@ with a clear message (Alertmanager does not retry a 4xx) and never an exception 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 MAX_PROBLEMS = 10  # listed in one 400 answer; the rest are counted
+MAX_INT_DIGITS = 18  # no number in a notification needs more; a longer one is refused, not converted
+# Alertmanager prints an alert's fingerprint as 16 lowercase hex digits (model.Fingerprint's String()).
+FINGERPRINT = re.compile(r"[0-9a-f]{16}")
+# RFC 3339 date-time (section 5.6), the only form Alertmanager writes; fromisoformat alone takes more.
+RFC3339 = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]{1,9})?"
+                     r"(?:[Zz]|[+-][0-9]{2}:[0-9]{2})")
+URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:[!-~]*")  # scheme ":" then printable ASCII, no space
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class PayloadError(ValueError):
     """The body is not a valid Alertmanager v4 notification; the message says why."""
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Two values for one key would let a proxy and this parser read different notifications."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise PayloadError(f"body is not valid JSON: key {key[:40]!r} appears twice in one object")
+    return obj
+
+
+def _refuse_constant(name: str) -> Any:
+    raise PayloadError(f"body is not valid JSON: {name} is not a JSON number")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise PayloadError(f"body is not valid JSON: a number of {len(text)} digits is out of range")
+    return int(text)
+
+
+def decode_body(raw: bytes) -> Any:
+    """Strict JSON (RFC 8259): UTF-8 only, each key once per object, no NaN or Infinity, bounded
+    integers; anything else is a ``PayloadError``."""
+    try:
+        text = raw.decode("utf-8")
+        return json.loads(text, object_pairs_hook=_refuse_duplicates, parse_constant=_refuse_constant,
+                          parse_int=_bounded_int)
+    except PayloadError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise PayloadError(f"body is not valid JSON: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -63,13 +105,9 @@ def _time(value: Any, where: str, problems: list[str], required: bool) -> dateti
     if not isinstance(value, str):
         problems.append(f"{where}: expected an RFC 3339 time string")
         return None
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        problems.append(f"{where}: {value[:40]!r} is not an RFC 3339 time")
-        return None
-    if parsed.tzinfo is None:
-        problems.append(f"{where}: {value[:40]!r} has no time zone")
+    parsed = rfc3339(value)
+    if parsed is None:
+        problems.append(f"{where}: {value[:40]!r} is not an RFC 3339 time (with its time zone)")
         return None
     if parsed.year <= 1:
         return None  # Go's zero time: Alertmanager's "not set"
@@ -78,6 +116,41 @@ def _time(value: Any, where: str, problems: list[str], required: bool) -> dateti
     except OverflowError:
         problems.append(f"{where}: {value[:40]!r} is out of range")
         return None
+
+
+def rfc3339(value: str) -> datetime | None:
+    """An RFC 3339 date-time, or None; nanoseconds (Go's precision) are cut to microseconds."""
+    if not RFC3339.fullmatch(value):
+        return None
+    head, dot, rest = value.partition(".")
+    if dot:
+        digits = len(rest) - len(rest.lstrip("0123456789"))
+        value = f"{head}.{rest[:min(digits, 6)]}{rest[digits:]}"
+    try:
+        return datetime.fromisoformat(value.upper())
+    except ValueError:
+        return None
+
+
+def _text(value: Any, where: str, problems: list[str]) -> str:
+    """A free-text field Alertmanager fills from its configuration: a string with no control characters."""
+    if not isinstance(value, str):
+        problems.append(f"{where}: expected a string")
+        return ""
+    if _CONTROL.search(value):
+        problems.append(f"{where}: holds control characters")
+        return ""
+    return value
+
+
+def _url(value: Any, where: str, problems: list[str]) -> str:
+    """Empty, or an absolute URI of printable ASCII (RFC 3986, as Alertmanager's API checks it): other
+    tools push alerts too, so the scheme is not held to http(s); the webhook never follows it."""
+    text = _text(value, where, problems)
+    if text and not URI.fullmatch(text):
+        problems.append(f"{where}: {text[:40]!r} is not an absolute URI")
+        return ""
+    return text
 
 
 def _string_map(value: Any, where: str, problems: list[str]) -> dict[str, str]:
@@ -98,15 +171,13 @@ def _alert(raw: Any, where: str, problems: list[str]) -> Alert | None:
     if status not in ("firing", "resolved"):
         problems.append(f"{where}.status: expected 'firing' or 'resolved'")
     fingerprint = raw.get("fingerprint")
-    if not isinstance(fingerprint, str) or not 0 < len(fingerprint) <= 128:
-        problems.append(f"{where}.fingerprint: expected a non-empty string")
+    if not isinstance(fingerprint, str) or not FINGERPRINT.fullmatch(fingerprint):
+        problems.append(f"{where}.fingerprint: expected 16 lowercase hex digits, as Alertmanager writes it")
     labels = _string_map(raw.get("labels"), f"{where}.labels", problems)
     annotations = _string_map(raw.get("annotations"), f"{where}.annotations", problems)
     starts_at = _time(raw.get("startsAt"), f"{where}.startsAt", problems, required=True)
     ends_at = _time(raw.get("endsAt"), f"{where}.endsAt", problems, required=False)
-    generator = raw.get("generatorURL", "")
-    if not isinstance(generator, str):
-        problems.append(f"{where}.generatorURL: expected a string")
+    generator = _url(raw.get("generatorURL", ""), f"{where}.generatorURL", problems)
     if len(problems) > before or starts_at is None:
         if len(problems) == before:
             problems.append(f"{where}.startsAt: must be a real time, not Go's zero time")
@@ -134,9 +205,9 @@ def parse_notification(body: Any) -> Notification:
     status = body.get("status")
     if status not in ("firing", "resolved"):
         problems.append("status: expected 'firing' or 'resolved'")
-    for name in ("receiver", "groupKey", "externalURL"):
-        if not isinstance(body.get(name, ""), str):
-            problems.append(f"{name}: expected a string")
+    receiver = _text(body.get("receiver", ""), "receiver", problems)
+    group_key = _text(body.get("groupKey", ""), "groupKey", problems)
+    _url(body.get("externalURL", ""), "externalURL", problems)
     truncated = body.get("truncatedAlerts", 0)
     if not isinstance(truncated, int) or isinstance(truncated, bool) or truncated < 0:
         problems.append("truncatedAlerts: expected an integer >= 0")
@@ -154,4 +225,4 @@ def parse_notification(body: Any) -> Notification:
         shown = "; ".join(problems[:MAX_PROBLEMS])
         more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
         raise PayloadError(shown + more)
-    return Notification(status, body.get("receiver", ""), body.get("groupKey", ""), tuple(alerts), truncated)
+    return Notification(status, receiver, group_key, tuple(alerts), truncated)

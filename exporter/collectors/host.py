@@ -50,13 +50,13 @@ class HostCollector:
         vmstat = _fields(self.procfs / "vmstat")
         f.add("gpuhealth_host_page_outs_total", int(vmstat["pgpgout"][0]))
         f.add("gpuhealth_host_swap_outs_total", int(vmstat["pswpout"][0]))
-        for line in (self.procfs / "diskstats").read_text().splitlines():
+        for line in (self.procfs / "diskstats").read_text(errors="surrogateescape").splitlines():
             parts = line.split()
             if len(parts) < 10 or IGNORED_DISKS.match(parts[2]):
                 continue
             f.add("gpuhealth_host_disk_read_bytes_total", int(parts[5]) * SECTOR_BYTES, [parts[2]])
             f.add("gpuhealth_host_disk_written_bytes_total", int(parts[9]) * SECTOR_BYTES, [parts[2]])
-        for line in (self.procfs / "net/dev").read_text().splitlines()[2:]:
+        for line in (self.procfs / "net/dev").read_text(errors="surrogateescape").splitlines()[2:]:
             name, _, counters = line.partition(":")
             values = counters.split()
             if name.strip() in IGNORED_INTERFACES or len(values) < 9:

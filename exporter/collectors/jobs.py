@@ -15,12 +15,15 @@ from gpuhealth.exporter.metrics import Families
 from prometheus_client.core import Metric
 
 _CGROUP_JOB = re.compile(r"/job_(\d+)(?:/|$)")
+# Slurm's job ids are decimal; the environment is the process owner's to set, so nothing else is read.
+_JOB_ID = re.compile(rb"[0-9]{1,12}")
 
 
 def slurm_job_of(procfs: Path, pid: int) -> str | None:
     """The Slurm job id of ``pid``: its cgroup path (``.../job_<id>/...``), else ``SLURM_JOB_ID``."""
     try:
-        cgroup = (procfs / str(pid) / "cgroup").read_text()
+        # a delegated cgroup may be named with any bytes by the process owner
+        cgroup = (procfs / str(pid) / "cgroup").read_text(errors="surrogateescape")
     except OSError:  # the process ended, or it is in another pid namespace: try its environment
         cgroup = ""
     if match := _CGROUP_JOB.search(cgroup):
@@ -31,7 +34,8 @@ def slurm_job_of(procfs: Path, pid: int) -> str | None:
         return None
     for entry in environ:
         if entry.startswith(b"SLURM_JOB_ID="):
-            return entry.split(b"=", 1)[1].decode(errors="replace") or None
+            value = entry.split(b"=", 1)[1]
+            return value.decode() if _JOB_ID.fullmatch(value) else None
     return None
 
 

@@ -61,7 +61,7 @@ class NfsCollector:
 
     def collect(self) -> Iterator[Metric]:
         f = Families()
-        for stats in parse_mountstats(self.path.read_text()):
+        for stats in parse_mountstats(self.path.read_text(errors="surrogateescape")):
             f.add("gpuhealth_nfs_transport_sends_total", stats.sends, [stats.mount])
             f.add("gpuhealth_nfs_transport_backlog_queue_total", stats.backlog, [stats.mount])
             for op, (ops, trans, _, _, _, queue_ms, rtt_ms, exec_ms) in stats.ops.items():

@@ -14,13 +14,15 @@ from pathlib import Path
 from gpuhealth.exporter.collector import Context, register
 from gpuhealth.exporter.dedup import XidDeduplicator
 from gpuhealth.exporter.guard import DeadlineExceeded, GuardedWorker
-from gpuhealth.exporter.kmsg import KmsgFollower, parse_line
+from gpuhealth.exporter.kmsg import Event, KmsgFollower, parse_line
 from gpuhealth.exporter.metrics import KMSG_RESULTS, Families
 from gpuhealth.exporter.recovery import load_recovery, save_recovery
 from gpuhealth.exporter.xid_events import MAX_EVENTS_PER_RUN, NvmlXidEvents
 from prometheus_client.core import Metric
 
 log = logging.getLogger(__name__)
+
+MAX_EVENT_SERIES = 1024  # per event family from the kernel log: far above a real node's devices x codes
 
 
 def _boot_id(procfs: Path) -> str:
@@ -89,6 +91,10 @@ class XidCollector:
         inventory = self.ctx.inventory
         for line in self.follower.read_lines(MAX_EVENTS_PER_RUN):
             event = parse_line(line)
+            series = self._series(event)
+            if series is not None and len(series[0]) >= MAX_EVENT_SERIES and series[1] not in series[0]:
+                self.lines["over_limit"] += 1  # odd addresses and codes (forged or garbled) grow nothing
+                continue
             self.lines[event.kind] += 1
             if event.kind == "xid":
                 gpu = inventory.gpu_for_pci(event.pci_bus_id)
@@ -97,11 +103,8 @@ class XidCollector:
                     inventory.logged_recovery[gpu] = event.action
                     log.warning("gpu recovery action gpu=%s action=%s", gpu, event.action)
                     save_recovery(self.recovery_file, self.boot_id, inventory.logged_recovery)
-            elif event.kind == "sxid":
-                self.sxids[(event.device, str(event.code), event.severity)] += 1
-            elif event.kind == "aer":
-                gpu = inventory.gpu_for_pci(event.pci_bus_id)
-                self.aer[(event.pci_bus_id, event.severity, "" if gpu == "unknown" else gpu)] += 1
+            elif series is not None:
+                series[0][series[1]] += 1
             elif event.kind == "fallen_off_bus":
                 self.fallen[inventory.gpu_for_pci(event.pci_bus_id or self._notice_pci)] += 1
             # A text log (journalctl, dmesg, syslog) prints the driver's three-line notice as lines:
@@ -111,6 +114,18 @@ class XidCollector:
             elif event.kind != "ignored":
                 self._notice_pci = ""
         self.follower.save_state()
+
+    def _series(self, event: Event) -> tuple[collections.Counter, tuple[str, ...]] | None:
+        """The counter family and label values an event counts in, for the kinds whose labels come
+        from the line itself (device addresses, codes); None for the others."""
+        if event.kind == "xid":
+            return self.xids, (self.ctx.inventory.gpu_for_pci(event.pci_bus_id), str(event.code))
+        if event.kind == "sxid":
+            return self.sxids, (event.device, str(event.code), event.severity)
+        if event.kind == "aer":
+            gpu = self.ctx.inventory.gpu_for_pci(event.pci_bus_id)
+            return self.aer, (event.pci_bus_id, event.severity, "" if gpu == "unknown" else gpu)
+        return None
 
     def _families(self) -> Iterator[Metric]:
         f = Families()

@@ -174,3 +174,28 @@ def test_sim_profile_and_mig_only_with_the_simulator() -> None:
     with pytest.raises(ConfigError, match="sim_profile"):
         build_settings({}, {"backend": "sim", "sim_profile": "a100"}, [])
     assert build_settings({}, {"backend": "sim", "sim_profile": "b200", "sim_mig": True}, []).sim_mig
+
+
+@pytest.mark.parametrize("user", ["a:b", "", "bob\n", "\x1b[2J"])
+def test_a_user_name_that_can_never_log_in_is_refused_at_start(user: str) -> None:
+    users = {user: hash_password("x", iterations=1000)}
+    with pytest.raises(ConfigError, match="can never log in"):
+        build_settings({"basic_auth_users": users}, {}, ["nfs"])
+
+
+def test_a_wrongly_typed_user_mapping_is_reported_without_echoing_its_hashes() -> None:
+    hashed = hash_password("x", iterations=1000)
+    with pytest.raises(ConfigError) as caught:
+        build_settings({"basic_auth_users": {123: hashed}}, {}, ["nfs"])
+    assert "basic_auth_users" in str(caught.value) and hashed.split("$")[3] not in str(caught.value)
+
+
+def test_a_config_file_that_is_not_utf8_is_one_clear_problem(tmp_path: Path) -> None:
+    path = tmp_path / "exporter.yaml"
+    path.write_bytes(b"backend: sim\nlisten: \"\xff\"\n")
+    problems: list[str] = []
+    assert read_yaml(path, problems) == {} and len(problems) == 1 and "not valid YAML" in problems[0]
+    web = tmp_path / "web.yaml"
+    web.write_bytes(b"basic_auth_users:\n  \xff: x\n")
+    with pytest.raises(ConfigError, match="web_config_file"):
+        build_settings({"web_config_file": str(web)}, {}, ["nfs"])

@@ -9,6 +9,7 @@ import ipaddress
 import socket
 import ssl
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -151,6 +152,7 @@ def test_hundreds_of_idle_clients_do_not_lock_scrapers_out(sampler: Sampler) -> 
         slow.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
         try:
             for _ in range(3):
+                sampler.sample_once()  # no sampling loop runs here: health is about connections, not time
                 assert get(f"http://{address}/metrics")[0] == 200
                 assert get(f"http://{address}/healthz") == (200, "ok\n")
             assert len(server._connections) <= 64
@@ -218,3 +220,78 @@ def test_an_unknown_user_costs_one_password_check_like_a_known_one(monkeypatch) 
         checks.clear()
         ok = auth.verify("Basic " + base64.b64encode(user).decode())
         assert len(checks) == 1 and ok == (user == b"prometheus:right")
+
+
+def test_a_password_longer_than_bcrypt_reads_is_refused_not_dropped(sampler: Sampler) -> None:
+    """bcrypt reads 72 bytes; the library raises on more, which must be a 401 like any wrong password."""
+    hashed = bcrypt.hashpw(b"p" * 72, bcrypt.gensalt(rounds=4)).decode()
+    for address in serve(make_server("127.0.0.1", free_port(), sampler, users={"prometheus": hashed})):
+        for password in (b"p" * 73, b"p" * 72 + b"extra", "é".encode() * 60):
+            header = {"Authorization": "Basic " + base64.b64encode(b"prometheus:" + password).decode()}
+            assert get(f"http://{address}/metrics", header)[0] == 401
+        for user in (b"nobody", b"prometheus"):  # unknown user, too: same answer, same cost
+            header = {"Authorization": "Basic " + base64.b64encode(user + b":" + b"x" * 100).decode()}
+            assert get(f"http://{address}/metrics", header)[0] == 401
+        good = {"Authorization": "Basic " + base64.b64encode(b"prometheus:" + b"p" * 72).decode()}
+        assert get(f"http://{address}/metrics", good)[0] == 200
+
+
+@pytest.mark.parametrize(("accept", "gzipped"), [
+    ("gzip", True), ("GZIP", True), ("deflate, gzip;q=0.5", True), ("*", True), ("br, *;q=0.1", True),
+    ("gzip;q=0", False), ("gzip; q=0.000", False), ("identity", False), ("x-gzip-not", False),
+    ("notgzip", False), ("*;q=0", False), ("gzip;q=0, *;q=1", False), ("gzip;q=abc", False), ("", False),
+])
+def test_gzip_only_when_the_accept_encoding_header_allows_it(sampler: Sampler, accept: str,
+                                                             gzipped: bool) -> None:
+    for address in serve(make_server("127.0.0.1", free_port(), sampler)):
+        answer = _raw(address, b"GET /metrics HTTP/1.1\r\nAccept-Encoding: " + accept.encode()
+                      + b"\r\nConnection: close\r\n\r\n")
+        head = answer.split(b"\r\n\r\n", 1)[0]
+        assert head.startswith(b"HTTP/1.1 200") and b"Vary: Accept-Encoding" in head
+        assert (b"Content-Encoding: gzip" in head) == gzipped
+
+
+def test_a_request_with_a_body_is_refused_so_it_cannot_smuggle_a_second_request(sampler: Sampler) -> None:
+    hashed = bcrypt.hashpw(b"scrape-me", bcrypt.gensalt(rounds=4)).decode()
+    for address in serve(make_server("127.0.0.1", free_port(), sampler, users={"prometheus": hashed})):
+        smuggled = b"GET /metrics HTTP/1.1\r\nAuthorization: Basic eDp5\r\n\r\n"
+        for framing in (b"Content-Length: %d" % len(smuggled), b"Transfer-Encoding: chunked",
+                        b"Content-Length: %d\r\nContent-Length: 0" % len(smuggled)):
+            answer = _raw(address, b"GET /healthz HTTP/1.1\r\n" + framing + b"\r\n\r\n" + smuggled)
+            assert answer.startswith(b"HTTP/1.1 400") and answer.count(b"HTTP/1.1 ") == 1, answer[:200]
+        assert _raw(address, b"GET /healthz HTTP/1.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                    ).startswith(b"HTTP/1.1 200")
+
+
+def test_basic_is_case_insensitive_and_two_authorization_headers_are_refused(sampler: Sampler) -> None:
+    hashed = bcrypt.hashpw(b"scrape-me", bcrypt.gensalt(rounds=4)).decode()
+    token = base64.b64encode(b"prometheus:scrape-me")
+    for address in serve(make_server("127.0.0.1", free_port(), sampler, users={"prometheus": hashed})):
+        for scheme in (b"Basic", b"basic", b"BASIC"):
+            answer = _raw(address, b"GET /metrics HTTP/1.1\r\nAuthorization: " + scheme + b" " + token
+                          + b"\r\nConnection: close\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 200"), scheme
+        for first, second in ((token, b"eDp5"), (b"eDp5", token), (token, token)):
+            answer = _raw(address, b"GET /metrics HTTP/1.1\r\nAuthorization: Basic " + first
+                          + b"\r\nAuthorization: Basic " + second + b"\r\nConnection: close\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 401"), (first, second)
+
+
+def test_a_client_that_never_reads_its_answers_is_closed_after_the_write_deadline(sampler: Sampler) -> None:
+    """Pipelined requests whose answers are never read would hold a connection and a body each forever."""
+    server = make_server("127.0.0.1", free_port(), sampler, limits=Limits(write_timeout=0.5))
+    for address in serve(server):
+        host, port = address.rsplit(":", 1)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 3000)  # ~10 MB of answers
+        deadline = time.monotonic() + 20
+        while not server._connections:  # accepted and answering
+            assert time.monotonic() < deadline, "the connection was never accepted"
+            time.sleep(0.01)
+        while server._connections:
+            assert time.monotonic() < deadline, "a connection that never reads was kept"
+            time.sleep(0.05)
+        sock.close()
+        assert get(f"http://{address}/healthz")[0] in (200, 503)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ from exporter_helpers import (
 from gpuhealth.exporter.collector import Context
 from gpuhealth.exporter.collectors.jobs import slurm_job_of
 from gpuhealth.exporter.collectors.nfs import parse_mountstats
+from gpuhealth.exporter.metrics import Families, render
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def test_host_golden(procfs: Path) -> None:
@@ -79,3 +82,54 @@ def test_jobs_golden(clock: FakeClock) -> None:
     assert value(text, "gpuhealth_gpu_job_info", gpu="1", job_id="771299") == 1
     assert value(text, "gpuhealth_gpu_job_info", gpu="1", job_id="771234") == 1
     assert value(text, "gpuhealth_gpu_job_info", gpu="2", job_id="771234") is None
+
+
+@pytest.mark.parametrize("value", [b'1"} 1\ngpuhealth_gpu_up{gpu="0"} 0', b"9" * 5000, b"\xff\xfe", b"-1",
+                                   b"12 13", b"771234\n"])
+def test_a_job_id_a_user_sets_in_the_environment_must_be_a_slurm_job_id(tmp_path: Path, value: bytes) -> None:
+    """Anyone can start a GPU process with SLURM_JOB_ID set to anything: only a job id's grammar is read."""
+    (tmp_path / "77").mkdir()
+    (tmp_path / "77" / "environ").write_bytes(b"HOME=/x\0SLURM_JOB_ID=" + value + b"\0")
+    assert slurm_job_of(tmp_path, 77) is None
+    (tmp_path / "77" / "environ").write_bytes(b"SLURM_JOB_ID=771234\0")
+    assert slurm_job_of(tmp_path, 77) == "771234"
+
+
+def test_names_that_are_not_utf8_break_neither_a_collector_nor_the_exposition(procfs: Path,
+                                                                              tmp_path: Path) -> None:
+    """Interface and mount names are bytes to the kernel (a Latin-1 directory, a renamed netdev)."""
+    root = tmp_path / "proc"
+    shutil.copytree(procfs, root)
+    net = (root / "net/dev").read_bytes().replace(b"ib0:", b"ib\xff\"\\0:")
+    (root / "net/dev").write_bytes(net)
+    mounts = (root / "self/mountstats").read_bytes()
+    mounts = mounts.replace(b"mounted on /mnt/ckpt ", b"mounted on /mnt/caf\xe9 ")
+    (root / "self/mountstats").write_bytes(mounts)
+    host = scrape(make_collector("host", Context(procfs=root)))
+    nfs = scrape(make_collector("nfs", Context(procfs=root)))
+    promtool_check(host)
+    promtool_check(nfs)
+    assert value(host, "gpuhealth_host_network_transmit_bytes_total", device='ib\\xff"\\0') == 4444444444444
+    assert {"/mnt/caf\\xe9", "/home"} <= {labels.get("mount") for labels in _label_sets(nfs)}
+
+
+def _label_sets(text: str) -> list[dict[str, str]]:
+    return [dict(s.labels) for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def test_a_label_value_python_cannot_encode_is_rendered_escaped_not_fatal() -> None:
+    families = Families()
+    families.add("gpuhealth_nfs_transport_sends_total", 1, ["/mnt/\udcff"])
+    families.add("gpuhealth_nfs_transport_sends_total", 2, ["/mnt/\ud800\r"])
+    text = render(families).decode()
+    promtool_check(text)
+    assert len(_label_sets(text)) == 2
+
+
+def test_a_cgroup_named_with_bytes_that_are_not_utf8_does_not_stop_job_attribution(tmp_path: Path) -> None:
+    (tmp_path / "78").mkdir()
+    (tmp_path / "78" / "cgroup").write_bytes(b"0::/user.slice/user@1000.service/\xff\xfe\n")
+    (tmp_path / "78" / "environ").write_bytes(b"SLURM_JOB_ID=4711\0")
+    assert slurm_job_of(tmp_path, 78) == "4711"
+    (tmp_path / "78" / "cgroup").write_bytes(b"0::/system.slice/slurmstepd.scope/job_4712/\xff\n")
+    assert slurm_job_of(tmp_path, 78) == "4712"

@@ -140,3 +140,18 @@ def test_record_is_capped_so_parsing_cost_is_bounded() -> None:
     assert parse_line("x" * MAX_RECORD_CHARS + tail).kind == "ignored"
     hostile = "nvidia 0000:3b:00.0: " * 5000 + "PCIe Bus Error: severity=Corrected"
     assert parse_line(hostile).kind == "ignored"  # the phrase lies past the cap
+
+
+@pytest.mark.parametrize("line", [
+    "NVRM: Xid (PCI:0000:3b:20): 79, GPU has fallen off the bus.",  # device 0x20: PCI has 32 (0-1f)
+    "NVRM: Xid (PCI:0000:3b:ff.0): 79, x",
+    "nvidia 0000:18:3f.0: AER: PCIe Bus Error: severity=Corrected, type=Physical Layer",
+    "nvidia-nvswitch0: SXid (PCI:0000:07:40.0): 12028, Non-fatal, Link 32",
+])
+def test_a_pci_device_number_outside_the_bus_range_is_malformed(line: str) -> None:
+    assert parse_line(line).kind == "malformed"
+
+
+def test_a_user_space_record_is_not_a_kernel_event() -> None:
+    assert parse_line("12,5,1,-;NVRM: Xid (PCI:0000:3b:00): 79, x").kind == "not_kernel"
+    assert parse_line("7,5,1,-;NVRM: Xid (PCI:0000:3b:00): 79, x").kind == "xid"  # facility 0, debug level

@@ -14,6 +14,7 @@ from exporter_helpers import (
     sim_context,
     value,
 )
+from gpuhealth.exporter.collectors.xid import MAX_EVENT_SERIES
 from gpuhealth.exporter.dedup import XidDeduplicator
 
 
@@ -214,3 +215,45 @@ def test_a_notice_split_over_text_log_lines_lands_on_its_gpu(tmp_path: Path, clo
           "Dec 01 10:00:00 gpu-a17 kernel: NVRM: fallen off the bus and is not responding to commands.")
     text = scrape(collector)
     assert value(text, "gpuhealth_gpu_fallen_off_bus_total", gpu="1") == 1
+
+
+def test_records_written_from_user_space_are_not_kernel_events(tmp_path: Path, clock: FakeClock) -> None:
+    """Anyone who may write /dev/kmsg (or a container's copy of it) cannot forge an XID: the kernel
+    gives what user space writes a facility other than its own (priority 8 and up, LOG_USER = 14)."""
+    ctx = kmsg_context(tmp_path, clock)
+    collector = make_collector("xid", ctx)
+    scrape(collector)
+    write(ctx, "12,200,6000,-;NVRM: Xid (PCI:0000:18:00): 79, pid=1, GPU has fallen off the bus.",
+          "14,201,6001,-;nvidia-nvswitch0: SXid (PCI:0000:07:00.0): 20034, Fatal, Link 30",
+          "13,202,6002,-;nvidia 0000:18:00.0: AER: PCIe Bus Error: severity=Corrected, type=Physical Layer",
+          "3,203,6003,-;NVRM: Xid (PCI:0000:18:00): 48, DBE")
+    text = scrape(collector)
+    assert samples(text, "gpuhealth_xid_events_total") == {(("gpu", "0"), ("xid", "48")): 1}
+    assert "gpuhealth_sxid_events_total{" not in text and "gpuhealth_pcie_aer_errors_total{" not in text
+    assert value(text, "gpuhealth_kmsg_lines_total", result="not_kernel") == 3
+    promtool_check(text)
+
+
+def test_forged_lines_with_ever_new_devices_and_codes_cannot_grow_the_series_without_bound(
+        tmp_path: Path, clock: FakeClock) -> None:
+    ctx = kmsg_context(tmp_path, clock)
+    collector = make_collector("xid", ctx)
+    scrape(collector)
+    n = MAX_EVENT_SERIES + 300
+    write(ctx, *(f"4,{i},1,-;pcieport {i:08x}:{i % 256:02x}:00.0: AER: PCIe Bus Error: severity=Corrected, "
+                 f"type=Physical Layer" for i in range(n)),
+          *(f"3,{n + i},1,-;nvidia-nvswitch{i % 64}: SXid (PCI:0000:07:00.0): {i}, Non-fatal, x"
+            for i in range(n)),
+          *(f"3,{2 * n + i},1,-;NVRM: Xid (PCI:{i:04x}:99:00): {1000 + i}, x" for i in range(n)))
+    text = scrape(collector)
+    families = ("gpuhealth_pcie_aer_errors_total", "gpuhealth_sxid_events_total",
+                "gpuhealth_xid_events_total")
+    for family in families:
+        assert len(samples(text, family)) == MAX_EVENT_SERIES, family
+    assert value(text, "gpuhealth_kmsg_lines_total", result="over_limit") == 3 * 300
+    # a series that exists keeps counting at the cap
+    write(ctx, f"4,{3 * n},1,-;pcieport 00000000:00:00.0: AER: PCIe Bus Error: severity=Corrected, type=x")
+    text = scrape(collector)
+    assert value(text, "gpuhealth_pcie_aer_errors_total", pci_bus_id="00000000:00:00.0", severity="corrected",
+                 gpu="") == 2
+    promtool_check(text)

@@ -67,11 +67,13 @@ def test_backend_problems_are_listed_with_the_rest(tmp_path, capsys):
 
 @pytest.mark.parametrize(("content", "message"), [
     (None, "cannot read"), ("backend: [", "not valid YAML"), ("backend: {type: pbs}", "unknown backend type"),
-    ("- just a list", "must be a mapping"),
+    ("- just a list", "must be a mapping"), (b"state_dir: /tmp/\xff\n", "not valid YAML"),
 ])
 def test_unusable_files_give_one_clear_line(tmp_path, capsys, content, message):
     path = tmp_path / "config.yaml"
-    if content is not None:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content)
     assert main(["--config", str(path), "--check-config"]) == 2
     assert message in capsys.readouterr().err

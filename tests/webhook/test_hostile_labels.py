@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import NODES, alert
+from gpuhealth.webhook.backends import create_backend
 from gpuhealth.webhook.backends.base import BackendError
 from gpuhealth.webhook.backends.command import CommandBackend, alert_fields, check_gpu
 from gpuhealth.webhook.config import ACTIONS
@@ -235,3 +236,29 @@ async def test_fuzzed_alerts_through_the_app_never_give_a_backend_an_invalid_val
             assert gpu is None or GPU.fullmatch(gpu), (op, args)
         for reason in rest:
             assert reason == clean_text(reason) and reason.isprintable(), (op, args)
+
+
+@pytest.mark.parametrize("section", [
+    {"type": "command", "fleet_size": 4,
+     "commands": {"node_state": ["false"], "drain": ["ssh", "--", "{node}", "site-drain", "{reason}"]}},
+    {"type": "command", "fleet_size": 4,
+     "commands": {"node_state": ["false"],
+                  "reboot": ["sudo", "/bin/sh", "-c", "site-reboot {node} {reason}"]}},
+    {"type": "slurm",
+     "reset_gpu_command": ["ssh", "{node}", "nvidia-smi", "-r", "-i", "{gpu}", "--why={reason}"]},
+    {"type": "kubernetes", "node_actions": "command",
+     "node_commands": {"reboot": ["/usr/bin/pdsh", "-w", "{node}", "site-reboot", "{reason}"]}},
+])
+def test_a_template_that_hands_unquoted_free_text_to_a_shell_is_refused_at_start(section):
+    """A careless site template: ``ssh`` (or ``sh -c``) would let the remote shell parse the summary."""
+    shell = r"\{reason\} is free text and .* hands it to a shell: write \{reason!q\}"
+    with pytest.raises(ValueError, match=shell):
+        create_backend(section)
+
+
+async def test_the_quoted_form_of_the_same_template_passes_free_text_as_one_argument(remote):
+    backend = remote.backend({"drain": ["ssh", "--", "{node}", "site-reboot", "--", "{reason!q}"]})
+    reason = drain_reason("GPUHealthXidFatal", "$(touch PWNED); `id` 'x' \"y\" \\ * ~ #")
+    await backend.drain("gpu01", reason)
+    assert remote.calls() == [["--", reason]]
+    assert list(remote.home.iterdir()) == []

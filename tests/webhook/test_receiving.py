@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import json
 import sqlite3
 import time
@@ -17,6 +18,7 @@ from gpuhealth.webhook.models import PayloadError, parse_notification
 from gpuhealth.webhook.policy import decide
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from multidict import CIMultiDict
 
 
 async def test_recorded_alertmanager_delivery_is_accepted_with_its_own_headers(webhook, tmp_path):
@@ -76,6 +78,32 @@ async def test_reads_are_open_and_writes_need_credentials(webhook):
     (json.dumps(notification({**alert(), "labels": {"node": 1}})).encode(), "alerts[0].labels"),
     (json.dumps(notification({**alert(), "fingerprint": ""})).encode(), "alerts[0].fingerprint"),
     (b"[" * 100000 + b"]" * 100000, "not valid JSON"),
+    # strict JSON: what another parser (a proxy, a log shipper) could read differently is refused
+    (json.dumps(notification(alert())).replace('"version": "4"', '"version": "3", "version": "4"').encode(),
+     "'version' appears twice"),
+    (json.dumps({**notification(alert()), "groupLabels": {"x": float("nan")}}).encode(), "NaN is not"),
+    (json.dumps({**notification(alert()), "commonLabels": [float("inf")]}).encode(), "Infinity is not"),
+    (json.dumps(notification(alert())).replace('"truncatedAlerts": 0', '"truncatedAlerts": ' + "9" * 5000)
+     .encode(), "5000 digits"),
+    (b"\xef\xbb\xbf" + json.dumps(notification(alert())).encode(), "not valid JSON"),
+    (b'{"version": "4", "receiver": "\xff"}', "not valid JSON"),
+    # each field against its own grammar
+    (json.dumps(notification({**alert(), "fingerprint": "0123456789abcdef\nevent=forged"})).encode(),
+     "alerts[0].fingerprint: expected 16 lowercase hex digits"),
+    (json.dumps(notification({**alert(), "fingerprint": "\x1b[2J0123456789"})).encode(), "fingerprint"),
+    (json.dumps(notification({**alert(), "startsAt": "20261130T050000Z"})).encode(), "not an RFC 3339 time"),
+    (json.dumps(notification({**alert(), "startsAt": "2026-11-30 05:00:00Z"})).encode(), "not an RFC 3339"),
+    (json.dumps(notification({**alert(), "endsAt": "2026-11-30T05:00:00"})).encode(), "alerts[0].endsAt"),
+    (json.dumps(notification({**alert(), "generatorURL": "http://prom:9090/graph?g0.expr=up == 0"})).encode(),
+     "generatorURL: 'http://prom:9090/graph?g0.expr=up == 0' is not an absolute URI"),
+    (json.dumps(notification({**alert(), "generatorURL": "/graph?g0.expr=up"})).encode(), "absolute URI"),
+    (json.dumps(notification({**alert(), "generatorURL": "http://pröm:9090/"})).encode(), "absolute URI"),
+    (json.dumps({**notification(alert()), "externalURL": "http://am:9093/\r\nX-Forged: 1"}).encode(),
+     "externalURL: holds control characters"),
+    (json.dumps({**notification(alert()), "receiver": "gpuhealth\nevent=forged"}).encode(),
+     "receiver: holds control characters"),
+    (json.dumps({**notification(alert()), "groupKey": "{}:{node=\"x\"}\x1b[2J"}).encode(),
+     "groupKey: holds control characters"),
 ])
 async def test_malformed_notifications_are_400_with_a_clear_message(webhook, body, message):
     hook = await webhook()
@@ -90,6 +118,7 @@ async def test_body_size_limit(webhook):
     big = notification(*[alert(f"gpu{i:02d}") for i in range(1, 17)])
     resp = await hook.client.post("/alerts", json=big, headers=hook.auth)
     assert resp.status == 413
+    assert "Maximum request body size" in (await resp.json())["error"]
     assert await hook.metric("gpuhealth_webhook_notifications_total", outcome="too_large") == 1
 
 
@@ -107,6 +136,13 @@ async def test_unwritable_journal_answers_503_so_alertmanager_retries(webhook, t
     await hook.post(alert())
     assert len(await hook.settle()) == 1
     assert await hook.metric("gpuhealth_webhook_notifications_total", outcome="journal_error") == 1
+
+
+def test_parser_accepts_a_generator_url_of_any_scheme_from_tools_other_than_prometheus():
+    for url in ("", "http://prometheus:9090/graph?g0.expr=up%20%3D%3D%200&g0.tab=1", "https://grafana/x",
+                "grafana+alerting://rule/abc"):
+        [a] = parse_notification(notification({**alert(), "generatorURL": url})).alerts
+        assert a.generator_url == url
 
 
 def test_parser_accepts_alertmanager_times_and_ignores_go_zero_end():
@@ -221,3 +257,78 @@ async def test_numeric_query_parameters_are_strict(webhook, path, status):
     resp = await hook.client.get(path)
     assert resp.status == status, await resp.text()
     assert resp.content_type == "application/json"
+
+
+async def test_gzip_bodies_are_read_and_a_broken_or_oversized_one_is_a_json_400_or_413(webhook):
+    hook = await webhook(max_body_bytes=1 << 16)
+    gzipped = {**hook.auth, "Content-Type": "application/json", "Content-Encoding": "gzip"}
+    resp = await hook.client.post("/alerts", data=gzip.compress(json.dumps(notification(alert())).encode()),
+                                  headers=gzipped)
+    assert resp.status == 200, await resp.text()
+    resp = await hook.client.post("/alerts", data=b"not gzip at all", headers=gzipped)
+    assert resp.status == 400 and "body cannot be read" in (await resp.json())["error"]
+    resp = await hook.client.post("/alerts", data=gzip.compress(b" " * (1 << 24)), headers=gzipped)  # a bomb
+    assert resp.status == 413 and resp.content_type == "application/json"
+    assert await hook.metric("gpuhealth_webhook_notifications_total", outcome="malformed") == 1
+    assert (await hook.client.get("/healthz")).status == 200
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("GET", "/no/such/page", 404), ("GET", "/actions/1/approve", 405), ("PUT", "/alerts", 405),
+])
+async def test_answers_of_the_router_are_json_too(webhook, method, path, status):
+    hook = await webhook()
+    resp = await hook.client.request(method, path, headers=hook.auth)
+    assert resp.status == status
+    assert resp.content_type == "application/json" and (await resp.json())["error"]
+    if status == 405:
+        assert resp.headers["Allow"]
+
+
+async def _raw(hook, request: bytes) -> bytes:
+    """One request as bytes on the wire: headers aiohttp's client would refuse to send."""
+    reader, writer = await asyncio.open_connection(hook.client.host, hook.client.port)
+    writer.write(request)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("authorization", [b"Bearer \xff\xfe", b"Bearer " + TOKEN.encode() + b"\xff",
+                                           b"Basic \xff\xfe"])
+async def test_credentials_that_are_not_utf8_are_401(webhook, authorization):
+    hook = await webhook()
+    body = json.dumps(notification(alert())).encode()
+    answer = await _raw(hook, b"POST /alerts HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: "
+                        + authorization + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
+    assert await hook.actions() == []
+
+
+async def test_two_authorization_headers_are_refused_even_if_one_is_right(webhook):
+    hook = await webhook()
+    for first, second in ((TOKEN, "wrong"), ("wrong", TOKEN), (TOKEN, TOKEN)):
+        headers = [("Authorization", f"Bearer {first}"), ("Authorization", f"Bearer {second}")]
+        resp = await hook.client.post("/alerts", json=notification(alert()), headers=CIMultiDict(headers))
+        assert resp.status == 401, (first, second)
+    assert await hook.actions() == []
+
+
+@pytest.mark.parametrize(("path", "headers", "status"), [
+    ("/alerts", {"Content-Type": "text/plain", "Origin": "https://evil.example"}, 403),
+    ("/alerts", {"Content-Type": "application/json", "Origin": "null"}, 403),
+    ("/alerts", {"Content-Type": "application/x-www-form-urlencoded", "Sec-Fetch-Site": "cross-site"}, 403),
+    ("/breaker/reset", {"Origin": "http://127.0.0.1"}, 403),
+    ("/actions/1/approve", {"Sec-Fetch-Site": "same-origin"}, 403),
+])
+async def test_a_web_page_cannot_drive_the_webhook_through_a_browser(webhook, path, headers, status):
+    """With auth left to a proxy, a browser would attach the operator's credentials to a cross-site form
+    or no-cors fetch; browsers mark those with Origin, which Alertmanager and operators' tools never send."""
+    hook = await webhook(auth={"disabled": True, "token_file": None})
+    resp = await hook.client.post(path, data=json.dumps(notification(alert())), headers=headers)
+    assert resp.status == status and resp.content_type == "application/json", await resp.text()
+    assert await hook.actions() == []
+    resp = await hook.client.post("/alerts", data=json.dumps(notification(alert())))  # a tool, text/plain
+    assert resp.status == 200

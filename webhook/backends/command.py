@@ -113,12 +113,19 @@ class _Template(string.Formatter):
 _TEMPLATE = _Template()
 
 
+# Programs that hand (some of) their arguments to a shell as one line: remote shells join them, shells
+# run them. Free text reaches such a template only quoted (!q).
+SHELL_PROGRAMS = frozenset({"ssh", "rsh", "pdsh", "clush", "sh", "bash", "dash", "zsh", "ksh"})
+FREE_TEXT = frozenset({"reason"})  # the one field no grammar bounds
+
+
 def template_errors(name: str, template: Any, allowed: frozenset[str]) -> list[str]:
-    """Every problem with one argv template: its type, any placeholder ``allowed`` does not hold, and any
-    conversion but ``!q``."""
+    """Every problem with one argv template: its type, any placeholder ``allowed`` does not hold, any
+    conversion but ``!q``, and free text left unquoted where a shell will parse it."""
     if not isinstance(template, list) or not template or not all(isinstance(a, str) for a in template):
         return [f"{name}: a non-empty list of strings (argv, no shell)"]
     errors = []
+    shell = next((a for a in template if os.path.basename(a) in SHELL_PROGRAMS), None)
     for arg in template:
         try:
             parsed = [(f, conv) for _, f, _, conv in _TEMPLATE.parse(arg) if f is not None]
@@ -128,6 +135,9 @@ def template_errors(name: str, template: Any, allowed: frozenset[str]) -> list[s
         names = {f for f, _ in parsed}
         errors.extend(f"{name}: in {arg!r}, !{conv} is not a conversion; use !q to quote for a remote shell"
                       for _, conv in parsed if conv not in (None, "q"))
+        if shell is not None:
+            errors.extend(f"{name}: in {arg!r}, {{{f}}} is free text and {shell!r} hands it to a shell: "
+                          f"write {{{f}!q}}" for f, conv in parsed if f in FREE_TEXT and conv != "q")
         unknown = sorted(names - allowed)
         if unknown:
             known = ", ".join("{" + a + "}" for a in sorted(allowed)) or "none"
