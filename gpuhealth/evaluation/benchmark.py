@@ -12,7 +12,12 @@ import numpy as np
 
 from gpuhealth.evaluation import plot, report
 from gpuhealth.evaluation.alerts import AlertEvaluator, AlertRun, reads_alerts
-from gpuhealth.evaluation.fleet import BackfilledFleet, add_series, backfilled_prometheus
+from gpuhealth.evaluation.fleet import (
+    BackfilledFleet,
+    add_series,
+    backfilled_prometheus,
+    store_ranged_records,
+)
 from gpuhealth.evaluation.matching import LEMON_ALERTS, score
 from gpuhealth.evaluation.progress import Progress
 from gpuhealth.evaluation.ranges import label_text
@@ -33,6 +38,7 @@ class Options:
     plot_false_alarm: bool = False  # plot a false-alarm episode instead of a failure
     lemon_alerts: str = LEMON_ALERTS
     progress: bool = True
+    store_ranged: bool = True  # store records read under a range selector instead of subqueries
 
 
 def alerts_family(run: AlertRun) -> Family:
@@ -68,6 +74,16 @@ def evaluate_fleet(fleet: BackfilledFleet, options: Options, began: float) -> di
     evaluator = AlertEvaluator(
         fleet.server.api, rules, max(fleet.data_start, fleet.start - longest_for), fleet.end, step, fused_step
     )
+    if options.store_ranged:
+        store_ranged_records(
+            fleet.server,
+            evaluator.expander,
+            " or ".join(r.expr for r in rules.alerts),
+            fleet.data_start,
+            fleet.end,
+            options.workdir,
+            progress=options.progress,
+        )
     direct = [r for r in rules.alerts if not reads_alerts(r)]
     second = [r for r in rules.alerts if reads_alerts(r)]
     with Progress("evaluating alerts", len(direct), enabled=options.progress) as bar:

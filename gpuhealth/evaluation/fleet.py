@@ -175,16 +175,10 @@ def add_series(
     server.start(timeout=300)
 
 
-def backfill_records(
-    server: PrometheusServer, rules: RuleSet, start: float, end: float, workdir: Path, *, progress: bool
-) -> None:
-    """Record every recording rule over [start, end] at the rules' interval. Each recorded name is
-    computed from raw series by its expanded expression (see ``expand``), so no rule reads another's
-    backfilled output, which would lack the staleness markers rule evaluation writes."""
-    expander = Expander(rules)
-    every = " or ".join(dict.fromkeys(r.name for r in rules.records))
-    names = expander.records_used(every)  # dependencies first
-    times = grid(start, end, rules.interval)
+def _recorded(
+    server: PrometheusServer, expander: Expander, names: list[str], times: np.ndarray, *, progress: bool
+) -> list[Family]:
+    """What each recording rule in ``names`` records at ``times``, by its expanded expression."""
     families = []
     with Progress("recording rules", len(names), enabled=progress) as bar:
         for name in names:
@@ -197,7 +191,47 @@ def backfill_records(
             finally:
                 bar.advance()
             families.append(Family(name, "gauge", [(label_text(k), v) for k, v in matrix.series.items()]))
+    return families
+
+
+def backfill_records(
+    server: PrometheusServer, rules: RuleSet, start: float, end: float, workdir: Path, *, progress: bool
+) -> None:
+    """Record every recording rule over [start, end] at the rules' interval. Each recorded name is
+    computed from raw series by its expanded expression (see ``expand``), so no rule reads another's
+    backfilled output, which would lack the staleness markers rule evaluation writes."""
+    expander = Expander(rules)
+    every = " or ".join(dict.fromkeys(r.name for r in rules.records))
+    names = expander.records_used(every)  # dependencies first
+    times = grid(start, end, rules.interval)
+    families = _recorded(server, expander, names, times, progress=progress)
     add_series(server, families, times, workdir, "backfilling records", progress=progress)
+
+
+def store_ranged_records(
+    server: PrometheusServer,
+    expander: Expander,
+    expr: str,
+    start: float,
+    end: float,
+    workdir: Path,
+    *,
+    progress: bool,
+) -> list[str]:
+    """Write the records ``expr`` reads under a range selector into the TSDB, each at its group's
+    interval over [start, end], and have ``expander`` read them there (see ``expand``); return them.
+    A record stored later may read an earlier one, stored already: dependencies come first."""
+    names = expander.ranged_records(expr)
+    for name in names:
+        interval = expander.interval(name)
+        times = grid(start, end, interval)
+        began = time.monotonic()
+        families = _recorded(server, expander, [name], times, progress=progress)
+        if families:
+            add_series(server, families, times, workdir, f"storing {name}", progress=progress)
+            expander.store(name)
+        log.info("record stored name=%s step=%gs seconds=%.1f", name, interval, time.monotonic() - began)
+    return names
 
 
 def start_prometheus(workdir: Path, data_dir: Path, interval: float) -> PrometheusServer:
