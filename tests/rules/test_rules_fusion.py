@@ -145,6 +145,14 @@ def test_each_signal_and_benign_noise(tmp_path, source):
     fleet.add("pcie_width_max", "n2", 6, (16, 0, minutes))
     fleet.add("pcie_downgraded", "n2", 6, (0, 0, 49), (1, 0, minutes - 50))   # the exporter's own flag
     fleet.add("nvlink_crc", "n2", 7, (0, 60, minutes))
+    fleet.node("n8", minutes)                    # the rack's cooling fails: each GPU warms by its place
+    for gpu, hot in enumerate((63, 64, 66, 68, 69, 70, 73, 76)):
+        fleet.add("temperature", "n8", gpu, (60, 0, 109), (hot, 0, minutes - 110))
+    fleet.add("pcie_replays", "n8", 7, (0, 20, minutes))     # plus a small signal of another cause
+    fleet.node("n9", minutes)                    # a checkpoint storm: the NFS client queues its writes
+    fleet.add("page_outs", "n9", None, (0, 100_000 * 60, minutes))
+    fleet.nfs("n9", "/home", "GETATTR", {"operations": 50, "execute": 50 * 0.2}, minutes)
+    fleet.nfs("n9", "/ckpt", "WRITE", {"operations": 40, "queue": 24, "execute": 40}, minutes)
 
     at = "140m"
     exprs = [
@@ -188,6 +196,12 @@ def test_each_signal_and_benign_noise(tmp_path, source):
         exprs.append(_score("n7", gpu, at, 0))
     for signal in ("interrupt_collapse", "procs_running_collapse"):
         exprs.append(_evidence(signal, "n3", None, at))                     # idle, not collapsed
+    for gpu in range(8):     # most GPUs of the node drifted, either way: the rack's air, no GPU's
+        for signal in ("temperature_peer", "temperature_baseline"):
+            exprs.append(_evidence(signal, "n8", gpu, at))
+    exprs.append(_score("n8", 7, at, 0.35))
+    for signal in ("page_out_spike", "nfs_latency_spike"):   # the checkpoint's paging and slow metadata
+        exprs.append(_evidence(signal, "n9", None, at))
     # One signal alone never raises the alert, and neither does noise.
     checks = [{"eval_time": t, "alertname": RISK, "exp_alerts": []} for t in ("30m", "60m", "100m", at)]
     run_promtool(tmp_path, source, GROUPS, [{"interval": "1m", "input_series": fleet.input_series(),
