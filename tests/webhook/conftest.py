@@ -96,6 +96,17 @@ class Harness:
             assert time.monotonic() < deadline, f"actions still under way: {busy}"
             await asyncio.sleep(0.02)
 
+    async def wait_action(self, action_id: int, predicate: Callable[[dict[str, Any]], bool],
+                          timeout: float = 20.0) -> dict[str, Any]:
+        """Poll one action until ``predicate`` holds, failing with its last state at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            action = await self.call("GET", f"/actions/{action_id}")
+            if predicate(action):
+                return action
+            assert time.monotonic() < deadline, action
+            await asyncio.sleep(0.05)
+
     async def metric(self, name: str, **labels: str) -> float:
         text = await (await self.client.get("/metrics")).text()
         wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())

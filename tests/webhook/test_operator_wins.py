@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import sys
-import time
 from pathlib import Path
 
 from conftest import NODES, TOKEN, alert, notification, resolved
@@ -15,15 +13,6 @@ from gpuhealth.webhook.backends.simulated import SimulatedBackend
 
 OPERATOR_REASON = "ops: replacing the PSU, ticket 77"
 
-
-async def wait_for(hook, action_id: int, predicate, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        action = await hook.call("GET", f"/actions/{action_id}")
-        if predicate(action):
-            return action
-        assert time.monotonic() < deadline, action
-        await asyncio.sleep(0.05)
 
 
 async def test_undrain_leaves_a_node_an_operator_redrained_while_the_health_check_waited(webhook, tmp_path):
@@ -36,10 +25,10 @@ async def test_undrain_leaves_a_node_an_operator_redrained_while_the_health_chec
     await hook.settle()
     body = await hook.post(resolved(firing))
     [undrain_id] = body["new_actions"]
-    await wait_for(hook, undrain_id, lambda a: a["reason"] == "health_check_failed")
+    await hook.wait_action(undrain_id, lambda a: a["reason"] == "health_check_failed")
     hook.backend.state["nodes"]["gpu01"]["reason"] = OPERATOR_REASON  # the operator takes the node over
     healthy.touch()
-    undrain = await wait_for(hook, undrain_id, lambda a: a["state"] not in ("pending", "running"))
+    undrain = await hook.wait_action(undrain_id, lambda a: a["state"] not in ("pending", "running"))
     assert (undrain["state"], undrain["reason"]) == ("skipped", "drained_by_other"), undrain
     assert hook.drained == {"gpu01": OPERATOR_REASON}
     assert [h[0] for h in hook.backend.history] == ["drain"]
@@ -215,10 +204,10 @@ async def test_on_a_command_backend_undrain_leaves_a_node_the_operator_redrained
     await hook.post(firing)
     assert (await hook.settle(timeout=30))[0]["reason"] == "ok"
     [undrain_id] = (await hook.post(resolved(firing)))["new_actions"]
-    await wait_for(hook, undrain_id, lambda a: a["reason"] == "health_check_failed")
+    await hook.wait_action(undrain_id, lambda a: a["reason"] == "health_check_failed")
     (site / "gpu05.json").write_text(json.dumps({"exists": True, "drained": True, "reason": OPERATOR_REASON}))
     healthy.touch()
-    undrain = await wait_for(hook, undrain_id, lambda a: a["state"] not in ("pending", "running"))
+    undrain = await hook.wait_action(undrain_id, lambda a: a["state"] not in ("pending", "running"))
     assert (undrain["state"], undrain["reason"]) == ("skipped", "drained_by_other"), undrain
     calls = (site / "calls.log").read_text().split("\n")
     assert "resume gpu05" not in calls and "drain gpu05" in calls

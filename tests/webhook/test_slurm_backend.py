@@ -356,15 +356,6 @@ async def test_a_reboot_notification_requests_a_slurm_reboot(on_slurm, slurm):
 OPERATOR_REASON = "ops: replacing the PSU, ticket 77"
 
 
-async def wait_for_action(hook, action_id: int, predicate, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        action = await hook.call("GET", f"/actions/{action_id}")
-        if predicate(action):
-            return action
-        assert time.monotonic() < deadline, action
-        await asyncio.sleep(0.1)
-
 
 async def test_undrain_leaves_a_node_the_operator_redrained_during_the_health_check(on_slurm, slurm,
                                                                                    tmp_path):
@@ -376,10 +367,11 @@ async def test_undrain_leaves_a_node_the_operator_redrained_during_the_health_ch
     await hook.post(firing)
     assert (await hook.settle(timeout=60))[0]["reason"] == "ok"
     [undrain_id] = (await hook.post(resolved(firing)))["new_actions"]
-    await wait_for_action(hook, undrain_id, lambda a: a["reason"] == "health_check_failed")
+    await hook.wait_action(undrain_id, lambda a: a["reason"] == "health_check_failed", timeout=60)
     slurm.scontrol("update", "NodeName=gpu01", "State=DRAIN", f"Reason={OPERATOR_REASON}")
     healthy.touch()
-    undrain = await wait_for_action(hook, undrain_id, lambda a: a["state"] not in ("pending", "running"))
+    undrain = await hook.wait_action(undrain_id, lambda a: a["state"] not in ("pending", "running"),
+                                     timeout=60)
     assert (undrain["state"], undrain["reason"]) == ("skipped", "drained_by_other"), undrain
     node = slurm.node("gpu01")
     assert "DRAIN" in node.flags and node.reason.startswith(OPERATOR_REASON), node
@@ -452,7 +444,7 @@ async def test_a_full_journal_disk_never_sends_a_drain_twice(on_slurm, slurm, tm
     assert (await hook.client.get("/healthz")).status == 503
 
     filler.unlink()  # space returns: the action finishes without draining again
-    action = await wait_for_action(hook, action_id, lambda a: a["state"] == "done")
+    action = await hook.wait_action(action_id, lambda a: a["state"] == "done", timeout=60)
     assert (action["reason"], action["progress"]["done"]) == ("ok", ["drain", "requeue"]), action
     assert len([c for c in calls.read_text().splitlines() if "State=DRAIN" in c]) == 1
     assert reason_updates(slurm, "gpu01") == drains + 1
