@@ -120,11 +120,14 @@ def test_two_clusters_with_the_same_node_names_keep_their_own_scores(tmp_path):
                     float(r["value"][1]) for r in api.query(expr)}
 
         def settled() -> bool:
+            # The score is a later group than the evidence: wait until every sick GPU's evidence has
+            # reached its score, so a GPU still at 0 below is one the other cluster's faults did not touch.
+            scores = labelled("gpuhealth:gpu_failure_risk:score")
             return (_all_evaluated(api, group_count)
                     and set(labelled("gpuhealth:gpu_evidence:thermal_slowdown")) == sick
-                    and len(labelled("gpuhealth:gpu_failure_risk:score")) == 64)
+                    and len(scores) == 64 and all(scores.get(gpu, 0) > 0 for gpu in sick))
 
-        wait_until(settled, timeout=90, interval=1, what="both clusters scored on scraped data")
+        wait_until(settled, timeout=120, interval=1, what="both clusters scored on scraped data")
         assert not _problems(api)
         scores = labelled("gpuhealth:gpu_failure_risk:score")
         assert {cluster for cluster, _, _ in scores} == {"a", "b"}
