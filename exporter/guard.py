@@ -48,7 +48,8 @@ class GuardedWorker:
     @staticmethod
     def result(future: Future, timeout: float) -> Any:
         """The call's result, raising its exception, or DeadlineExceeded after ``timeout`` seconds."""
+        timeout = max(timeout, 0.0)
         try:
-            return future.result(timeout=max(timeout, 0.0))
+            return future.result(timeout=timeout)
         except TimeoutError:
             raise DeadlineExceeded(f"no answer within {timeout:.3g}s") from None
