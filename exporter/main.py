@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuhealth.exporter import __version__
-from gpuhealth.exporter.collector import Context, load_collectors
+from gpuhealth.exporter.collector import Context, assemble, load_collectors
 from gpuhealth.exporter.config import DEFAULT_PORT, ConfigError, Settings, build_settings, read_yaml
 from gpuhealth.exporter.metrics import SPECS
 from gpuhealth.exporter.sampler import Sampler
@@ -158,9 +158,8 @@ def run(settings: Settings) -> int:
                   kmsg_path=None if settings.no_kmsg else kmsg_path, state_dir=settings.state_dir,
                   gpus_expected=settings.gpus_expected, window_seconds=settings.sampling_window,
                   nvml_timeout_seconds=settings.nvml_timeout)
-    collectors = {name: reg.factory(ctx) for name, reg in load_collectors().items()
-                  if settings.collectors.get(name, reg.default_enabled)}
-    sampler = Sampler(collectors, _build_info(settings.backend), settings.sampling_interval)
+    collectors, steps = assemble(ctx, settings.collectors)
+    sampler = Sampler(collectors, _build_info(settings.backend), settings.sampling_interval, steps=steps)
     host, port = settings.host_port
     try:
         tls = None if settings.tls_cert_file is None else tls_context(

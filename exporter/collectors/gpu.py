@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from gpuhealth.exporter.collector import Context, register
+from gpuhealth.exporter.collector import GPU_IDENTITIES, GPU_PROCESSES, Context, register
 from gpuhealth.exporter.guard import DeadlineExceeded, GuardedWorker
 from gpuhealth.exporter.inventory import GpuIdentity, nvidia_gpus_on_pci
 from gpuhealth.exporter.metrics import RECOVERY_ACTIONS, Families
@@ -52,26 +52,21 @@ class GpuTrack:
     recovery_action: str | None = None  # last polled from NVML
 
 
-@register("gpu", "NVML per-GPU telemetry, identity and derived features")
+@register("gpu", "NVML per-GPU telemetry, identity and derived features", needs=[GPU_IDENTITIES],
+          provides=[GPU_PROCESSES])
 class GpuCollector:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.reader = NvmlReader(ctx.nvml)
-        self.workers: dict[int, GuardedWorker] = {}
         self.tracks: dict[int, GpuTrack] = {}
         self.expected = ctx.gpus_expected
-        self.node_worker = GuardedWorker("nvml-node")
         self.count = 0
         self.stalled = False
         self.generation = 0
 
-    def _worker(self, index: int) -> GuardedWorker:
-        if index not in self.workers:
-            self.workers[index] = GuardedWorker(f"nvml-gpu{index}")
-        return self.workers[index]
-
     def _sample(self, index: int, known: bool, full: bool) -> tuple[GpuIdentity | None, GpuReading, float]:
-        """Runs on the GPU's worker; shared state is only updated by the sampling thread."""
+        """Runs on the GPU's worker; shared state is only updated by the sampling thread. The identity
+        is read here only when the inventory step could not (no step in tests, or it failed)."""
         start = self.ctx.clock()
         identity = None if known else self.reader.identity(index)
         reading = self.reader.read(index, full)
@@ -94,7 +89,8 @@ class GpuCollector:
             self.reader.forget()
             ctx.inventory.driver_version = session.driver_version
         try:
-            self.count = GuardedWorker.result(self.node_worker.submit(self._count), ctx.nvml_timeout_seconds)
+            self.count = GuardedWorker.result(ctx.worker("node").submit(self._count),
+                                              ctx.nvml_timeout_seconds)
         except NvmlDown as exc:
             session.lost(exc.error)
             yield from self._families(sorted(self.tracks), nvml_up=False)
@@ -108,8 +104,8 @@ class GpuCollector:
         # Each GPU's own deadline from its submission, in real time (what the guard waits in); the
         # waits overlap, so a run takes one timeout at most however many GPUs hang.
         deadlines = {i: time.monotonic() + ctx.nvml_timeout_seconds for i in indices}
-        futures = {i: self._worker(i).submit(functools.partial(self._sample, i, i in ctx.inventory.gpus,
-                                                               self._full_due(i)))
+        futures = {i: ctx.worker(f"gpu{i}").submit(
+                       functools.partial(self._sample, i, i in ctx.inventory.gpus, self._full_due(i)))
                    for i in indices}
         outcomes: dict[int, tuple | BaseException] = {}
         for index, future in futures.items():

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpuhealth.exporter.collector import Context, register
+from gpuhealth.exporter.collector import GPU_IDENTITIES, Context, register
 from gpuhealth.exporter.dedup import XidDeduplicator
 from gpuhealth.exporter.guard import DeadlineExceeded, GuardedWorker
 from gpuhealth.exporter.kmsg import Event, KmsgFollower, parse_line
@@ -32,7 +32,7 @@ def _boot_id(procfs: Path) -> str:
         return ""
 
 
-@register("xid", "XID events (NVML and kernel log), NVSwitch SXIDs, PCIe AER errors")
+@register("xid", "XID events (NVML and kernel log), NVSwitch SXIDs, PCIe AER errors", needs=[GPU_IDENTITIES])
 class XidCollector:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
