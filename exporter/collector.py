@@ -25,8 +25,8 @@ from typing import Any, Protocol
 from gpuhealth.exporter.guard import GuardedWorker
 from gpuhealth.exporter.inventory import Inventory
 from gpuhealth.exporter.inventory_step import InventoryStep
+from gpuhealth.exporter.metrics import Exposed
 from gpuhealth.exporter.nvml_session import NvmlSession
-from prometheus_client.core import Metric
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ GPU_PROCESSES = "gpu_processes"    # compute pids per GPU: provided by the gpu c
 
 
 class Collector(Protocol):
-    def collect(self) -> Iterable[Metric]: ...
+    def collect(self) -> Iterable[Exposed]: ...
 
 
 @dataclass(frozen=True)

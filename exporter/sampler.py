@@ -14,8 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from gpuhealth.exporter.collector import Collector
-from gpuhealth.exporter.metrics import Families, Renderer
-from prometheus_client.core import Metric
+from gpuhealth.exporter.metrics import Exposed, Families, Renderer
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +22,7 @@ log = logging.getLogger(__name__)
 class Sampler:
     """Runs the collectors, times them, isolates their failures and keeps the latest exposition."""
 
-    def __init__(self, collectors: dict[str, Collector], static: Callable[[], Iterable[Metric]] = tuple,
+    def __init__(self, collectors: dict[str, Collector], static: Callable[[], Iterable[Exposed]] = tuple,
                  interval: float = 1.0, clock: Callable[[], float] = time.monotonic,
                  steps: Sequence[Callable[[], None]] = ()) -> None:
         self.collectors = collectors
@@ -41,7 +40,7 @@ class Sampler:
 
     def sample_once(self) -> bytes:
         with self._lock:
-            families: list[Metric] = list(self.static())
+            families: list[Exposed] = list(self.static())
             meta = Families()
             for step in self.steps:
                 try:

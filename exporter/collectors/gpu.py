@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from gpuhealth.exporter.collector import GPU_IDENTITIES, GPU_PROCESSES, Context, register
 from gpuhealth.exporter.guard import DeadlineExceeded, GuardedWorker
 from gpuhealth.exporter.inventory import GpuIdentity, nvidia_gpus_on_pci
-from gpuhealth.exporter.metrics import RECOVERY_ACTIONS, Families
+from gpuhealth.exporter.metrics import RECOVERY_ACTIONS, Families, Family
 from gpuhealth.exporter.nvml_errors import GpuDown, NvmlDown, error_label
 from gpuhealth.exporter.nvml_reader import CLOCK_EVENT_REASONS, GpuReading, NvmlReader
-from prometheus_client.core import Metric
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +76,7 @@ class GpuCollector:
         return track is None or track.last_full is None or \
             self.ctx.clock() - track.last_full >= FULL_EVERY_SECONDS
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         ctx, session = self.ctx, self.ctx.session
         if self.expected is None and ctx.sysfs is not None:
             self.expected = nvidia_gpus_on_pci(ctx.sysfs) or None  # none on the bus: ask NVML
@@ -178,7 +177,7 @@ class GpuCollector:
         while track.window and track.window[0][0] < now - self.ctx.window_seconds:
             track.window.popleft()
 
-    def _families(self, indices: list[int], nvml_up: bool) -> Iterator[Metric]:
+    def _families(self, indices: list[int], nvml_up: bool) -> Iterator[Family]:
         f = Families()
         session = self.ctx.session
         f.add("gpuhealth_nvml_up", int(nvml_up))

@@ -11,8 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gpuhealth.exporter.collector import GPU_PROCESSES, Context, register
-from gpuhealth.exporter.metrics import Families
-from prometheus_client.core import Metric
+from gpuhealth.exporter.metrics import Families, Family
 
 _CGROUP_JOB = re.compile(r"/job_(\d+)(?:/|$)")
 # Slurm's job ids are decimal; the environment is the process owner's to set, so nothing else is read.
@@ -44,7 +43,7 @@ class JobsCollector:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         f = Families()
         for index, pids in sorted(self.ctx.inventory.processes.items()):
             jobs = {job for pid in pids if (job := slurm_job_of(self.ctx.procfs, pid))}

@@ -15,10 +15,9 @@ from gpuhealth.exporter.collector import GPU_IDENTITIES, Context, register
 from gpuhealth.exporter.dedup import XidDeduplicator
 from gpuhealth.exporter.guard import DeadlineExceeded, GuardedWorker
 from gpuhealth.exporter.kmsg import Event, KmsgFollower, parse_line
-from gpuhealth.exporter.metrics import KMSG_RESULTS, Families
+from gpuhealth.exporter.metrics import KMSG_RESULTS, Families, Family
 from gpuhealth.exporter.recovery import load_recovery, save_recovery
 from gpuhealth.exporter.xid_events import MAX_EVENTS_PER_RUN, NvmlXidEvents
-from prometheus_client.core import Metric
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class XidCollector:
         self.lines = collections.Counter(dict.fromkeys(KMSG_RESULTS, 0))
         self._notice_pci = ""  # the GPU of a fallen-off-the-bus notice whose first line was just read
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         """No NVML failure may stop the kernel log's XIDs, SXIDs and AER errors from counting."""
         session = self.ctx.session
         if self.events is not None and session is not None and session.ensure():
@@ -127,7 +126,7 @@ class XidCollector:
             return self.aer, (event.pci_bus_id, event.severity, "" if gpu == "unknown" else gpu)
         return None
 
-    def _families(self) -> Iterator[Metric]:
+    def _families(self) -> Iterator[Family]:
         f = Families()
         for labels, count in sorted(self.xids.items(), key=lambda kv: (kv[0][0], int(kv[0][1]))):
             f.add("gpuhealth_xid_events_total", count, labels)
