@@ -153,6 +153,9 @@ SPECS: dict[str, Spec] = {
 }
 
 
+Series = tuple[tuple[str, ...], float]  # label values (as text, in SPECS order) and value
+
+
 class Family:
     """One family of ``SPECS`` with its samples kept as (label values, value) pairs.
 
@@ -167,7 +170,7 @@ class Family:
         self.sample_name = name
         self.name = name.removesuffix("_total") if spec.kind == "counter" else name  # as prometheus_client
         self.documentation, self.type, self.label_names = spec.help, spec.kind, spec.labels
-        self.pairs: list[tuple[tuple[str, ...], float]] = []
+        self.pairs: list[Series] = []
 
     @property
     def samples(self) -> list[Sample]:
@@ -184,11 +187,18 @@ class Families:
     def __init__(self) -> None:
         self._families: dict[str, Family] = {}
 
-    def add(self, name: str, value: float, labels: Sequence[object] = ()) -> None:
+    def _family(self, name: str) -> Family:
         family = self._families.get(name)
         if family is None:
             family = self._families[name] = Family(name, SPECS[name])
-        family.pairs.append((tuple(map(str, labels)), float(value)))
+        return family
+
+    def add(self, name: str, value: float, labels: Sequence[object] = ()) -> None:
+        self._family(name).pairs.append((tuple(map(str, labels)), float(value)))
+
+    def extend(self, name: str, series: Iterable[Series]) -> None:
+        """Series already in the form ``add`` stores: label values as text, the value a float."""
+        self._family(name).pairs.extend(series)
 
     def __iter__(self) -> Iterator[Family]:
         return iter(self._families.values())

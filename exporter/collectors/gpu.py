@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from gpuhealth.exporter.collector import GPU_IDENTITIES, GPU_PROCESSES, Context, register
 from gpuhealth.exporter.guard import DeadlineExceeded, GuardedWorker
 from gpuhealth.exporter.inventory import GpuIdentity, nvidia_gpus_on_pci
-from gpuhealth.exporter.metrics import RECOVERY_ACTIONS, Families, Family
+from gpuhealth.exporter.metrics import RECOVERY_ACTIONS, Families, Family, Series
 from gpuhealth.exporter.nvml_errors import GpuDown, NvmlDown, error_label
 from gpuhealth.exporter.nvml_reader import CLOCK_EVENT_REASONS, GpuReading, NvmlReader
 
@@ -30,6 +30,15 @@ PREINITIALISED_ERRORS = ("gpu_is_lost", "timeout", "unknown")
 # seconds (still several times per 15 s scrape), the temperatures, clocks and load every second.
 FULL_EVERY_SECONDS = 5.0
 SAMPLE = "sample"  # the query label of errors that marked the GPU down
+
+
+def _by_family(gpu: str, samples: list[tuple[str, tuple[str, ...], float]]) -> dict[str, list[Series]]:
+    """A full reading's samples as ready series by family: they are published unchanged for several
+    runs (FULL_EVERY_SECONDS), so they are labelled once, not added one by one at every run."""
+    families: dict[str, list[Series]] = {}
+    for name, labels, value in samples:
+        families.setdefault(name, []).append(((gpu, *map(str, labels)), value))
+    return families
 
 
 @dataclass
@@ -44,7 +53,7 @@ class GpuTrack:
     clock_event_seconds: dict[str, float] = field(default_factory=dict)
     last_sample: float | None = None
     reading: GpuReading | None = None
-    slow: list = field(default_factory=list)      # the last full reading's slow samples
+    slow: dict[str, list[Series]] = field(default_factory=dict)  # the last full reading's, by family
     slowdown_threshold: float | None = None
     driver_clock_event_reasons: set = field(default_factory=set)
     last_full: float | None = None
@@ -123,7 +132,7 @@ class GpuCollector:
                 session.lost(outcome.error)
                 self._down(index, track, outcome, index < count)
             elif stalled:
-                track.reading, track.slow = None, []  # no fresh data; not a lost GPU either
+                track.reading, track.slow = None, {}  # no fresh data; not a lost GPU either
                 self._remember(track, ctx.clock(), None, ctx.nvml_timeout_seconds)
             elif isinstance(outcome, BaseException):
                 self._down(index, track, outcome, index < count)
@@ -144,7 +153,7 @@ class GpuCollector:
         track.up = False
         track.visible = enumerated and error != "gpu_is_lost"
         track.errors[(error, SAMPLE)] += 1
-        track.reading, track.slow, track.last_full = None, [], None
+        track.reading, track.slow, track.last_full = None, {}, None
         self.ctx.inventory.processes.pop(index, None)
         now = self.ctx.clock()
         latency = self.ctx.nvml_timeout_seconds if error == "timeout" else 0.0
@@ -155,7 +164,7 @@ class GpuCollector:
         if not track.up and track.last_sample is not None:
             log.info("gpu up gpu=%d", index)
         if reading.full:
-            track.slow, track.last_full = reading.slow, now
+            track.slow, track.last_full = _by_family(str(index), reading.slow), now
             track.slowdown_threshold = reading.slowdown_threshold
             track.driver_clock_event_reasons = reading.driver_clock_event_reasons
         for reason, active in reading.clock_events.items():
@@ -205,8 +214,10 @@ class GpuCollector:
                 f.add("gpuhealth_gpu_recovery_action", int(action == requested), [gpu, action])
             if track.reading is None:
                 continue
-            for name, labels, value in (*track.reading.samples, *track.slow):
+            for name, labels, value in track.reading.samples:
                 f.add(name, value, [gpu, *labels])
+            for name, series in track.slow.items():
+                f.extend(name, series)
             temperatures = [t for _, t, _ in track.window if t is not None]
             if temperatures:
                 f.add("gpuhealth_gpu_temperature_max_celsius", max(temperatures), [gpu])
