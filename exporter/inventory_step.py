@@ -9,6 +9,7 @@ answer. Whether a GPU is up is the ``gpu`` collector's to report, not this step'
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -55,7 +56,7 @@ class InventoryStep:
         unknown = [i for i in range(count) if i not in ctx.inventory.gpus]
         deadline = time.monotonic() + ctx.nvml_timeout_seconds  # the waits overlap: one timeout at most
         futures: dict[int, Future[GpuIdentity]] = {
-            i: ctx.worker(f"gpu{i}").submit(lambda i=i: self.reader.identity(i)) for i in unknown}
+            i: ctx.worker(f"gpu{i}").submit(functools.partial(self.reader.identity, i)) for i in unknown}
         for index, future in futures.items():
             try:
                 ctx.inventory.add(GuardedWorker.result(future, deadline - time.monotonic()))

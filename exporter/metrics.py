@@ -231,6 +231,9 @@ def _format_value(value: float) -> str:
     return _INFINITIES.get(value) or repr(float(value))
 
 
+_SeriesKey = tuple[str, ...] | tuple[tuple[str, str], ...]  # a Family's label values, a Sample's items
+
+
 class _Line:
     """A series' rendered line, kept with its value: most series hold their value from one run to
     the next (counters change every few seconds, health gauges rarely), so their line is reused."""
@@ -254,7 +257,7 @@ class Renderer:
     """
 
     def __init__(self) -> None:
-        self._series_lines: dict[str, dict[tuple, _Line]] = {}  # sample name -> label values -> line
+        self._series_lines: dict[str, dict[_SeriesKey, _Line]] = {}  # sample name -> label values -> line
         self._cached = 0
         self._headers: dict[tuple[str, str, str], str] = {}
 
@@ -262,7 +265,7 @@ class Renderer:
         inner = ",".join(f'{k}="{_utf8(str(v)).translate(_ESCAPES)}"' for k, v in sorted(labels.items()))
         return f"{name}{{{inner}}} " if inner else f"{name} "
 
-    def _series(self, name: str) -> dict[tuple, _Line]:
+    def _series(self, name: str) -> dict[_SeriesKey, _Line]:
         if self._cached > MAX_CACHED_SERIES:  # label values churned (jobs come and go)
             self._series_lines.clear()
             self._cached = 0
