@@ -222,13 +222,15 @@ class ExporterServer:
         timeout = self.limits.head_timeout
         try:
             while True:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+                async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
+                    head = await reader.readuntil(b"\r\n\r\n")
                 connection = self._connections.get(key)
                 if connection is None:
                     break
                 connection.waiting = False
                 keep_alive = await self._respond(head, writer)
-                await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
+                async with asyncio.timeout(self.limits.write_timeout):
+                    await writer.drain()
                 if not keep_alive:
                     break
                 connection.waiting = True
