@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
+from exporter_helpers import FakeClock, make_collector, samples, sim_context, value
 from gpuhealth.exporter.metrics import SPECS, Families, Renderer, render
+from gpuhealth.exporter.sampler import Sampler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
@@ -35,3 +37,20 @@ def test_families_render_as_prometheus_client_families() -> None:
     ours = _families(61.5, 3.0)
     assert render(ours) == render([gauge, counter])
     assert [s for family in ours for s in family.samples] == [*gauge.samples, *counter.samples]
+
+
+def test_a_lost_gpu_serves_none_of_its_old_values(clock: FakeClock) -> None:
+    """The sampler's renderer and the collector's grouped slow series keep nothing of a GPU that stops
+    answering: its telemetry, counters and link state leave the very next exposition."""
+    scenario = {"gpus": 2, "nvlinks": 2, "faults": [{"kind": "fell_off_bus", "gpu": 1, "start": 5}]}
+    sampler = Sampler({"gpu": make_collector("gpu", sim_context(scenario, clock))}, clock=clock)
+    before = sampler.sample_once().decode()
+    for name in ("gpuhealth_gpu_temperature_celsius", "gpuhealth_gpu_nvlink_up",
+                 "gpuhealth_gpu_temperature_slowdown_threshold_celsius"):
+        assert any(dict(labels)["gpu"] == "1" for labels in samples(before, name)), name
+    clock.advance(6)
+    after = sampler.sample_once().decode()
+    assert value(after, "gpuhealth_gpu_up", gpu="1") == 0
+    kept = {name for name in SPECS if any(dict(labels).get("gpu") == "1" for labels in samples(after, name))}
+    assert kept == {"gpuhealth_gpu_info", "gpuhealth_gpu_up", "gpuhealth_gpu_nvml_errors_total",
+                    "gpuhealth_gpu_nvml_latency_seconds", "gpuhealth_gpu_recovery_action"}
