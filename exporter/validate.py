@@ -150,7 +150,7 @@ def _argv(text: str) -> tuple[str, ...]:
         argv = tuple(shlex.split(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"cannot split {text!r} into arguments: {exc}") from None
-    if not argv:
+    if not argv or not argv[0]:
         raise argparse.ArgumentTypeError("the site command is empty")
     return argv
 

@@ -285,7 +285,7 @@ def check_xid(node: NodeState, kernel_log: KernelLog | None) -> Check:
     except OSError as exc:
         return Check("xid", False, f"cannot read the kernel log {kernel_log.path}: {exc.strerror or exc}")
     inventory = node.inventory()
-    found: dict[str, list[int]] = {}
+    found: dict[str, dict[str, int]] = {}  # gpu -> XID -> lines
     ignored = 0
     for line in lines:
         _, at, _ = split_record(line)
@@ -297,11 +297,12 @@ def check_xid(node: NodeState, kernel_log: KernelLog | None) -> Check:
         elif event.kind in ("xid", "fallen_off_bus"):
             code = event.code if event.kind == "xid" else 79  # the notice stands for XID 79
             gpu = inventory.gpu_for_pci(event.pci_bus_id) if event.pci_bus_id else "unknown"
-            found.setdefault(gpu, []).append(code)
+            counts = found.setdefault(gpu, {})
+            counts[str(code)] = counts.get(str(code), 0) + 1
     since = "boot" if kernel_log.since <= 0 else f"{kernel_log.since:g} s after boot"
     value = {"since_seconds_after_boot": kernel_log.since, "xids": found, "ignored": ignored}
     if found:
-        detail = "; ".join(f"gpu {gpu} XID {', '.join(map(str, sorted(set(codes))))}"
+        detail = "; ".join(f"gpu {gpu} XID {', '.join(sorted(codes, key=int))}"
                            for gpu, codes in sorted(found.items()))
         return Check("xid", False, f"{detail} since {since}", value)
     return Check("xid", True, f"no XID since {since}", value)
