@@ -177,6 +177,17 @@ def seconds_after_boot(text: str, now: float | None = None, monotonic: float | N
     return max(when.timestamp() - boot, 0.0)
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Appends an option's default where it has one (argparse's own formatter also prints None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) \
+                and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -187,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 every check passed, 1 a check failed, 2 nothing could be checked "
                "(bad usage, NVML unavailable). The verdict is printed on stdout as JSON "
                "(exporter/VALIDATE.md); logs go to stderr.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpWithDefaults)
     add = parser.add_argument
     add("--backend", choices=BACKENDS, default="nvml", help="real NVML, or the simulator")
     add("--sim-scenario", "--scenario", dest="sim_scenario", type=Path, metavar="FILE",
@@ -203,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="kernel log: /dev/kmsg (default with nvml; needs root or CAP_SYSLOG) or a file in kmsg or "
              "plain format; with sim, a temporary file the simulator writes")
     add("--no-kmsg", action="store_true", help="do not read the kernel log (the xid check is skipped)")
-    add("--xid-since", type=seconds_after_boot, default="0", metavar="WHEN",
+    add("--xid-since", type=seconds_after_boot, metavar="WHEN",
         help="count XIDs logged after WHEN: seconds after boot, or an ISO 8601 time with zone such as "
              "the time of the GPU reset (default: since boot). Plain-text logs carry no time: every "
              "line counts")
@@ -218,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="deadline for NVML's initialisation and for reading every GPU")
     add("--dcgm-level", type=int, choices=(1, 2, 3, 4), metavar="N",
         help="also run 'dcgmi diag -r N' (1 quick .. 4 extended) when DCGM is installed")
-    add("--dcgmi", metavar="PATH", help="dcgmi binary (default: found on PATH)")
+    add("--dcgmi", metavar="PATH", help="dcgmi binary (default: the one on PATH)")
     add("--dcgm-timeout", type=_positive, metavar="SECONDS",
         help="deadline of the DCGM diagnostic (by level: 120, 600, 3600, 7200)")
     add("--site-command", type=_argv, metavar="COMMAND",
@@ -226,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
              "like a shell would, but no shell runs it: no pipes, variables or globs")
     add("--site-timeout", type=_positive, default=Options.site_timeout, metavar="SECONDS",
         help="deadline of the site command; its whole process group is killed after it")
-    add("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
+    add("--log-level", choices=("debug", "info", "warning", "error"), default="warning",
+        help="what goes to stderr")
     add("--version", action="version", version=f"%(prog)s {__version__}")
     return parser
 
@@ -259,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = Options(
             gpus_expected=args.gpus_expected,
             sysfs=args.sysfs or (Path("/sys") if args.backend == "nvml" else None),
-            kernel_log=None if kmsg is None else KernelLog(kmsg, args.xid_since, args.xid_ignore),
+            kernel_log=None if kmsg is None else KernelLog(kmsg, args.xid_since or 0.0, args.xid_ignore),
             idle_temperature_max=args.idle_temperature_max,
             busy_temperature_margin=args.busy_temperature_margin, nvml_timeout=args.nvml_timeout,
             dcgm_level=args.dcgm_level, dcgmi=args.dcgmi, dcgm_timeout=args.dcgm_timeout,

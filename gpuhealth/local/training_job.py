@@ -154,21 +154,23 @@ class TrainingJob:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog=PROG,
         description="A stand-in training job: counts steps, checkpoints every --interval seconds and "
                     "at once on --signal, and resumes from its newest checkpoint when started again "
                     "(after a Slurm requeue).")
     add = parser.add_argument
     add("--checkpoint-dir", type=Path, metavar="DIR",
         help="where checkpoints go (default: checkpoints/job-$SLURM_JOB_ID in the working folder)")
-    add("--interval", type=_positive, default=30.0, metavar="SECONDS", help="checkpoint interval")
+    add("--interval", type=_positive, default=30.0, metavar="SECONDS",
+        help="checkpoint interval (default 30)")
     add("--step-seconds", type=_positive, default=0.2, metavar="SECONDS",
-        help="length of one training step: a signalled checkpoint is written within one step")
+        help="length of one training step: a signalled checkpoint is written within one step "
+             "(default 0.2)")
     add("--steps", type=_count, default=0, metavar="N", help="steps to train in all, resumed ones included "
         "(0: until cancelled)")
     add("--signal", type=signal_number, default="USR1", metavar="NAME",
-        help="signal that asks for a checkpoint now")
-    add("--keep", type=_count, default=3, metavar="N", help="checkpoints kept (at least 1)")
+        help="signal that asks for a checkpoint now (default USR1)")
+    add("--keep", type=_count, default=3, metavar="N", help="checkpoints kept, at least 1 (default 3)")
     return parser
 
 
