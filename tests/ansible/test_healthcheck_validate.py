@@ -99,3 +99,17 @@ def test_validation_is_off_by_default(tmp_path: Path) -> None:
     assert role_defaults("gpuhealth_exporter")["gpuhealth_exporter_slurm_healthcheck_validate"] is False
     result = run(render(tmp_path, ["--backend", "sim", "--scenario", faults(tmp_path)], validate=False))
     assert (result.returncode, calls.exists()) == (0, False), result.stderr
+
+
+@pytest.mark.parametrize(("state", "drains"), [("IDLE", True), ("MIXED+DRAIN", False)])
+def test_an_exporter_fault_drains_first_and_validation_is_not_run(tmp_path: Path, state: str,
+                                                                  drains: bool) -> None:
+    calls = fake_scontrol(tmp_path, state)
+    exposition = tmp_path / "metrics"
+    exposition.write_text('gpuhealth_gpu_up{gpu="4"} 0.0\n')
+    script = render(tmp_path, ["--backend", "sim", "--scenario", faults(tmp_path)])
+    result = subprocess.run([str(script), "--node", NODE, "--url", exposition.as_uri()], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    expected = f"update|NodeName={NODE}|State=DRAIN|Reason=gpuhealth-healthcheck: gpu 4 lost|"
+    assert (calls.read_text().splitlines() if calls.exists() else []) == ([expected] if drains else [])
