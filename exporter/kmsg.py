@@ -151,10 +151,12 @@ class KmsgFollower:
 
     Replay after restart: when ``state_file`` is given, the last sequence number handled is kept
     there (with the boot id) and records up to it are skipped; otherwise, and after a reboot, reading
-    starts at the end of the log as it was at start-up.
+    starts at the end of the log as it was at start-up, or at its first record with ``from_start``
+    (a one-shot reader such as ``gpuhealth-validate`` wants what the log holds since boot).
     """
 
-    def __init__(self, path: Path, state_file: Path | None = None, boot_id: str = "") -> None:
+    def __init__(self, path: Path, state_file: Path | None = None, boot_id: str = "",
+                 from_start: bool = False) -> None:
         self.path = Path(path)
         self.state_file = state_file
         self.boot_id = boot_id
@@ -166,7 +168,7 @@ class KmsgFollower:
         self._last_seq = self._load_seq()
         self._saved_seq = self._last_seq
         # Only what existed at start-up is old news: a log created later is read from its start.
-        self._seek_end = self._last_seq is None and self.path.exists()
+        self._seek_end = not from_start and self._last_seq is None and self.path.exists()
         if self.path.exists():  # "start-up" is now, not the first sampling run
             try:
                 self._open()

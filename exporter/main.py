@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import getpass
 import logging
 import resource
@@ -20,6 +19,7 @@ from gpuhealth.exporter import __version__
 from gpuhealth.exporter.collector import Context, assemble, load_collectors
 from gpuhealth.exporter.config import DEFAULT_PORT, ConfigError, Settings, build_settings, read_yaml
 from gpuhealth.exporter.metrics import SPECS
+from gpuhealth.exporter.nvml_backend import load_nvml
 from gpuhealth.exporter.sampler import Sampler
 from gpuhealth.exporter.sim.profiles import PROFILES
 from gpuhealth.exporter.web import hash_password, make_server, tls_context
@@ -95,22 +95,8 @@ def _settings(argv: list[str] | None) -> tuple[Settings | None, argparse.Namespa
 def _nvml_module(settings: Settings, kmsg_path: Path | None) -> Any:
     """The NVML module for the backend, not yet initialised: the gpu collector initialises it under
     a deadline and keeps retrying, so a node with a broken driver still exports ``gpuhealth_nvml_up 0``."""
-    if settings.backend == "sim":
-        from gpuhealth.exporter.sim.nvml import SimulatedNvml
-        from gpuhealth.exporter.sim.profiles import DEFAULT_PROFILE, load_profile
-        from gpuhealth.exporter.sim.scenario import load_scenario
-
-        if kmsg_path is not None and kmsg_path.exists() and not kmsg_path.is_file():
-            log.info("simulated kernel lines are not written to a device path=%s", kmsg_path)
-            kmsg_path = None  # never inject fake XIDs into the real /dev/kmsg
-        profile = load_profile(settings.sim_profile or DEFAULT_PROFILE)
-        scenario = load_scenario(settings.sim_scenario)
-        if settings.sim_profile is not None:
-            scenario = dataclasses.replace(scenario, model=profile.model, nvlinks=profile.nvlinks)
-        return SimulatedNvml(scenario, kmsg_path, profile=profile, mig=settings.sim_mig)
-    import pynvml
-
-    return pynvml
+    return load_nvml(settings.backend, kmsg_path, settings.sim_scenario, settings.sim_profile,
+                     settings.sim_mig)
 
 
 def _build_info(backend: str):

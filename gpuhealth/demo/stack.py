@@ -74,6 +74,7 @@ class StackOptions:
     scrape_interval: str = "5s"
     evaluation_interval: str = "5s"
     breaker_max_nodes: int = 2
+    checkpoint_interval: float = 10.0  # the training jobs' checkpoint interval, seconds
 
 
 class ClosedLoopStack:
@@ -118,8 +119,9 @@ class ClosedLoopStack:
             self._start_prometheus(rules_dir)
             progress(f"submitting {self.options.jobs} training job(s) of {self.options.job_nodes} nodes")
             for index in range(self.options.jobs):
-                self.jobs.append(self.slurm.submit_training_job(self.options.job_nodes, seconds=3600,
-                                                                name=f"train{index + 1}"))
+                self.jobs.append(self.slurm.submit_training_job(
+                    self.options.job_nodes, seconds=3600, name=f"train{index + 1}",
+                    checkpoint_interval=self.options.checkpoint_interval))
             progress("waiting for Prometheus to scrape every exporter")
             self.wait_targets_up()
         except BaseException:

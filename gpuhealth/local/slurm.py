@@ -17,11 +17,13 @@ import logging
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from gpuhealth.local.process import ManagedProcess, ProcessError, free_port, wait_until
+from gpuhealth.local.training_job import checkpoint_dir
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -314,12 +317,23 @@ class SlurmCluster:
                        f"--output={self.workdir / 'job-%j.out'}", *args)
         return out.strip().split(";")[0]
 
-    def submit_training_job(self, nodes: int = 2, seconds: int = 600, name: str = "train") -> str:
-        """A requeueable multi-node job, started on ``nodes`` nodes; returns once it runs."""
-        job_id = self.sbatch("--requeue", f"--nodes={nodes}", f"--job-name={name}", "--wrap",
-                             f"sleep {seconds}")
+    def submit_training_job(self, nodes: int = 2, seconds: int = 600, name: str = "train",
+                            checkpoint_interval: float = 30.0, step_seconds: float = 0.2) -> str:
+        """A requeueable multi-node training job (``training_job.py``), started on ``nodes`` nodes;
+        returns once it runs. It checkpoints every ``checkpoint_interval`` seconds and on SIGUSR1 into
+        ``checkpoint_dir(job_id)``, and resumes from there after a requeue; ``seconds`` of training."""
+        command = [sys.executable, "-m", "gpuhealth.local.training_job",
+                   "--interval", str(checkpoint_interval), "--step-seconds", str(step_seconds),
+                   "--steps", str(max(int(seconds / step_seconds), 1))]
+        # exec: the job's batch process is the trainer itself, so "scancel --signal=USR1 --batch" reaches it
+        job_id = self.sbatch("--requeue", "--open-mode=append", f"--nodes={nodes}", f"--job-name={name}",
+                             "--wrap", f"exec {shlex.join(command)}")
         self.wait_job(job_id, lambda job: job.state == "RUNNING", what=f"job {job_id} to run")
         return job_id
+
+    def checkpoint_dir(self, job_id: str) -> Path:
+        """Where training job ``job_id`` keeps its checkpoints (``training_job.newest_checkpoint``)."""
+        return checkpoint_dir(self.workdir, job_id)
 
     def hostnames(self, hostlist: str) -> list[str]:
         """Expand a Slurm hostlist (``gpu[01-02,04]``) the way Slurm does."""
