@@ -15,12 +15,12 @@ from typing import Any
 
 import matplotlib.dates as mdates
 import numpy as np
-from gpuhealth.dashboards.queries import PanelQuery, Window, legend, panel_queries, panels, run
 from matplotlib.axes import Axes
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from gpuhealth.dashboards.queries import PanelQuery, Window, legend, panel_queries, panels, run
 from gpuhealth.local.prometheus import PrometheusAPI
 
 log = logging.getLogger(__name__)
