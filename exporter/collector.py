@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from gpuhealth.exporter.inventory import Inventory
 from gpuhealth.exporter.nvml_session import NvmlSession
@@ -42,9 +42,19 @@ class Context:
         if self.session is None and self.nvml is not None:
             self.session = NvmlSession(self.nvml, self.nvml_timeout_seconds, self.clock)
 
+    @property
+    def nvml_session(self) -> NvmlSession:
+        """The session, for collectors that cannot run without NVML."""
+        if self.session is None:
+            raise RuntimeError("this collector needs NVML: the context has no nvml module")
+        return self.session
+
 
 class Collector(Protocol):
     def collect(self) -> Iterable[Metric]: ...
+
+
+C = TypeVar("C", bound=Callable[[Context], Collector])
 
 
 @dataclass(frozen=True)
@@ -58,9 +68,9 @@ class Registration:
 REGISTRY: dict[str, Registration] = {}
 
 
-def register(name: str, help: str, default_enabled: bool = True):
+def register(name: str, help: str, default_enabled: bool = True) -> Callable[[C], C]:
     """Class decorator: make the collector selectable as ``--collector.<name>``."""
-    def wrap(cls):
+    def wrap(cls: C) -> C:
         REGISTRY[name] = Registration(name, cls, help, default_enabled)
         return cls
     return wrap

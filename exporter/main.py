@@ -13,6 +13,7 @@ import ssl
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from gpuhealth.exporter.metrics import SPECS
 from gpuhealth.exporter.sampler import Sampler
 from gpuhealth.exporter.sim.profiles import PROFILES
 from gpuhealth.exporter.web import hash_password, make_server, tls_context
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 log = logging.getLogger("gpuhealth.exporter")
 
@@ -113,8 +114,8 @@ def _nvml_module(settings: Settings, kmsg_path: Path | None) -> Any:
     return pynvml
 
 
-def _build_info(backend: str):
-    def families():
+def _build_info(backend: str) -> Callable[[], list[Metric]]:
+    def families() -> list[Metric]:
         name = "gpuhealth_exporter_build_info"
         family = GaugeMetricFamily(name, SPECS[name].help, labels=["version", "backend"])
         family.add_metric([__version__, backend], 1)

@@ -6,7 +6,7 @@ caught by the tests, and docs/contract.md is checked against this table.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -156,7 +156,7 @@ class Families:
     """Collects samples by metric name and yields prometheus_client families in first-use order."""
 
     def __init__(self) -> None:
-        self._families: dict[str, Metric] = {}
+        self._families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
 
     def add(self, name: str, value: float, labels: Sequence[str] = ()) -> None:
         family = self._families.get(name)
@@ -167,7 +167,7 @@ class Families:
             self._families[name] = family
         family.add_metric([str(v) for v in labels], float(value))
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Metric]:
         return iter(self._families.values())
 
 
