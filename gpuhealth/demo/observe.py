@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from gpuhealth.demo.stack import ClosedLoopStack, Fault
+from gpuhealth.demo.stack import ClosedLoopStack, Fault, started
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class Observer:
         return snap
 
     def _poll_prometheus(self, snap: Snapshot) -> None:
-        api = self.stack.prometheus.api
+        api = started(self.stack.prometheus).api
         for sample in api.query("gpuhealth:gpu_failure_risk:score"):
             labels = sample["metric"]
             snap.risk[(labels.get("node", ""), labels.get("gpu", ""))] = float(sample["value"][1])
