@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from gpuhealth.exporter.guard import GuardedWorker
 from gpuhealth.exporter.inventory import Inventory
@@ -59,6 +59,13 @@ class Context:
             self.workers[name] = GuardedWorker(f"nvml-{name}")
         return self.workers[name]
 
+    @property
+    def nvml_session(self) -> NvmlSession:
+        """The session, for collectors that cannot run without NVML."""
+        if self.session is None:
+            raise RuntimeError("this collector needs NVML: the context has no nvml module")
+        return self.session
+
 
 # Facts collectors share through the inventory (``needs`` / ``provides`` of a registration).
 GPU_IDENTITIES = "gpu_identities"  # index, UUID, PCI address per GPU: provided by the inventory step
@@ -67,6 +74,9 @@ GPU_PROCESSES = "gpu_processes"    # compute pids per GPU: provided by the gpu c
 
 class Collector(Protocol):
     def collect(self) -> Iterable[Exposed]: ...
+
+
+C = TypeVar("C", bound=Callable[[Context], Collector])
 
 
 @dataclass(frozen=True)
@@ -83,9 +93,9 @@ REGISTRY: dict[str, Registration] = {}
 
 
 def register(name: str, help: str, default_enabled: bool = True, needs: Iterable[str] = (),
-             provides: Iterable[str] = ()) -> Callable[[type], type]:
+             provides: Iterable[str] = ()) -> Callable[[C], C]:
     """Class decorator: make the collector selectable as ``--collector.<name>``."""
-    def wrap(cls: type) -> type:
+    def wrap(cls: C) -> C:
         REGISTRY[name] = Registration(name, cls, help, default_enabled, frozenset(needs), frozenset(provides))
         return cls
     return wrap

@@ -12,6 +12,7 @@ import ssl
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from gpuhealth.exporter.nvml_backend import load_nvml
 from gpuhealth.exporter.sampler import Sampler
 from gpuhealth.exporter.sim.profiles import PROFILES
 from gpuhealth.exporter.web import hash_password, make_server, tls_context
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 log = logging.getLogger("gpuhealth.exporter")
 
@@ -99,8 +100,8 @@ def _nvml_module(settings: Settings, kmsg_path: Path | None) -> Any:
                      settings.sim_mig)
 
 
-def _build_info(backend: str):
-    def families():
+def _build_info(backend: str) -> Callable[[], list[Metric]]:
+    def families() -> list[Metric]:
         name = "gpuhealth_exporter_build_info"
         family = GaugeMetricFamily(name, SPECS[name].help, labels=["version", "backend"])
         family.add_metric([__version__, backend], 1)

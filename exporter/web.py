@@ -27,6 +27,7 @@ import ssl
 import threading
 from dataclasses import dataclass
 from http import HTTPStatus
+from os import PathLike
 
 import bcrypt
 from gpuhealth.exporter.sampler import Sampler
@@ -314,12 +315,14 @@ class ExporterServer:
 
 
 # exporter-toolkit's client_auth_type values that a Python TLS server can honour exactly
+StrPath = str | PathLike[str]
 CLIENT_AUTH_TYPES = {"NoClientCert": ssl.CERT_NONE, "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
                      "RequireAndVerifyClientCert": ssl.CERT_REQUIRED}
 TLS_VERSIONS = {"TLS12": ssl.TLSVersion.TLSv1_2, "TLS13": ssl.TLSVersion.TLSv1_3}
 
 
-def tls_context(cert_file, key_file, client_ca_file=None, client_auth: str = "NoClientCert",
+def tls_context(cert_file: StrPath, key_file: StrPath | None, client_ca_file: StrPath | None = None,
+                client_auth: str = "NoClientCert",
                 min_version: str = "TLS12") -> ssl.SSLContext:
     """A server context as exporter-toolkit's ``tls_server_config`` describes it."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -331,7 +334,8 @@ def tls_context(cert_file, key_file, client_ca_file=None, client_auth: str = "No
     return context
 
 
-def make_server(host: str, port: int, sampler: Sampler, tls_cert=None, tls_key=None,
+def make_server(host: str, port: int, sampler: Sampler, tls_cert: StrPath | None = None,
+                tls_key: StrPath | None = None,
                 users: dict[str, str] | None = None, limits: Limits = Limits(), *,
                 tls: ssl.SSLContext | None = None) -> ExporterServer:
     if tls is None and tls_cert is not None:

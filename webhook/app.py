@@ -13,11 +13,13 @@ import logging
 import re
 import sqlite3
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import jinja2
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from gpuhealth.webhook.auth import Authenticator
 from gpuhealth.webhook.backends import Backend, create_backend
 from gpuhealth.webhook.backends.helpers import TracksHelpers
@@ -59,7 +61,7 @@ def _json_error(status: type[web.HTTPException], message: str) -> web.HTTPExcept
 
 
 @web.middleware
-async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every failure answers JSON: a journal that cannot be written is a 503 (retry later), a bug a 500
     without a traceback to the client."""
     try:
@@ -80,7 +82,7 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
 
 ACTOR = web.RequestKey("actor", str)  # the audit name of who made the request
 @web.middleware
-async def _no_browser_writes(request: web.Request, handler: Any) -> web.StreamResponse:
+async def _no_browser_writes(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Writes come from Alertmanager and operators' tools, never from a web page: browsers mark every
     cross-site write (a form, a no-cors fetch) with ``Origin``, so a page cannot drive the webhook
     through an operator's browser when an authenticating proxy supplies the credentials."""
@@ -91,7 +93,7 @@ async def _no_browser_writes(request: web.Request, handler: Any) -> web.StreamRe
 
 
 @web.middleware
-async def _require_auth(request: web.Request, handler: Any) -> web.StreamResponse:
+async def _require_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every request that changes something needs credentials (alerts: intake; the rest: operator);
     reads stay open."""
     if request.method not in ("GET", "HEAD", "OPTIONS"):
@@ -337,7 +339,7 @@ def create_app(config: Config, *, backend: Backend | None = None) -> web.Applica
     return app
 
 
-async def _runtime(app: web.Application):
+async def _runtime(app: web.Application) -> AsyncIterator[None]:
     """Open the journal and start the worker; on shutdown stop the worker before closing the journal."""
     config = app[CONFIG]
     journal = AsyncJournal(config.journal_path, config.journal_busy_timeout_seconds,
@@ -345,8 +347,9 @@ async def _runtime(app: web.Application):
     engine = Engine(config, app[BACKEND], journal, app[METRICS])
     worker = Worker(engine, journal, config.journal_retention_days * 86400)
     app[JOURNAL], app[ENGINE], app[WORKER] = journal, engine, worker
-    if isinstance(app[BACKEND], TracksHelpers):  # kill what a killed webhook left running first
-        await asyncio.to_thread(app[BACKEND].track_helpers, config.state_dir / "helpers")
+    backend = app[BACKEND]
+    if isinstance(backend, TracksHelpers):  # kill what a killed webhook left running first
+        await asyncio.to_thread(backend.track_helpers, config.state_dir / "helpers")
     breaker = await engine.breaker()
     app[METRICS].breaker_open.set(int(breaker["open"]))
     log.info("event=started journal=%s backend=%s dry_run=%s breaker_open=%s", config.journal_path,

@@ -146,6 +146,13 @@ class JobRecord:
     last_node: str
 
 
+def _inserted(cur: sqlite3.Cursor) -> int:
+    """The id of the row an INSERT just wrote (sqlite3 types it as optional, for other statements)."""
+    if cur.lastrowid is None:
+        raise sqlite3.InterfaceError("INSERT reported no row id")
+    return cur.lastrowid
+
+
 def _action(row: sqlite3.Row) -> Action:
     data = dict(row)
     data["progress"] = json.loads(data["progress"])
@@ -195,8 +202,9 @@ class Journal:
              SKIPPED if finished else "", reason, detail, now, now, now if finished else None, now))
         if not cur.rowcount:
             return None
-        self._transition(cur.lastrowid, state, reason, detail, now)
-        return cur.lastrowid
+        action_id = _inserted(cur)
+        self._transition(action_id, state, reason, detail, now)
+        return action_id
 
     def record(self, batch: list[tuple[Notification, dict[tuple[str, str], Decision]]]
                ) -> list[RecordResult | Exception]:
@@ -227,7 +235,7 @@ class Journal:
             "INSERT INTO notifications (received_at, receiver, group_key, status, alerts, new_alerts) "
             "VALUES (?,?,?,?,?,0)", (now, notification.receiver, notification.group_key,
                                     notification.status, len(notification.alerts)))
-        result = RecordResult(cur.lastrowid)
+        result = RecordResult(_inserted(cur))
         for alert in notification.alerts:
             if alert.status == "firing":
                 self._record_firing(alert, decisions.get(alert.key), now, result)
@@ -410,7 +418,7 @@ class Journal:
     def next_due_at(self) -> float | None:
         row = self.db.execute("SELECT MIN(next_at) FROM actions WHERE state IN (?, ?)",
                               (PENDING, RUNNING)).fetchone()
-        return row[0]
+        return None if row[0] is None else float(row[0])
 
     def counts(self) -> dict[str, int]:
         rows = self.db.execute("SELECT state, COUNT(*) FROM actions GROUP BY state").fetchall()
@@ -430,13 +438,13 @@ class Journal:
                                     "state = ? AND reason = 'ok'", (node, UNDRAIN, DONE)).fetchone()
         if row[0] is None or (undrained[0] is not None and undrained[0] >= row[0]):
             return None
-        return row[0]
+        return float(row[0])
 
     def nodes_started(self, kind: str, since: float, exclude_node: str) -> int:
         """How many other nodes an action of ``kind`` started on since ``since``."""
         row = self.db.execute("SELECT COUNT(DISTINCT node) FROM actions WHERE kind = ? AND started_at >= ? "
                               "AND node != ?", (kind, since, exclude_node)).fetchone()
-        return row[0]
+        return int(row[0])
 
     def rate_limited_until(self, since: float, limit: int, window: float) -> float | None:
         """None while fewer than ``limit`` actions started since ``since``; else when the next slot frees."""
@@ -446,7 +454,7 @@ class Journal:
             return None
         row = self.db.execute(f"SELECT started_at {where} ORDER BY started_at LIMIT 1 OFFSET ?",
                               (since, count - limit)).fetchone()
-        return row[0] + window
+        return float(row[0]) + window
 
     def firing_drains(self, node: str, exclude: tuple[str, str]) -> int:
         """Alerts still firing on ``node`` whose action drains it: the node must stay drained."""
@@ -456,7 +464,7 @@ class Journal:
             f"({', '.join('?' * len(DRAINING_KINDS))}, 'replace') AND {_holds('ac.')} "
             "AND NOT (al.fingerprint = ? AND al.starts_at = ?)",
             (node, *DRAINING_KINDS, *exclude)).fetchone()
-        return row[0]
+        return int(row[0])
 
     def drained(self) -> dict[str, dict[str, Any]]:
         rows = self.db.execute("SELECT * FROM drained ORDER BY node")

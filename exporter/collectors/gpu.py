@@ -47,15 +47,16 @@ class GpuTrack:
 
     up: bool = False
     visible: bool = True
-    errors: collections.Counter = field(default_factory=lambda: collections.Counter(
+    errors: collections.Counter[tuple[str, str]] = field(default_factory=lambda: collections.Counter(
         {(error, SAMPLE): 0 for error in PREINITIALISED_ERRORS}))
-    window: collections.deque = field(default_factory=collections.deque)  # (t, temperature, latency)
+    # (t, temperature, latency)
+    window: collections.deque[tuple[float, float | None, float]] = field(default_factory=collections.deque)
     clock_event_seconds: dict[str, float] = field(default_factory=dict)
     last_sample: float | None = None
     reading: GpuReading | None = None
     slow: dict[str, list[Series]] = field(default_factory=dict)  # the last full reading's, by family
     slowdown_threshold: float | None = None
-    driver_clock_event_reasons: set = field(default_factory=set)
+    driver_clock_event_reasons: set[str] = field(default_factory=set)
     last_full: float | None = None
     recovery_action: str | None = None  # last polled from NVML
 
@@ -86,7 +87,7 @@ class GpuCollector:
             self.ctx.clock() - track.last_full >= FULL_EVERY_SECONDS
 
     def collect(self) -> Iterator[Family]:
-        ctx, session = self.ctx, self.ctx.session
+        ctx, session = self.ctx, self.ctx.nvml_session
         if self.expected is None and ctx.sysfs is not None:
             self.expected = nvidia_gpus_on_pci(ctx.sysfs) or None  # none on the bus: ask NVML
         if not session.ensure():
@@ -115,7 +116,7 @@ class GpuCollector:
         futures = {i: ctx.worker(f"gpu{i}").submit(
                        functools.partial(self._sample, i, i in ctx.inventory.gpus, self._full_due(i)))
                    for i in indices}
-        outcomes: dict[int, tuple | BaseException] = {}
+        outcomes: dict[int, tuple[GpuIdentity | None, GpuReading, float] | BaseException] = {}
         for index, future in futures.items():
             try:
                 outcomes[index] = GuardedWorker.result(future, deadlines[index] - time.monotonic())
@@ -144,7 +145,8 @@ class GpuCollector:
         yield from self._families(indices, nvml_up=session.up)
 
     def _count(self) -> int:
-        return self.reader.core(self.ctx.nvml.nvmlDeviceGetCount)
+        count: int = self.reader.core(self.ctx.nvml.nvmlDeviceGetCount)
+        return count
 
     def _down(self, index: int, track: GpuTrack, exc: BaseException, enumerated: bool) -> None:
         error = error_label(exc)
@@ -188,7 +190,7 @@ class GpuCollector:
 
     def _families(self, indices: list[int], nvml_up: bool) -> Iterator[Family]:
         f = Families()
-        session = self.ctx.session
+        session = self.ctx.nvml_session
         f.add("gpuhealth_nvml_up", int(nvml_up))
         f.add("gpuhealth_nvml_stalled", int(self.stalled and nvml_up))
         for error, count in sorted(session.init_errors.items()):

@@ -48,20 +48,20 @@ class XidCollector:
         # Event counters appear at their first event, not at 0 for every GPU and known code: 20 XIDs
         # x 16,384 GPUs of zeros would be most of a fleet's series, and every XID rule would read them
         # all. The rules and dashboards count a series that appears as its first event.
-        self.xids: collections.Counter = collections.Counter()          # (gpu, xid)
-        self.sxids: collections.Counter = collections.Counter()         # (device, sxid, severity)
-        self.aer: collections.Counter = collections.Counter()           # (pci_bus_id, severity, gpu)
-        self.fallen: collections.Counter = collections.Counter()        # gpu
+        self.xids: collections.Counter[tuple[str, ...]] = collections.Counter()    # (gpu, xid)
+        self.sxids: collections.Counter[tuple[str, ...]] = collections.Counter()   # (device, sxid, severity)
+        self.aer: collections.Counter[tuple[str, ...]] = collections.Counter()     # pci_bus_id, severity, gpu
+        self.fallen: collections.Counter[str] = collections.Counter()              # gpu
         self.lines = collections.Counter(dict.fromkeys(KMSG_RESULTS, 0))
         self._notice_pci = ""  # the GPU of a fallen-off-the-bus notice whose first line was just read
 
     def collect(self) -> Iterator[Family]:
         """No NVML failure may stop the kernel log's XIDs, SXIDs and AER errors from counting."""
-        session = self.ctx.session
-        if self.events is not None and session is not None and session.ensure():
+        session, source = self.ctx.session, self.events
+        if source is not None and session is not None and session.ensure():
             try:
                 events = GuardedWorker.result(
-                    self.nvml_worker.submit(lambda: self.events.drain(session.generation)),
+                    self.nvml_worker.submit(lambda: source.drain(session.generation)),
                     self.ctx.nvml_timeout_seconds)
             except DeadlineExceeded:  # a hung driver: try again next run, count nothing twice
                 log.warning("NVML event drain timed out")
@@ -114,7 +114,7 @@ class XidCollector:
                 self._notice_pci = ""
         self.follower.save_state()
 
-    def _series(self, event: Event) -> tuple[collections.Counter, tuple[str, ...]] | None:
+    def _series(self, event: Event) -> tuple[collections.Counter[tuple[str, ...]], tuple[str, ...]] | None:
         """The counter family and label values an event counts in, for the kinds whose labels come
         from the line itself (device addresses, codes); None for the others."""
         if event.kind == "xid":

@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from gpuhealth.demo.stack import ClosedLoopStack, Fault
+from gpuhealth.demo.stack import ClosedLoopStack, Fault, started
 from gpuhealth.local.training_job import Checkpoint, newest_checkpoint
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class Observer:
         return snap
 
     def _poll_prometheus(self, snap: Snapshot) -> None:
-        api = self.stack.prometheus.api
+        api = started(self.stack.prometheus).api
         for sample in api.query("gpuhealth:gpu_failure_risk:score"):
             labels = sample["metric"]
             snap.risk[(labels.get("node", ""), labels.get("gpu", ""))] = float(sample["value"][1])

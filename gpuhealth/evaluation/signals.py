@@ -180,7 +180,9 @@ class FleetSignals:
     def at(self, rel: float) -> int:
         return self.timeline.index(self.scenario.start + rel)
 
-    def gpu_index(self, node: str, gpu: int) -> int:
+    def gpu_index(self, node: str, gpu: int | None) -> int:
+        if gpu is None:
+            raise ValueError(f"an event on one GPU of {node} names no GPU")
         return self.fleet.node_names.index(node) * self.fleet.gpus_per_node + gpu
 
     def node_index(self, node: str) -> int:
@@ -224,15 +226,15 @@ class FleetSignals:
                 "shape": rng.uniform(1.0, 3.0),
                 "hang": rng.uniform(600, HANG_MAX),
                 "extra": rng.uniform(0, 1),
-                "link": rng.integers(0, max(self.fleet.nvlinks, 1)),
+                "link": int(rng.integers(0, max(self.fleet.nvlinks, 1))),
                 "aer": rng.random() < 0.5,
                 "downgrade": rng.random() < 0.35,
                 "generation": rng.random() < 0.4,
                 "remaps": rng.random(),  # how many rows the wear hits again and again (see ``hbm``)
                 "quiet": rng.random() < 0.35,
                 "rise": rng.uniform(0.03, 0.3),
-                "steps": rng.integers(1, 4),
-                "seed": rng.integers(0, 2**31),
+                "steps": int(rng.integers(1, 4)),
+                "seed": int(rng.integers(0, 2**31)),
             }
             for f in self.scenario.failures
         }
@@ -300,7 +302,7 @@ class FleetSignals:
             if noise.kind == "checkpoint_storm":
                 nodes = np.flatnonzero(
                     self.checkpoint_load[:, self.span(noise.at, noise.duration)].max(axis=1) > 2
-                )
+                ).tolist()
             return [self.fleet.node(int(n)) for n in nodes]
         if noise.kind in ("rack_cooling", "power_brake"):
             return [self.fleet.node(n) for n in self.rack(noise.node)]
@@ -458,7 +460,7 @@ class FleetSignals:
                 nodes, heat = list(self.rack(noise.node)), 4 + 10 * noise.strength
             else:
                 nodes, heat = (
-                    range(first, min(first + (2 if noise.strength > 0.6 else 1), self.fleet.nodes)),
+                    list(range(first, min(first + (2 if noise.strength > 0.6 else 1), self.fleet.nodes))),
                     (3 + 6 * noise.strength),
                 )
             for node in nodes:
@@ -1127,7 +1129,7 @@ class FleetSignals:
                 families.setdefault(name, []).extend(self._rows(values, self.node_labels, extra))
         for name, rows in families.items():
             yield Family(name, "counter", rows)
-        sends = sum(ops.values()) * step
+        sends = np.asarray(sum(ops.values()) * step)
         extra = f'mount="{NFS_MOUNT}",'
         yield self._count("gpuhealth_nfs_transport_sends_total", np.round(_counter(sends)), extra, node=True)
         yield self._count(

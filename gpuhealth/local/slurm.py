@@ -174,7 +174,8 @@ class SlurmCluster:
 
     def _start_slurmd(self, node: str, rebooted: bool = False) -> None:
         (self._spool / node).mkdir(parents=True, exist_ok=True)
-        argv = [_binary("slurmd"), "-D", *(["-b"] if rebooted else []), "-N", node, "-f", self.conf_path]
+        argv: list[str | Path] = [_binary("slurmd"), "-D", *(["-b"] if rebooted else []), "-N", node, "-f",
+                                  self.conf_path]
         env = {**self.env, NODE_ENV: node}  # the RebootProgram, run by this slurmd, names its node
         self._slurmd[node] = ManagedProcess(f"slurmd-{node}", argv, self.workdir / f"slurmd.{node}.out",
                                             env=env).start()
@@ -189,9 +190,9 @@ class SlurmCluster:
         for daemon in self._slurmd.values():
             daemon.stop()
         self._kill_job_leftovers()
-        for daemon in (self._slurmctld, self._munged):
-            if daemon is not None:
-                daemon.stop()
+        for central in (self._slurmctld, self._munged):
+            if central is not None:
+                central.stop()
         if self._munge_dir is not None:
             shutil.rmtree(self._munge_dir, ignore_errors=True)
             self._munge_dir = None

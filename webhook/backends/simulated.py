@@ -96,11 +96,13 @@ class SimulatedBackend:
     def _node(self, node: str) -> dict[str, Any]:
         if node not in self.state["nodes"]:
             raise BackendError(f"node {node} not found", retryable=False)
-        return self.state["nodes"][node]
+        state: dict[str, Any] = self.state["nodes"][node]
+        return state
 
     @property
     def history(self) -> list[list[Any]]:
-        return self.state["history"]
+        history: list[list[Any]] = self.state["history"]
+        return history
 
     async def node_state(self, node: str) -> NodeState:
         entry = self.state["nodes"].get(node)
