@@ -79,7 +79,8 @@ def test_a_restart_resumes_from_the_newest_checkpoint_and_sigterm_loses_what_fol
     lines = done.stdout.splitlines()
     assert f"event=resume step={saved.step} checkpoint={saved.path}" in lines[0]
     assert f"event=done step={saved.step + 5}" in lines[-1]
-    assert newest_checkpoint(folder).reason == "final"  # type: ignore[union-attr]
+    newest = newest_checkpoint(folder)
+    assert newest is not None and newest.reason == "final"
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -316,7 +316,7 @@ def test_every_nvml_error_in_every_query_gives_a_verdict(query: str) -> None:
 def test_every_nvml_error_during_initialisation_cannot_check() -> None:
     for error in _error_instances():
         nvml = sim({"gpus": 1})
-        nvml.nvmlInit = lambda error=error: (_ for _ in ()).throw(error)  # type: ignore[method-assign]
+        nvml.nvmlInit = lambda error=error: (_ for _ in ()).throw(error)
         code, checks = run(nvml)
         assert code == CANNOT, type(error).__name__
         assert checks["nvml"].detail == f"NVML unavailable: {error_label(error)}"
