@@ -24,12 +24,12 @@ BUILTIN = {
 }
 
 
-def backend_class(kind: str) -> type:
+def backend_class(kind: str) -> type[Any]:
     """The class for a backend ``type``; ``ValueError`` with the known types when there is none."""
     if ":" in kind:
         module_name, _, class_name = kind.partition(":")
         try:
-            cls = getattr(importlib.import_module(module_name), class_name)
+            cls: type[Any] = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"backend type {kind!r} cannot be loaded: {exc}") from None
         return cls
@@ -52,4 +52,5 @@ def create_backend(section: dict[str, Any]) -> Backend:
     kind = settings.pop("type", None)
     if not isinstance(kind, str) or not kind:
         raise ValueError(f"backend.type is required, one of: {', '.join(sorted(BUILTIN))}")
-    return backend_class(kind).from_config(settings)
+    backend: Backend = backend_class(kind).from_config(settings)
+    return backend
