@@ -283,8 +283,8 @@ class Journal:
             now = time.time()
             if reserve is not None:
                 self.db.execute("INSERT OR REPLACE INTO drained (node, action_id, since, reason, keep) "
-                                "VALUES (?,?,?,?,?)", (reserve.node, action_id, now, reserve.reason,
-                                                      int(reserve.keep)))
+                                "VALUES (?,?,?,?,?)", (reserve.node, reserve.action_id, reserve.since,
+                                                      reserve.reason, int(reserve.keep)))
             self._set_state(action_id, RUNNING, "", "", "started", now, started_at=now, next_at=now)
             return True
 
