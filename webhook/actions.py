@@ -39,10 +39,16 @@ class ActionKind:
     drains: bool  # the node stays drained while the alert fires (counted by the breaker)
     undone_on_resolve: bool  # the alert's resolution undrains the node (replace: a human decides)
     from_alerts: bool = True  # an alert or policy rule may ask for it (undrain follows a resolution)
+    reason_note: str = ""  # put before the summary in the drain reason, for operators to read
 
     @property
     def needs_gpu(self) -> bool:
         return any(STEPS[step].needs_gpu for step in self.steps)
+
+    @property
+    def moves_work_only(self) -> bool:
+        """Requeues jobs without draining: the requeue cap, not the drain breaker, bounds it."""
+        return "requeue" in self.steps and not self.drains
 
 
 NONE, UNDRAIN = "none", "undrain"
@@ -55,7 +61,8 @@ KINDS: dict[str, ActionKind] = {kind.name: kind for kind in (
     ActionKind("drain", ("drain", "requeue"), drains=True, undone_on_resolve=True),
     ActionKind("drain_reset_gpu", ("drain", "requeue", "reset_gpu"), drains=True, undone_on_resolve=True),
     ActionKind("drain_reboot", ("drain", "requeue", "reboot"), drains=True, undone_on_resolve=True),
-    ActionKind("replace", ("drain", "requeue"), drains=True, undone_on_resolve=False),
+    ActionKind("replace", ("drain", "requeue"), drains=True, undone_on_resolve=False,
+               reason_note="replace requested"),
     ActionKind(UNDRAIN, ("resume",), drains=False, undone_on_resolve=False, from_alerts=False),
 )}
 

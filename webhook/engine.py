@@ -281,8 +281,8 @@ class Engine:
                 v.outcome.value, a.id, a.kind, a.node, a.gpu, a.alertname, v.reason.value, v.detail)
 
     def _reason(self, a: Action) -> str:
-        summary = f"replace requested: {a.summary}" if a.kind == "replace" else a.summary
-        return drain_reason(a.alertname, summary)
+        note = KINDS[a.kind].reason_note
+        return drain_reason(a.alertname, f"{note}: {a.summary}" if note else a.summary)
 
     def _plan(self, a: Action) -> str:
         fields = {"node": a.node, "gpu": a.gpu, "reason": self._reason(a)}

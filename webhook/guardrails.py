@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gpuhealth.webhook.actions import ACTING, DRAINING, NONE, UNDRAIN, at_least_as_strong
+from gpuhealth.webhook.actions import ACTING, DRAINING, KINDS, NONE, UNDRAIN, at_least_as_strong
 from gpuhealth.webhook.backends.base import Backend, BackendError, NodeState
 from gpuhealth.webhook.config import Config
 from gpuhealth.webhook.intake import keeps_drained
@@ -208,7 +208,7 @@ async def breaker_cap(ctx: Admission) -> Verdict | None:
 async def requeue_cap(ctx: Admission) -> Verdict | None:
     """Requeueing moves work without draining, so it has its own cap: nodes in a window."""
     a, g = ctx.action, ctx.config.guardrails
-    if a.kind != "restart_job":
+    if a.kind not in KINDS or not KINDS[a.kind].moves_work_only:
         return None
     since = time.time() - g.requeue_breaker_window_seconds
     nodes = await ctx.store.nodes_started(a.kind, since, a.node)
