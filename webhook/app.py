@@ -25,20 +25,21 @@ from gpuhealth.webhook.backends import Backend, create_backend
 from gpuhealth.webhook.backends.helpers import TracksHelpers
 from gpuhealth.webhook.config import Config
 from gpuhealth.webhook.engine import Engine
-from gpuhealth.webhook.journal import (
-    ACTIVE_STATES,
-    AWAITING_APPROVAL,
-    CANCELLED,
-    JOURNAL_ERRORS,
-    PENDING,
-    STATES,
-    AsyncJournal,
-    JournalUnwritable,
-)
+from gpuhealth.webhook.intake import resolve
+from gpuhealth.webhook.journal import JOURNAL_ERRORS, AsyncJournal
 from gpuhealth.webhook.metrics import Metrics
 from gpuhealth.webhook.models import PayloadError, decode_body, parse_notification, rfc3339
 from gpuhealth.webhook.outcomes import Outcome, Reason
 from gpuhealth.webhook.policy import decide
+from gpuhealth.webhook.store import (
+    ACTIVE_STATES,
+    AWAITING_APPROVAL,
+    CANCELLED,
+    PENDING,
+    STATES,
+    JournalUnwritable,
+    Store,
+)
 from gpuhealth.webhook.worker import Worker
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -48,7 +49,7 @@ CONFIG = web.AppKey("config", Config)
 BACKEND = web.AppKey("backend", Backend)
 AUTH = web.AppKey("auth", Authenticator)
 METRICS = web.AppKey("metrics", Metrics)
-JOURNAL = web.AppKey("journal", AsyncJournal)
+JOURNAL = web.AppKey("journal", Store)
 ENGINE = web.AppKey("engine", Engine)
 WORKER = web.AppKey("worker", Worker)
 
@@ -198,7 +199,7 @@ async def get_actions(request: web.Request) -> web.Response:
         raise _json_error(web.HTTPBadRequest, "limit: an integer 1..10000")
     journal = request.app[JOURNAL]
     since = _since(query.get("since"))
-    actions = await journal.call(journal.sync.list_actions, query.get("node"), state, since, int(limit))
+    actions = await journal.list_actions(query.get("node"), state, since, int(limit))
     return web.json_response({"actions": [a.as_json() for a in actions]})
 
 
@@ -211,10 +212,10 @@ def _action_id(request: web.Request) -> int:
 
 async def get_action(request: web.Request) -> web.Response:
     journal = request.app[JOURNAL]
-    action = await journal.call(journal.sync.get, _action_id(request))
+    action = await journal.get(_action_id(request))
     if action is None:
         raise _json_error(web.HTTPNotFound, "no such action")
-    transitions = await journal.call(journal.sync.transitions, action.id)
+    transitions = await journal.transitions(action.id)
     return web.json_response(action.as_json() | {"transitions": transitions})
 
 
@@ -223,10 +224,10 @@ async def _move(request: web.Request, from_states: tuple[str, ...], to: str, ver
     journal = request.app[JOURNAL]
     action_id = _action_id(request)
     who = request[ACTOR]
-    moved = await journal.write(journal.sync.try_move, action_id, from_states, to,
-                               "operator" if to == CANCELLED else "approved", f"{verb} by {who}", outcome)
+    moved = await journal.try_move(action_id, from_states, to, "operator" if to == CANCELLED else "approved",
+                                   f"{verb} by {who}", outcome)
     if moved is None:
-        current = await journal.call(journal.sync.get, action_id)
+        current = await journal.get(action_id)
         if current is None:
             raise _json_error(web.HTTPNotFound, "no such action")
         raise _json_error(web.HTTPConflict, f"action {action_id} is {current.state}; only "
@@ -254,22 +255,22 @@ async def reset_breaker(request: web.Request) -> web.Response:
 
 
 async def _status(app: web.Application) -> dict[str, Any]:
-    journal, db = app[JOURNAL], app[JOURNAL].sync
-    counts = await journal.call(db.counts)
-    drained = await journal.call(db.drained)
+    journal = app[JOURNAL]
+    counts = await journal.counts()
+    drained = await journal.drained()
     breaker = await app[ENGINE].breaker()
     metrics = app[METRICS]
     metrics.queue_depth.set(sum(counts[s] for s in ACTIVE_STATES))
     metrics.breaker_open.set(int(breaker["open"]))
     metrics.nodes_drained.set(len(drained))
-    jobs = await journal.call(db.exhausted_jobs)
+    jobs = await journal.exhausted_jobs()
     return {
         "dry_run": app[CONFIG].dry_run,
         "undrain_mode": app[CONFIG].undrain.mode,
         "backend": app[BACKEND].name,
         "breaker": breaker,
-        "drained_by_us": [{"node": n, "since": e["since"], "reason": e["reason"], "action_id": e["action_id"],
-                           "left_for_human": bool(e["keep"]) or app[CONFIG].undrain.mode == "manual"}
+        "drained_by_us": [{"node": n, "since": e.since, "reason": e.reason, "action_id": e.action_id,
+                           "left_for_human": e.keep or app[CONFIG].undrain.mode == "manual"}
                           for n, e in drained.items()],
         "queue": counts,
         "jobs_out_of_retries": [{"job_id": j.job_id, "attempts": j.attempts, "nodes": j.excluded,
@@ -291,7 +292,7 @@ async def get_metrics(request: web.Request) -> web.Response:
 async def healthz(request: web.Request) -> web.Response:
     journal = request.app[JOURNAL]
     try:
-        await journal.call(journal.sync.counts)
+        await journal.counts()
     except sqlite3.Error as exc:
         raise _json_error(web.HTTPServiceUnavailable, f"journal: {exc}") from None
     if journal.write_error is not None:
@@ -308,8 +309,8 @@ def _when(ts: float | None) -> str:
 async def status_page(request: web.Request) -> web.Response:
     journal = request.app[JOURNAL]
     status = await _status(request.app)
-    actions = await journal.call(journal.sync.list_actions, None, None, None, 50)
-    waiting = await journal.call(journal.sync.list_actions, None, AWAITING_APPROVAL, None, 100)
+    actions = await journal.list_actions(limit=50)
+    waiting = await journal.list_actions(state=AWAITING_APPROVAL, limit=100)
     html = _TEMPLATES.get_template("status.html").render(status=status, actions=actions, waiting=waiting,
                                                           when=_when, now=_when(time.time()))
     return web.Response(text=html, content_type="text/html")
@@ -342,7 +343,7 @@ def create_app(config: Config, *, backend: Backend | None = None) -> web.Applica
 async def _runtime(app: web.Application) -> AsyncIterator[None]:
     """Open the journal and start the worker; on shutdown stop the worker before closing the journal."""
     config = app[CONFIG]
-    journal = AsyncJournal(config.journal_path, config.journal_busy_timeout_seconds,
+    journal = AsyncJournal(config.journal_path, resolve, config.journal_busy_timeout_seconds,
                            on_failure=app[METRICS].journal_write_failures.inc)
     engine = Engine(config, app[BACKEND], journal, app[METRICS])
     worker = Worker(engine, journal, config.journal_retention_days * 86400)

@@ -32,6 +32,7 @@ from typing import TypeVar
 
 from gpuhealth.local.process import ManagedProcess, ProcessError, free_port, wait_until
 from gpuhealth.local.training_job import checkpoint_dir
+from gpuhealth.webhook.backends.scontrol import job_fields, parse_node_line
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,9 +40,6 @@ T = TypeVar("T")
 SBIN_PATH = "/usr/sbin:/usr/bin"
 TOOLS = ("scontrol", "squeue", "sbatch", "sinfo", "scancel")
 NODE_ENV = "GPUHEALTH_SLURM_NODE"
-_STATE = re.compile(r"(?:^|\s)State=(\S+)")
-_REASON = re.compile(r"\sReason=(.*?)(?=\s(?:Comment|Extra)=|$)")  # Slurm prints Comment, Extra after it
-_JOB_FIELDS = re.compile(r"(?:^|\s)(JobState|NodeList|ExcNodeList|Reason|Restarts)=(\S*)")
 
 
 class SlurmError(RuntimeError):
@@ -343,15 +341,12 @@ class SlurmCluster:
         return self.scontrol("show", "hostnames", hostlist).split()
 
     def node(self, name: str) -> NodeInfo:
-        line = self.scontrol("show", "node", name, "-o").strip()
-        state = _STATE.search(line)
-        reason = _REASON.search(line)
-        return NodeInfo(name, state[1] if state else "", reason[1] if reason else "")
+        parsed = parse_node_line(self.scontrol("show", "node", name, "-o").strip())
+        return NodeInfo(name, parsed.state, parsed.printed_reason)
 
     def job(self, job_id: str) -> JobInfo:
-        fields: dict[str, str] = {}
-        for key, value in _JOB_FIELDS.findall(self.scontrol("show", "job", job_id, "-o")):
-            fields.setdefault(key, value)  # the job's own, not look-alikes in a Comment printed later
+        fields = job_fields(self.scontrol("show", "job", job_id, "-o"),
+                            ("JobState", "NodeList", "ExcNodeList", "Reason", "Restarts"))
         return JobInfo(job_id, fields.get("JobState", ""), self.hostnames(fields.get("NodeList", "")),
                        self.hostnames(fields.get("ExcNodeList", "")), fields.get("Reason", ""),
                        int(fields.get("Restarts", "0")))

@@ -96,8 +96,8 @@ class SimulatedBackend:
     def _node(self, node: str) -> dict[str, Any]:
         if node not in self.state["nodes"]:
             raise BackendError(f"node {node} not found", retryable=False)
-        state: dict[str, Any] = self.state["nodes"][node]
-        return state
+        entry: dict[str, Any] = self.state["nodes"][node]
+        return entry
 
     @property
     def history(self) -> list[list[Any]]:
@@ -113,7 +113,7 @@ class SimulatedBackend:
     async def fleet_size(self) -> int:
         return len(self.state["nodes"])
 
-    async def drain(self, node: str, reason: str) -> None:
+    async def drain(self, node: str, reason: str, *, alertname: str = "") -> None:
         await self._latency()
         entry = self._node(node)
         if entry["drained"]:
@@ -144,11 +144,11 @@ class SimulatedBackend:
                    excluded=sorted(set(job["excluded"]) | set(exclude_nodes)))
         self._record("requeue", job_id, sorted(exclude_nodes))
 
-    async def reset_gpu(self, node: str, gpu: str | None, reason: str) -> None:
+    async def reset_gpu(self, node: str, gpu: str | None, reason: str, *, alertname: str = "") -> None:
         await self._latency()
         self._request(node, f"reset_gpu:{gpu}", "reset_gpu", node, gpu, reason)
 
-    async def reboot(self, node: str, reason: str) -> None:
+    async def reboot(self, node: str, reason: str, *, alertname: str = "") -> None:
         await self._latency()
         self._request(node, "reboot", "reboot", node, reason)
 
