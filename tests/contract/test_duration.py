@@ -8,10 +8,9 @@ import subprocess
 import jsonschema
 import pytest
 import yaml
-from pydantic import ValidationError
-
 from gpuhealth.contract.duration import Duration, parse_duration
 from gpuhealth.contract.validation import Model, problems
+from pydantic import ValidationError
 
 ACCEPTED = {"0": 0, "0s": 0, "90s": 90, "1h30m": 5400, "500ms": 0.5, "1w": 604800, "1y": 31536000,
             "1d12h": 129600, "1y2w3d4h5m6s7ms": 31536000 + 2 * 604800 + 3 * 86400 + 4 * 3600 + 5 * 60 + 6.007}
@@ -26,7 +25,7 @@ def test_every_prometheus_unit_in_order(text, seconds):
 
 @pytest.mark.parametrize("text", REFUSED)
 def test_refusals_name_the_value_and_the_grammar(text):
-    with pytest.raises(ValueError, match="is not a duration|longer than Prometheus can hold") as caught:
+    with pytest.raises(ValueError, match=r"is not a duration|longer than Prometheus can hold") as caught:
         parse_duration(text)
     assert repr(text) in str(caught.value)
 

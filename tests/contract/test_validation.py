@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import pytest
-from pydantic import Field, ValidationError
-
 from gpuhealth.contract.validation import Location, Model, problems, where
+from pydantic import Field, ValidationError
 
 
 class _Auth(Model):
