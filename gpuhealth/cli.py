@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "dashboards": "gpuhealth.dashboards.cli",
     "eval": "gpuhealth.evaluation.cli",
     "demo": "gpuhealth.demo",
+    "schema": "gpuhealth.schema",
 }
 
 

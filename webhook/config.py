@@ -88,6 +88,9 @@ class BasicAuth(Model):
 class OperatorAuth(Model):
     """Credentials for approve, cancel and breaker reset; the intake ones are then refused for those."""
 
+    model_config = ConfigDict(json_schema_extra={"anyOf": [{"required": ["token_file"]},
+                                                           {"required": ["basic_auth"]}]})
+
     token_file: ConfigPath | None = None
     basic_auth: BasicAuth | None = None
 

@@ -1,0 +1,77 @@
+"""docs/schema/ is current, and each schema accepts and refuses what the service does."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from gpuhealth.webhook.config import ConfigError, parse_config
+
+from gpuhealth.cli import main
+from gpuhealth.schema import SCHEMAS
+
+ROOT = Path(__file__).parents[2]
+SCHEMA_DIR = ROOT / "docs" / "schema"
+
+
+def committed(name: str) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(json.loads((SCHEMA_DIR / f"{name}.json").read_text()))
+
+
+def test_committed_schemas_are_current(capsys):
+    assert main(["schema", "--check", "--out", str(SCHEMA_DIR)]) == 0, capsys.readouterr().err
+    assert sorted(p.stem for p in SCHEMA_DIR.glob("*.json")) == sorted(SCHEMAS)
+
+
+def test_a_stale_schema_is_named(tmp_path, capsys):
+    shutil.copytree(SCHEMA_DIR, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "webhook-config.json").write_text("{}\n")
+    assert main(["schema", "--check", "--out", str(tmp_path)]) == 1
+    assert "webhook-config.json: out of date" in capsys.readouterr().err
+
+
+def test_one_schema_is_printed(capsys):
+    assert main(["schema", "webhook-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["$id"] == "webhook-config.json"
+
+
+def test_every_schema_is_valid_json_schema():
+    for name in SCHEMAS:
+        jsonschema.Draft202012Validator.check_schema(committed(name).schema)
+
+
+WEBHOOK_CASES = [
+    ({"backend": {"type": "slurm"}}, True),
+    ({"backend": {"type": "slurm"}, "listen": "127.0.0.1:9836", "dry_run": True,
+      "policy": {"rules": [{"match": {"alertname": "GPUHealth.*", "xid": 79}, "action": "drain"}]},
+      "guardrails": {"require_approval": ["replace"], "breaker_max_fraction": 0.1}}, True),
+    ({}, False),
+    ({"backend": {"type": "slurm"}, "surprise": 1}, False),
+    ({"backend": {"type": "slurm"}, "dry_run": "yes"}, False),
+    ({"backend": {"type": "slurm"}, "guardrails": {"breaker_max_fraction": 2}}, False),
+    ({"backend": {"type": "slurm"}, "guardrails": {"require_approval": ["reboot"]}}, False),
+    ({"backend": {"type": "slurm"}, "policy": {"rules": [{"match": {}}]}}, False),
+    ({"backend": {"type": "slurm"}, "auth": {"operator": {}}}, False),
+    ({"backend": {"type": "slurm"}, "auth": {"basic_auth": {"username": "am"}}}, False),
+    ({"backend": {"type": "slurm"}, "connection_limit": 0}, False),
+]
+
+
+@pytest.mark.parametrize(("document", "valid"), WEBHOOK_CASES)
+def test_the_webhook_schema_agrees_with_the_webhook(tmp_path, document, valid):
+    assert committed("webhook-config").is_valid(document) == valid
+    try:
+        parse_config(document, tmp_path)
+    except ConfigError:
+        assert not valid
+    else:
+        assert valid
+
+
+def test_the_example_webhook_config_is_valid_for_editors():
+    example = yaml.safe_load((ROOT / "webhook" / "config.example.yaml").read_text())
+    assert list(committed("webhook-config").iter_errors(example)) == []
