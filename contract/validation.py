@@ -47,7 +47,7 @@ def _message(error: Any) -> str:
     if kind == "extra_forbidden":
         return "unknown key"
     if kind in ("dict_type", "model_type", "model_attributes_type"):
-        return f"must be a mapping, got {_shown(value)}"
+        return f"expected a mapping, got {_shown(value)}"
     if kind in _EXPECTED:
         return f"expected {_EXPECTED[kind]}, got {_shown(value)}"
     if kind in _BOUNDS:

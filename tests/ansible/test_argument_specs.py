@@ -86,11 +86,12 @@ def test_example_inventory_sets_only_documented_variables():
     assert {play["hosts"] for play in plays} == set(inventory["all"]["children"])
 
 
-SCHEMA_REFERENCE = re.compile(r"Schema: C\(properties\.(\w+)\) of docs/schema/([\w-]+\.json)")
+SCHEMA_REFERENCE = re.compile(r"Schema: C\(properties(?:\.(\w+))?\) of docs/schema/([\w-]+\.json)")
 
 
 def schema_references(role: Path) -> list[tuple[str, str, str]]:
-    """(variable, schema file, property) for each variable whose description names its JSON Schema."""
+    """(variable, schema file, property) for each variable whose description names its JSON Schema; the
+    property is empty for a variable that holds top-level keys of the file."""
     found = []
     for spec in entry_points(role).values():
         for name, option in spec["options"].items():
@@ -111,7 +112,24 @@ def test_schema_references_name_a_committed_schema_and_property(role: Path):
     for name, file, prop in schema_references(role):
         path = ROOT / "docs" / "schema" / file
         assert path.is_file(), f"{name}: {file} is not in docs/schema"
-        assert prop in json.loads(path.read_text())["properties"], f"{name}: {file} has no property {prop}"
+        properties = json.loads(path.read_text())["properties"]
+        assert not prop or prop in properties, f"{name}: {file} has no property {prop}"
+
+
+def test_exporter_settings_name_the_schema_that_validates_them():
+    references = schema_references(COLLECTION / "roles" / "gpuhealth_exporter")
+    assert references == [("gpuhealth_exporter_settings", "exporter-config.json", "")]
+
+
+def test_the_rendered_exporter_config_validates_against_its_schema(tmp_path: Path):
+    schema = json.loads((ROOT / "docs" / "schema" / "exporter-config.json").read_text())
+    variables = {"gpuhealth_exporter_root_prefix": str(tmp_path), "gpuhealth_exporter_gpus_expected": 8,
+                 "gpuhealth_exporter_kmsg_path": "/var/log/kern.log",
+                 "gpuhealth_exporter_settings": {"sampling_window": 30, "collectors": {"nfs": False}}}
+    config = yaml.safe_load(render("gpuhealth_exporter", "exporter.yml.j2", variables))
+    assert list(jsonschema.Draft202012Validator(schema).iter_errors(config)) == []
+    config["sampling_window"] = "30"
+    assert not jsonschema.Draft202012Validator(schema).is_valid(config)
 
 
 def test_the_rendered_webhook_config_validates_against_its_schema(tmp_path: Path):

@@ -9,6 +9,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from gpuhealth.exporter.config import ConfigError as ExporterConfigError
+from gpuhealth.exporter.config import build_settings
 from gpuhealth.webhook.config import ConfigError, parse_config
 
 from gpuhealth.cli import main
@@ -16,6 +18,7 @@ from gpuhealth.schema import SCHEMAS
 
 ROOT = Path(__file__).parents[2]
 SCHEMA_DIR = ROOT / "docs" / "schema"
+PROCFS = ROOT / "tests" / "exporter" / "fixtures" / "procfs"
 
 
 def committed(name: str) -> jsonschema.Draft202012Validator:
@@ -75,3 +78,30 @@ def test_the_webhook_schema_agrees_with_the_webhook(tmp_path, document, valid):
 def test_the_example_webhook_config_is_valid_for_editors():
     example = yaml.safe_load((ROOT / "webhook" / "config.example.yaml").read_text())
     assert list(committed("webhook-config").iter_errors(example)) == []
+
+
+EXPORTER_CASES = [
+    ({}, True),
+    ({"backend": "sim", "sampling_window": 30, "collectors": {"nfs": False}, "log_level": "debug",
+      "web": {"basic_auth_users": {}}}, True),
+    ({"backend": "cuda"}, False),
+    ({"sampling_interval": -1}, False),
+    ({"sampling_interval": "1"}, False),
+    ({"gpus_expected": 2.9}, False),
+    ({"no_kmsg": "false"}, False),
+    ({"collectors": {"nfs": "false"}}, False),
+    ({"colour": "blue"}, False),
+    ({"web": {"colour": 1}}, False),
+]
+
+
+@pytest.mark.parametrize(("document", "valid"), EXPORTER_CASES)
+def test_the_exporter_schema_agrees_with_the_exporter(document, valid):
+    """Type-level cases: whether a path exists is the service's to check, not an editor's."""
+    assert committed("exporter-config").is_valid(document) == valid
+    try:
+        build_settings(document, {"procfs": str(PROCFS)}, ["gpu", "nfs"])
+    except ExporterConfigError:
+        assert not valid
+    else:
+        assert valid

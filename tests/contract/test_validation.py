@@ -56,7 +56,7 @@ def test_yaml_types_are_taken_as_written():
     assert _problems({"count": 2.0}) == ["count: expected an integer, got 2.0"]
     assert _problems({"count": True}) == ["count: expected an integer, got True"]
     assert _problems({"enabled": "false"}) == ["enabled: expected a boolean (true or false), got 'false'"]
-    assert _problems({"auth": "token"}) == ["auth: must be a mapping, got 'token'"]
+    assert _problems({"auth": "token"}) == ["auth: expected a mapping, got 'token'"]
 
 
 def test_a_key_with_no_value_takes_its_default():
