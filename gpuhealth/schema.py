@@ -17,6 +17,7 @@ DEFAULT_OUT = Path("docs/schema")
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
 # name -> (module, attribute): a pydantic model, or a JSON Schema mapping where a plain dict is the output.
 SCHEMAS = {
+    "alertmanager-payload": ("gpuhealth.webhook.models", "NotificationPayload"),
     "exporter-config": ("gpuhealth.exporter.config", "ExporterFile"),
     "webhook-config": ("gpuhealth.webhook.config", "Config"),
 }

@@ -12,6 +12,7 @@ import yaml
 from gpuhealth.exporter.config import ConfigError as ExporterConfigError
 from gpuhealth.exporter.config import build_settings
 from gpuhealth.webhook.config import ConfigError, parse_config
+from gpuhealth.webhook.models import PayloadError, parse_notification
 
 from gpuhealth.cli import main
 from gpuhealth.schema import SCHEMAS
@@ -105,3 +106,27 @@ def test_the_exporter_schema_agrees_with_the_exporter(document, valid):
         assert not valid
     else:
         assert valid
+
+
+RECORDED = sorted((ROOT / "tests" / "webhook" / "fixtures").glob("*_*.json"))
+
+
+@pytest.mark.parametrize("path", [p for p in RECORDED if p.name != "delivery_headers.json"],
+                         ids=lambda p: p.stem)
+def test_notifications_recorded_from_alertmanager_match_the_payload_schema(path):
+    body = json.loads(path.read_text())
+    assert list(committed("alertmanager-payload").iter_errors(body)) == []
+    assert parse_notification(body).alerts
+
+
+def test_the_payload_schema_refuses_what_the_webhook_refuses():
+    body = json.loads((ROOT / "tests" / "webhook" / "fixtures" / "firing_single_gpu.json").read_text())
+    for field, value in (("version", "3"), ("alerts", []), ("status", "maybe"), ("truncatedAlerts", -1)):
+        broken = {**body, field: value}
+        assert not committed("alertmanager-payload").is_valid(broken), field
+        with pytest.raises(PayloadError, match=field):
+            parse_notification(broken)
+    broken = {**body, "alerts": [{**body["alerts"][0], "fingerprint": "XYZ"}]}
+    assert not committed("alertmanager-payload").is_valid(broken)
+    with pytest.raises(PayloadError, match=r"alerts\[0\]\.fingerprint"):
+        parse_notification(broken)
