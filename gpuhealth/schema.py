@@ -20,6 +20,7 @@ SCHEMAS = {
     "alertmanager-payload": ("gpuhealth.webhook.models", "NotificationPayload"),
     "exporter-config": ("gpuhealth.exporter.config", "ExporterFile"),
     "webhook-config": ("gpuhealth.webhook.config", "Config"),
+    "webhook-backend-slurm": ("gpuhealth.webhook.backends.slurm", "SlurmSettings"),
 }
 
 

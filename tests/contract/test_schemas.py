@@ -11,6 +11,7 @@ import pytest
 import yaml
 from gpuhealth.exporter.config import ConfigError as ExporterConfigError
 from gpuhealth.exporter.config import build_settings
+from gpuhealth.webhook.backends.slurm import SlurmBackend
 from gpuhealth.webhook.config import ConfigError, parse_config
 from gpuhealth.webhook.models import PayloadError, parse_notification
 
@@ -130,3 +131,23 @@ def test_the_payload_schema_refuses_what_the_webhook_refuses():
     assert not committed("alertmanager-payload").is_valid(broken)
     with pytest.raises(PayloadError, match=r"alerts\[0\]\.fingerprint"):
         parse_notification(broken)
+
+
+@pytest.mark.parametrize(("section", "valid"), [
+    ({}, True),
+    ({"scontrol": ["sudo", "-n", "/usr/bin/scontrol"], "timeout_seconds": 10, "partition": "gpu",
+      "reset_gpu_command": ["ssh", "--", "{node}", "nvidia-smi", "-r", "-i", "{gpu}"],
+      "reset_gpu_fallback": "reboot", "reboot_next_state": "DOWN"}, True),
+    ({"scontrol": ""}, False),
+    ({"timeout_seconds": 0}, False),
+    ({"reboot_next_state": "UP"}, False),
+    ({"colour": 1}, False),
+])
+def test_the_slurm_backend_schema_agrees_with_the_backend(section, valid):
+    assert committed("webhook-backend-slurm").is_valid(section) == valid
+    try:
+        SlurmBackend.from_config(section)
+    except ValueError:
+        assert not valid
+    else:
+        assert valid
