@@ -54,6 +54,10 @@ def _message(error: Any) -> str:
         bound = next(iter(ctx.values()))
         noun = "an integer" if isinstance(bound, int) else "a number"
         return f"expected {noun} {_BOUNDS[kind]} {bound:g}, got {_shown(value)}"
+    if kind == "too_short":
+        return f"expected at least {ctx.get('min_length')} item(s), got {ctx.get('actual_length')}"
+    if kind == "string_too_short":
+        return f"expected at least {ctx.get('min_length')} character(s), got {_shown(value)}"
     if kind == "literal_error":
         return f"{_shown(value)} is not one of {ctx.get('expected', '').replace(' or ', ', ')}"
     if kind == "value_error":

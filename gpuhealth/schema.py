@@ -21,6 +21,7 @@ SCHEMAS = {
     "exporter-config": ("gpuhealth.exporter.config", "ExporterFile"),
     "webhook-config": ("gpuhealth.webhook.config", "Config"),
     "webhook-backend-slurm": ("gpuhealth.webhook.backends.slurm", "SlurmSettings"),
+    "webhook-backend-simulated": ("gpuhealth.webhook.backends.simulated", "SimulatedSettings"),
 }
 
 

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from gpuhealth.exporter.config import ConfigError as ExporterConfigError
 from gpuhealth.exporter.config import build_settings
+from gpuhealth.webhook.backends.simulated import SimulatedBackend
 from gpuhealth.webhook.backends.slurm import SlurmBackend
 from gpuhealth.webhook.config import ConfigError, parse_config
 from gpuhealth.webhook.models import PayloadError, parse_notification
@@ -147,6 +148,25 @@ def test_the_slurm_backend_schema_agrees_with_the_backend(section, valid):
     assert committed("webhook-backend-slurm").is_valid(section) == valid
     try:
         SlurmBackend.from_config(section)
+    except ValueError:
+        assert not valid
+    else:
+        assert valid
+
+
+@pytest.mark.parametrize(("section", "valid"), [
+    ({"nodes": "gpu[01-16]"}, True),
+    ({"nodes": ["gpu01", "gpu02"], "jobs": {"gpu01": [17, "18_2"]}, "latency_seconds": 0.1}, True),
+    ({}, False),
+    ({"nodes": []}, False),
+    ({"nodes": ["gpu01"], "latency_seconds": -1}, False),
+    ({"nodes": ["gpu01"], "jobs": {"gpu01": "17"}}, False),
+    ({"nodes": ["gpu01"], "color": "red"}, False),
+])
+def test_the_simulated_backend_schema_agrees_with_the_backend(section, valid):
+    assert committed("webhook-backend-simulated").is_valid(section) == valid
+    try:
+        SimulatedBackend.from_config(section)
     except ValueError:
         assert not valid
     else:

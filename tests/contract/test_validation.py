@@ -25,6 +25,8 @@ class _Rule(Model):
 
 class _File(Model):
     enabled: bool = False
+    names: Annotated[tuple[Annotated[str, Field(min_length=1)], ...],
+                     Field(strict=False, min_length=1)] = ("a",)
     count: Annotated[int, Field(gt=0)] = 1
     fraction: Annotated[float, Field(ge=0, le=1)] = 0.5
     auth: _Auth = _Auth(token_file="t")
@@ -50,6 +52,11 @@ def test_every_problem_is_listed_at_once_with_its_location():
         "rules[1].action: required",
         "colour: unknown key",
     ]
+
+
+def test_lengths_say_what_is_missing():
+    assert _problems({"names": []}) == ["names: expected at least 1 item(s), got 0"]
+    assert _problems({"names": ["a", ""]}) == ["names[1]: expected at least 1 character(s), got ''"]
 
 
 def test_yaml_types_are_taken_as_written():
