@@ -23,7 +23,7 @@ _EXPECTED = {
     "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
     "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
     "string_type": "a string", "list_type": "a list", "tuple_type": "a list", "set_type": "a list",
-    "path_type": "a path", "is_instance_of": "a path",
+    "path_type": "a path",
 }
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
