@@ -5,15 +5,18 @@ Precedence: built-in defaults < the YAML file (``--config``) < command-line flag
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from gpuhealth.contract.validation import Location, Model
+from gpuhealth.contract.validation import problems as listed
 from gpuhealth.exporter.sim.profiles import PROFILES
 from gpuhealth.exporter.web import CLIENT_AUTH_TYPES, TLS_VERSIONS, hash_problem
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
+from pydantic_core import PydanticCustomError
 
 DEFAULT_PORT = 9835
 BACKENDS = ("nvml", "sim")
@@ -57,16 +60,12 @@ class Settings:
         return host.strip("[]"), int(port)
 
 
-_PATHS = {"sim_scenario", "kmsg_path", "state_dir", "procfs", "sysfs", "tls_cert_file", "tls_key_file",
-          "tls_client_ca_file", "web_config_file"}
-_FLOATS = {"sampling_interval", "sampling_window", "nvml_timeout"}
-_BOOLS = {"no_kmsg", "sim_mig"}
-_WEB_KEYS = {"tls_cert_file", "tls_key_file", "basic_auth_users"}
-_FROM_WEB_CONFIG_ONLY = {"tls_client_ca_file", "tls_client_auth_type", "tls_min_version"}
+_WEB_KEYS = ("tls_cert_file", "tls_key_file", "basic_auth_users")
 
 
 def read_yaml(path: Path, problems: list[str]) -> dict[str, Any]:
-    """Flatten the YAML file to Settings field names (the ``web`` block included)."""
+    """The YAML file as Settings field names: the ``web`` block's keys are lifted to the top (any
+    other key stays under ``web``, to be reported there)."""
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except OSError as exc:
@@ -78,166 +77,217 @@ def read_yaml(path: Path, problems: list[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         problems.append(f"{path}: must be a mapping")
         return {}
-    known = {f.name for f in fields(Settings)} - _WEB_KEYS - _FROM_WEB_CONFIG_ONLY
-    values: dict[str, Any] = {}
-    for key, value in data.items():
-        if key == "web" and isinstance(value, dict):
-            for web_key, web_value in value.items():
-                if web_key in _WEB_KEYS:
-                    values[web_key] = web_value
-                else:
-                    problems.append(f"{path}: unknown key web.{web_key} "
-                                    f"(known: {', '.join(sorted(_WEB_KEYS))})")
-        elif key in known:
-            values[key] = value
-        else:
-            problems.append(f"{path}: unknown key {key!r} (known: {', '.join(sorted(known | {'web'}))})")
+    values = dict(data)
+    web = values.pop("web", None)
+    if isinstance(web, dict):
+        values.update({key: value for key, value in web.items() if key in _WEB_KEYS})
+        rest = {key: value for key, value in web.items() if key not in _WEB_KEYS}
+        if rest:
+            values["web"] = rest
+    elif web is not None:
+        values["web"] = web
     return values
 
 
-def _type_problem(key: str, value: Any) -> str | None:
-    """Strict YAML types: a quoted "false" is not false, 2.9 GPUs are not 2, NaN is not a duration."""
-    if key in _PATHS:
-        return None if isinstance(value, str | Path) and str(value) else "expected a path"
-    if key in _FLOATS:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-                or value <= 0:
-            return "expected a positive number of seconds"
-    elif key == "gpus_expected":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            return "expected a whole number of GPUs, 0 or more"
-    elif key in _BOOLS and not isinstance(value, bool):
-        return "expected true or false"
-    elif key == "collectors" and isinstance(value, dict) and \
-            not all(isinstance(v, bool) for v in value.values()):
-        return "expected a mapping of collector name: true/false"
-    elif key == "basic_auth_users" and isinstance(value, dict) and \
-            not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        return "expected a mapping of user name: password hash, both strings"
-    return None
+def _path(value: Any) -> Any:
+    if value == "":
+        raise PydanticCustomError("path", "expected a path, got ''")
+    return value
 
 
-def _apply_web_config(settings: Settings, path: Path, problems: list[str]) -> None:
-    """Prometheus exporter-toolkit's web configuration file: ``tls_server_config``, ``basic_auth_users``."""
+def _relative_to_file(value: Path, info: ValidationInfo) -> Path:
+    """A path in an exporter-toolkit web configuration is relative to that file, as the toolkit reads it."""
+    base = (info.context or {}).get("base")
+    return value if base is None or value.is_absolute() else Path(base) / value
+
+
+def _readable_file(value: Path) -> Path:
+    if not value.is_file():
+        raise PydanticCustomError("path", "{path} is not a readable file", {"path": str(value)})
+    return value
+
+
+def _procfs(value: Path) -> Path:
+    if not (value / "stat").is_file():
+        raise PydanticCustomError("path", "{path} does not look like procfs (no stat file)",
+                                  {"path": str(value)})
+    return value
+
+
+def _writable_dir(value: Path) -> Path:
+    if not (value.is_dir() and os.access(value, os.W_OK)):
+        raise PydanticCustomError("path", "{path} is not a writable directory", {"path": str(value)})
+    return value
+
+
+def _kmsg_parent(value: Path) -> Path:
+    if not value.exists() and not value.parent.is_dir():
+        raise PydanticCustomError("path", "{path} is not a directory", {"path": str(value.parent)})
+    return value
+
+
+def _listen(value: str) -> str:
+    port = value.rpartition(":")[2]
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise PydanticCustomError("listen", "expected HOST:PORT or :PORT, got {value}",
+                                  {"value": repr(value)})
+    return value
+
+
+def _collectors(value: dict[str, bool], info: ValidationInfo) -> dict[str, bool]:
+    known: list[str] | None = (info.context or {}).get("collectors")
+    if known is None:  # no registry to check against (the JSON Schema export)
+        return value
+    unknown = [name for name in value if name not in known]
+    if unknown:
+        raise PydanticCustomError("collector", "unknown collector {names} (known: {known})",
+                                  {"names": ", ".join(map(repr, unknown)), "known": ", ".join(known)})
+    return value
+
+
+def _user_name(value: str) -> str:
+    if not value or ":" in value or not value.isprintable():  # RFC 7617: the user-id ends at ':'
+        raise PydanticCustomError("user", "user name {user} can never log in (empty, a ':' or a control "
+                                  "character)", {"user": repr(value)})
+    return value
+
+
+def _password_hash(value: str) -> str:
+    if (why := hash_problem(value)) is not None:
+        raise PydanticCustomError("hash", "{why}", {"why": why})
+    return value
+
+
+Path_ = Annotated[Path, BeforeValidator(_path), Field(strict=False)]
+ReadableFile = Annotated[Path_, AfterValidator(_readable_file)]
+ToolkitFile = Annotated[Path_, AfterValidator(_relative_to_file), AfterValidator(_readable_file)]
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Users = dict[Annotated[str, AfterValidator(_user_name)], Annotated[str, AfterValidator(_password_hash)]]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+class WebBlock(Model):
+    """The file's ``web`` block: TLS and basic authentication for /metrics."""
+
+    tls_cert_file: ReadableFile | None = None
+    tls_key_file: ReadableFile | None = None
+    basic_auth_users: Users = Field(default_factory=dict)  # user name: bcrypt or pbkdf2_sha256 hash
+
+    @classmethod
+    def cross_check(cls, data: dict[str, Any]) -> list[tuple[Location, str]]:
+        if ("tls_cert_file" in data) != ("tls_key_file" in data):
+            return [((), "tls_cert_file and tls_key_file go together")]
+        return []
+
+
+class ExporterFile(Model):
+    """The exporter's YAML file (``--config``), the long flag names with dots as underscores."""
+
+    model_config = ConfigDict(json_schema_extra={"title": "gpuhealth-exporter configuration"})
+
+    backend: Literal[BACKENDS] = "nvml"  # type: ignore[valid-type]  # the values come from the table above
+    sim_scenario: ReadableFile | None = None
+    kmsg_path: Annotated[Path_, AfterValidator(_kmsg_parent)] | None = None
+    no_kmsg: bool = False
+    listen: Annotated[str, AfterValidator(_listen)] = f":{DEFAULT_PORT}"
+    state_dir: Annotated[Path_, AfterValidator(_writable_dir)] | None = None
+    procfs: Annotated[Path_, AfterValidator(_procfs)] = Path("/proc")
+    sysfs: Path_ | None = None
+    sampling_interval: Seconds = 1.0
+    sampling_window: Seconds = 15.0
+    nvml_timeout: Seconds = 2.0
+    gpus_expected: Annotated[int, Field(ge=0)] | None = None
+    collectors: Annotated[dict[str, bool], AfterValidator(_collectors)] = Field(default_factory=dict)
+    web_config_file: ReadableFile | None = None  # exporter-toolkit format; overrides the web block
+    sim_profile: Literal[tuple(PROFILES)] | None = None  # type: ignore[valid-type]  # the values come from the table above
+    sim_mig: bool = False
+    log_level: Annotated[LogLevel, BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)] = "info"
+    web: WebBlock = WebBlock()
+
+    @classmethod
+    def cross_check(cls, data: dict[str, Any]) -> list[tuple[Location, str]]:
+        found: list[tuple[Location, str]] = []
+        simulated = data.get("backend", "nvml") == "sim"
+        if "sim_scenario" in data and not simulated:
+            found.append((("sim_scenario",), "only used with --backend sim"))
+        if ("sim_profile" in data or data.get("sim_mig")) and not simulated:
+            found.append((("sim_profile, sim_mig",), "only used with --backend sim"))
+        timeout, window = data.get("nvml_timeout", 2.0), data.get("sampling_window", 15.0)
+        if _number(timeout) and _number(window) and timeout >= window:
+            found.append((("nvml_timeout",), "must be shorter than sampling_window"))
+        return found
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+class ToolkitTLS(Model):
+    cert_file: ToolkitFile
+    key_file: ToolkitFile
+    client_ca_file: ToolkitFile | None = None
+    client_auth_type: Literal[tuple(CLIENT_AUTH_TYPES)] = "NoClientCert"  # type: ignore[valid-type]  # the values come from the table above
+    min_version: Literal[tuple(TLS_VERSIONS)] = "TLS12"  # type: ignore[valid-type]  # the values come from the table above
+
+    @classmethod
+    def cross_check(cls, data: dict[str, Any]) -> list[tuple[Location, str]]:
+        if data.get("client_auth_type") == "RequireAndVerifyClientCert" and "client_ca_file" not in data:
+            return [((), "RequireAndVerifyClientCert needs client_ca_file")]
+        return []
+
+
+class ToolkitWebConfig(Model):
+    """Prometheus exporter-toolkit's web configuration file, the part a Python TLS server can honour."""
+
+    tls_server_config: ToolkitTLS | None = None
+    basic_auth_users: Users = Field(default_factory=dict)
+    http_server_config: dict[str, Any] = Field(default_factory=dict)  # HTTP/2 and headers: not applicable
+
+
+def _web_config(path: Path, problems: list[str]) -> dict[str, Any]:
+    """Settings fields from an exporter-toolkit file; its problems are named ``web_config_file...``."""
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
         problems.append(f"web_config_file: {path}: cannot read: {exc}")
-        return
-    if not isinstance(data, dict):
-        problems.append(f"web_config_file: {path}: must be a mapping")
-        return
-    for key in data:
-        if key not in ("tls_server_config", "basic_auth_users", "http_server_config"):
-            problems.append(f"web_config_file: unknown key {key!r}")
-    tls = data.get("tls_server_config") or {}
-    if not isinstance(tls, dict):
-        problems.append("web_config_file: tls_server_config must be a mapping")
-        tls = {}
-    known_tls = {"cert_file", "key_file", "client_ca_file", "client_auth_type", "min_version"}
-    for key in tls:
-        if key not in known_tls:
-            problems.append(f"web_config_file: tls_server_config.{key} is not supported "
-                            f"(supported: {', '.join(sorted(known_tls))})")
-    for key, field_name in (("cert_file", "tls_cert_file"), ("key_file", "tls_key_file"),
-                            ("client_ca_file", "tls_client_ca_file")):
-        if key in tls:
-            setattr(settings, field_name, path.parent / str(tls[key]))  # relative to the file, as toolkit
-    settings.tls_client_auth_type = str(tls.get("client_auth_type", settings.tls_client_auth_type))
-    settings.tls_min_version = str(tls.get("min_version", settings.tls_min_version))
-    users = data.get("basic_auth_users")
-    if users is not None:
-        if _type_problem("basic_auth_users", users) is not None or not isinstance(users, dict):
-            problems.append("web_config_file: basic_auth_users: expected a mapping of user name: hash")
-        else:
-            settings.basic_auth_users = users
+        return {}
+    try:
+        web = ToolkitWebConfig.model_validate(data, context={"base": path.parent})
+    except ValidationError as exc:
+        problems.extend(listed(exc, "web_config_file"))
+        return {}
+    values: dict[str, Any] = {"basic_auth_users": web.basic_auth_users} if "basic_auth_users" in data else {}
+    tls = web.tls_server_config
+    if tls is not None:
+        values.update(tls_cert_file=tls.cert_file, tls_key_file=tls.key_file,
+                      tls_client_ca_file=tls.client_ca_file, tls_client_auth_type=tls.client_auth_type,
+                      tls_min_version=tls.min_version)
+    return values
 
 
 def build_settings(file_values: dict[str, Any], flag_values: dict[str, Any], collector_names: list[str],
                    problems: list[str] | None = None) -> Settings:
     """Merge and validate; raise ConfigError listing every problem (including ``problems`` so far)."""
     problems = list(problems or [])
-    settings = Settings()
     merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
     collectors = file_values.get("collectors") or {}
     if isinstance(collectors, dict):
         collectors = {**collectors, **(flag_values.get("collectors") or {})}
     merged["collectors"] = collectors
-    for key, value in merged.items():
-        why = _type_problem(key, value)
-        if why is not None:
-            shown = "a mapping" if key == "basic_auth_users" else repr(value)  # never echo hashes
-            problems.append(f"{key}: {why}, got {shown}")
-            continue
-        if key in _PATHS:
-            value = Path(value)
-        elif key in _FLOATS:
-            value = float(value)
-        setattr(settings, key, value)
-    if settings.web_config_file is not None and settings.web_config_file.is_file():
-        _apply_web_config(settings, settings.web_config_file, problems)
-    _check(settings, collector_names, problems)
+    web = merged.pop("web", {})
+    lifted = {key: merged.pop(key) for key in _WEB_KEYS if key in merged}
+    if isinstance(web, dict):
+        web = {**web, **lifted}
+    document = {**merged, "web": web} if web else merged
+    try:
+        parsed = ExporterFile.model_validate(document, context={"collectors": collector_names})
+    except ValidationError as exc:
+        problems.extend(listed(exc))
+        raise ConfigError(problems) from None
+    values = parsed.model_dump(exclude={"web"})
+    values.update(parsed.web.model_dump())
+    if parsed.web_config_file is not None:
+        values.update(_web_config(parsed.web_config_file, problems))
     if problems:
         raise ConfigError(problems)
-    return settings
-
-
-def _check(s: Settings, collector_names: list[str], problems: list[str]) -> None:
-    for key in ("backend", "listen", "log_level"):
-        if not isinstance(getattr(s, key), str):
-            problems.append(f"{key}: expected a string, got {getattr(s, key)!r}")
-            setattr(s, key, getattr(Settings(), key))
-    if not isinstance(s.collectors, dict):
-        problems.append("collectors: expected a mapping of collector name: true/false")
-        s.collectors = {}
-    if s.backend not in BACKENDS:
-        problems.append(f"backend: {s.backend!r} is not one of {', '.join(BACKENDS)}")
-    if s.sim_scenario is not None and s.backend != "sim":
-        problems.append("sim_scenario: only used with --backend sim")
-    for name in s.collectors:
-        if name not in collector_names:
-            problems.append(f"collectors: unknown collector {name!r} (known: {', '.join(collector_names)})")
-    port = s.listen.rpartition(":")[2]
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
-        problems.append(f"listen: expected HOST:PORT or :PORT, got {s.listen!r}")
-    for key in ("sim_scenario", "tls_cert_file", "tls_key_file"):
-        path = getattr(s, key)
-        if path is not None and not path.is_file():
-            problems.append(f"{key}: {path} is not a readable file")
-    if (s.tls_cert_file is None) != (s.tls_key_file is None):
-        problems.append("web: tls_cert_file and tls_key_file go together")
-    if s.web_config_file is not None and not s.web_config_file.is_file():
-        problems.append(f"web_config_file: {s.web_config_file} is not a readable file")
-    if s.tls_client_ca_file is not None and not s.tls_client_ca_file.is_file():
-        problems.append(f"tls_server_config.client_ca_file: {s.tls_client_ca_file} is not a readable file")
-    if s.tls_client_auth_type not in CLIENT_AUTH_TYPES:
-        problems.append(f"tls_server_config.client_auth_type: {s.tls_client_auth_type!r} is not one of "
-                        f"{', '.join(CLIENT_AUTH_TYPES)}")
-    elif s.tls_client_auth_type == "RequireAndVerifyClientCert" and s.tls_client_ca_file is None:
-        problems.append("tls_server_config: RequireAndVerifyClientCert needs client_ca_file")
-    if s.tls_min_version not in TLS_VERSIONS:
-        problems.append(f"tls_server_config.min_version: {s.tls_min_version!r} is not one of "
-                        f"{', '.join(TLS_VERSIONS)}")
-    if s.sim_profile is not None and s.sim_profile not in PROFILES:
-        problems.append(f"sim_profile: {s.sim_profile!r} is not one of {', '.join(PROFILES)}")
-    if (s.sim_profile is not None or s.sim_mig) and s.backend != "sim":
-        problems.append("sim_profile, sim_mig: only used with --backend sim")
-    if not isinstance(s.basic_auth_users, dict):
-        problems.append("web.basic_auth_users: expected a mapping of user: password hash")
-    else:
-        for user, hashed in s.basic_auth_users.items():
-            if not user or ":" in user or not user.isprintable():  # RFC 7617: the user-id ends at ':'
-                problems.append(f"web.basic_auth_users: user name {user!r} can never log in (empty, a ':' "
-                                "or a control character)")
-            if (why := hash_problem(str(hashed))) is not None:
-                problems.append(f"web.basic_auth_users.{user}: {why}")
-    if not (s.procfs / "stat").is_file():
-        problems.append(f"procfs: {s.procfs} does not look like procfs (no stat file)")
-    if s.state_dir is not None and not (s.state_dir.is_dir() and os.access(s.state_dir, os.W_OK)):
-        problems.append(f"state_dir: {s.state_dir} is not a writable directory")
-    if s.kmsg_path is not None and not s.kmsg_path.exists() and not s.kmsg_path.parent.is_dir():
-        problems.append(f"kmsg_path: {s.kmsg_path.parent} is not a directory")
-    if s.nvml_timeout >= s.sampling_window:
-        problems.append("nvml_timeout: must be shorter than sampling_window")
-    if s.log_level.lower() not in ("debug", "info", "warning", "error"):
-        problems.append(f"log_level: {s.log_level!r} is not one of debug, info, warning, error")
+    return Settings(**values)

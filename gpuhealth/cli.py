@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "dashboards": "gpuhealth.previews.cli",
     "eval": "gpuhealth.evaluation.cli",
     "demo": "gpuhealth.demo",
+    "schema": "gpuhealth.schema",
 }
 # Modules of the ``tools`` extra (pyproject.toml): the daemons' installs leave them out.
 TOOLS_EXTRA = ("numpy", "psutil", "matplotlib")

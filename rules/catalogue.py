@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 import yaml
+from gpuhealth.contract.duration import parse_duration
 
 BUILTIN = Path(__file__).with_name("catalogue.yaml")
 XID_TABLE = Path(__file__).with_name("xid_catalogue.csv")
@@ -26,8 +27,6 @@ RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_
 MIN_SAMPLES_PER_WINDOW = 4
 GPU_SHARDS = (1, 2, 5, 10)  # divisors of 10: shards by the last digit of the GPU index
 
-_DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
-_UNITS = (86400, 3600, 60, 1)
 _LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
@@ -37,14 +36,6 @@ class CatalogueError(Exception):
     def __init__(self, errors: list[str]) -> None:
         super().__init__("\n".join(errors))
         self.errors = errors
-
-
-def seconds(duration: str) -> int:
-    """A Prometheus duration (``1h30m``, ``7d``, ``0s``) in seconds."""
-    match = _DURATION.match(str(duration))
-    if not match or not str(duration):
-        raise ValueError(f"not a duration: {duration!r} (use e.g. 30s, 5m, 1h, 7d)")
-    return sum(int(n) * unit for n, unit in zip(match.groups(), _UNITS, strict=True) if n)
 
 
 @dataclass(frozen=True)
@@ -207,23 +198,23 @@ def _is_duration_key(key: str) -> bool:
                    "repeat_interval") or key.endswith("window")
 
 
-def _check_durations(d: dict[str, Any], errors: list[str]) -> int:
+def _check_durations(d: dict[str, Any], errors: list[str]) -> float:
     """Parse every duration knob; return the scrape interval in seconds (15 when it is unusable)."""
     for path, value in _leaves(d, "defaults"):
         key = path.rsplit(".", 1)[1]
         if _is_duration_key(key) or path.startswith("defaults.for."):
             try:
-                seconds(value)
+                parse_duration(value)
             except ValueError as exc:
                 errors.append(f"{path}: {exc}")
     try:
-        scrape = seconds(d.get("scrape_interval", ""))
+        scrape = parse_duration(d.get("scrape_interval", ""))
     except ValueError:
         return 15
     return scrape if scrape > 0 else 15
 
 
-def _check_windows(d: dict[str, Any], scrape: int, errors: list[str]) -> None:
+def _check_windows(d: dict[str, Any], scrape: float, errors: list[str]) -> None:
     """Range windows need several samples; subquery windows must hold whole steps."""
     minimum = MIN_SAMPLES_PER_WINDOW * scrape
     for section in ("xid", "definitive", "evidence", "lemon", "storage"):
@@ -232,7 +223,7 @@ def _check_windows(d: dict[str, Any], scrape: int, errors: list[str]) -> None:
             if not (key.endswith("window") or key == "step"):
                 continue
             try:
-                length = seconds(value)
+                length = parse_duration(value)
             except ValueError:
                 continue
             if length < minimum:
@@ -244,7 +235,7 @@ def _check_windows(d: dict[str, Any], scrape: int, errors: list[str]) -> None:
         for part in path.split("."):
             block = block.get(part, {}) if isinstance(block, dict) else {}
         try:
-            window, step = seconds(block["window"]), seconds(block["step"])
+            window, step = parse_duration(block["window"]), parse_duration(block["step"])
         except (KeyError, ValueError):
             continue
         if step == 0 or window % step or window <= step:

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import jinja2
 import yaml
-from gpuhealth.rules.catalogue import GROUPS, Catalogue, CatalogueError, seconds
+from gpuhealth.contract.duration import parse_duration
+from gpuhealth.rules.catalogue import GROUPS, Catalogue, CatalogueError
 
 SOURCES = ("gpuhealth", "dcgm")
 TEMPLATES = Path(__file__).with_name("templates")
@@ -37,7 +38,7 @@ def _environment() -> jinja2.Environment:
         autoescape=False,
     )
     env.filters["promql"] = _promql
-    env.filters["seconds"] = seconds
+    env.filters["seconds"] = parse_duration
     env.policies["json.dumps_kwargs"] = {"sort_keys": True, "ensure_ascii": False}
     return env
 
@@ -115,7 +116,7 @@ class Renderer:
             raise CatalogueError([f"alerts.{name}: a template renders this alert but the catalogue "
                                   "does not describe it"]) from None
         finished: dict[str, Any] = {"alert": name, "expr": rule["expr"]}
-        if seconds(duration):
+        if parse_duration(duration):
             finished["for"] = duration
         finished["labels"] = {**rule.get("labels", {}),
                               "severity": meta["severity"], "action": meta["action"]}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import resource
 import sqlite3
@@ -51,15 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _overrides(config: Config, args: argparse.Namespace) -> Config:
     changes: dict[str, Any] = {}
     if args.listen:
-        changes["listen_host"], changes["listen_port"] = parse_listen(args.listen)
+        parse_listen(args.listen)
+        changes["listen"] = args.listen
     if args.dry_run:
         changes["dry_run"] = True
     if args.state_dir:
         changes["state_dir"] = args.state_dir.resolve()
     if args.token_file:
-        changes["auth"] = dataclasses.replace(config.auth, token_file=args.token_file.resolve(),
-                                              disabled=False)
-    return dataclasses.replace(config, **changes)
+        changes["auth"] = config.auth.model_copy(update={"token_file": args.token_file.resolve(),
+                                                         "disabled": False})
+    return config.model_copy(update=changes)
 
 
 def _ssl_context(tls: TLSConfig) -> ssl.SSLContext:

@@ -10,7 +10,20 @@ import json
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from gpuhealth.contract.validation import problems
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    WithJsonSchema,
+)
+from pydantic_core import PydanticCustomError
 
 MAX_PROBLEMS = 10  # listed in one 400 answer; the rest are counted
 MAX_INT_DIGITS = 18  # no number in a notification needs more; a longer one is refused, not converted
@@ -99,27 +112,6 @@ class Notification:
     truncated_alerts: int = 0
 
 
-def _time(value: Any, where: str, problems: list[str], required: bool) -> datetime | None:
-    if value is None or value == "":
-        if required:
-            problems.append(f"{where}: required RFC 3339 time")
-        return None
-    if not isinstance(value, str):
-        problems.append(f"{where}: expected an RFC 3339 time string")
-        return None
-    parsed = rfc3339(value)
-    if parsed is None:
-        problems.append(f"{where}: {value[:40]!r} is not an RFC 3339 time (with its time zone)")
-        return None
-    if parsed.year <= 1:
-        return None  # Go's zero time: Alertmanager's "not set"
-    try:
-        return parsed.astimezone(UTC)
-    except OverflowError:
-        problems.append(f"{where}: {value[:40]!r} is out of range")
-        return None
-
-
 def rfc3339(value: str) -> datetime | None:
     """An RFC 3339 date-time, or None; nanoseconds (Go's precision) are cut to microseconds."""
     if not RFC3339.fullmatch(value):
@@ -134,57 +126,107 @@ def rfc3339(value: str) -> datetime | None:
         return None
 
 
-def _text(value: Any, where: str, problems: list[str]) -> str:
-    """A free-text field Alertmanager fills from its configuration: a string with no control characters."""
+def _time(value: Any) -> datetime | None:
+    """An RFC 3339 time in UTC; None when not set (Go's zero time, or empty)."""
+    if value is None or value == "":
+        return None
     if not isinstance(value, str):
-        problems.append(f"{where}: expected a string")
-        return ""
+        raise PydanticCustomError("rfc3339", "expected an RFC 3339 time string")
+    parsed = rfc3339(value)
+    if parsed is None:
+        raise PydanticCustomError("rfc3339", "{value} is not an RFC 3339 time (with its time zone)",
+                                  {"value": f"{value[:40]!r}"})
+    if parsed.year <= 1:
+        return None
+    try:
+        return parsed.astimezone(UTC)
+    except OverflowError:
+        raise PydanticCustomError("rfc3339", "{value} is out of range", {"value": f"{value[:40]!r}"}) \
+            from None
+
+
+def _start_time(value: Any) -> datetime:
+    if value is None or value == "":
+        raise PydanticCustomError("rfc3339", "required RFC 3339 time")
+    if (parsed := _time(value)) is None:
+        raise PydanticCustomError("rfc3339", "must be a real time, not Go's zero time")
+    return parsed
+
+
+def _text(value: str) -> str:
+    """A free-text field Alertmanager fills from its configuration: no control characters."""
     if _CONTROL.search(value):
-        problems.append(f"{where}: holds control characters")
-        return ""
+        raise PydanticCustomError("text", "holds control characters")
     return value
 
 
-def _url(value: Any, where: str, problems: list[str]) -> str:
+def _url(value: str) -> str:
     """Empty, or an absolute URI of printable ASCII (RFC 3986, as Alertmanager's API checks it): other
     tools push alerts too, so the scheme is not held to http(s); the webhook never follows it."""
-    text = _text(value, where, problems)
-    if text and not URI.fullmatch(text):
-        problems.append(f"{where}: {text[:40]!r} is not an absolute URI")
-        return ""
-    return text
+    if value and not URI.fullmatch(value):
+        raise PydanticCustomError("uri", "{value} is not an absolute URI", {"value": f"{value[:40]!r}"})
+    return value
 
 
-def _string_map(value: Any, where: str, problems: list[str]) -> dict[str, str]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-        problems.append(f"{where}: expected a mapping of strings")
-        return {}
-    return dict(value)
+def _fingerprint(value: str) -> str:
+    if not FINGERPRINT.fullmatch(value):
+        raise PydanticCustomError("fingerprint",
+                                  "expected 16 lowercase hex digits, as Alertmanager writes it")
+    return value
 
 
-def _alert(raw: Any, where: str, problems: list[str]) -> Alert | None:
-    if not isinstance(raw, dict):
-        problems.append(f"{where}: expected an object")
-        return None
-    before = len(problems)
-    status = raw.get("status")
-    if status not in ("firing", "resolved"):
-        problems.append(f"{where}.status: expected 'firing' or 'resolved'")
-    fingerprint = raw.get("fingerprint")
-    if not isinstance(fingerprint, str) or not FINGERPRINT.fullmatch(fingerprint):
-        problems.append(f"{where}.fingerprint: expected 16 lowercase hex digits, as Alertmanager writes it")
-    labels = _string_map(raw.get("labels"), f"{where}.labels", problems)
-    annotations = _string_map(raw.get("annotations"), f"{where}.annotations", problems)
-    starts_at = _time(raw.get("startsAt"), f"{where}.startsAt", problems, required=True)
-    ends_at = _time(raw.get("endsAt"), f"{where}.endsAt", problems, required=False)
-    generator = _url(raw.get("generatorURL", ""), f"{where}.generatorURL", problems)
-    if len(problems) > before or starts_at is None:
-        if len(problems) == before:
-            problems.append(f"{where}.startsAt: must be a real time, not Go's zero time")
-        return None
-    return Alert(str(status), labels, annotations, starts_at, ends_at, str(fingerprint), generator)
+def _version(value: Any) -> str:
+    if value != "4":
+        raise PydanticCustomError("version", 'expected "4", got {value}', {"value": f"{value!r:.40}"})
+    return "4"
+
+
+def _alerts(value: Any) -> Any:
+    if not isinstance(value, list) or not value:
+        raise PydanticCustomError("alerts",
+                                  "expected a non-empty list (Alertmanager sends at least one alert)")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_text)]
+URL = Annotated[Text, AfterValidator(_url)]
+_TIME_SCHEMA = WithJsonSchema({"type": "string", "format": "date-time"})
+StartTime = Annotated[datetime, PlainValidator(_start_time), _TIME_SCHEMA]
+EndTime = Annotated[datetime | None, PlainValidator(_time), _TIME_SCHEMA]
+Status = Literal["firing", "resolved"]
+
+
+class _Wire(BaseModel):
+    """Strict like every gpuhealth model, but open: Alertmanager may add fields in a later release, so
+    keys not read here are ignored, not refused. On the intake path, so without ``Model``'s per-object
+    pre-pass: a null is refused where Alertmanager never sends one."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class AlertPayload(_Wire):
+    status: Status
+    labels: dict[str, str] | None = None  # null: none, as Alertmanager's Go maps marshal
+    annotations: dict[str, str] | None = None
+    starts_at: StartTime = Field(alias="startsAt")
+    ends_at: EndTime = Field(default=None, alias="endsAt")
+    generator_url: URL = Field(default="", alias="generatorURL")
+    fingerprint: Annotated[str, AfterValidator(_fingerprint),
+                           WithJsonSchema({"type": "string", "pattern": f"^{FINGERPRINT.pattern}$"})]
+
+
+class NotificationPayload(_Wire):
+    """Alertmanager's webhook payload, version 4 (the fields the webhook reads)."""
+
+    model_config = ConfigDict(json_schema_extra={"title": "Alertmanager webhook notification (version 4)"})
+
+    version: Annotated[str, PlainValidator(_version), WithJsonSchema({"const": "4"})]
+    status: Status
+    receiver: Text = ""
+    group_key: Text = Field(default="", alias="groupKey")
+    external_url: URL = Field(default="", alias="externalURL")
+    truncated_alerts: Annotated[int, Field(ge=0)] = Field(default=0, alias="truncatedAlerts")
+    alerts: Annotated[list[AlertPayload], BeforeValidator(_alerts), Field(min_length=1)]
 
 
 def _check_encodable(body: Any) -> None:
@@ -201,30 +243,13 @@ def parse_notification(body: Any) -> Notification:
     if not isinstance(body, dict):
         raise PayloadError("expected a JSON object (Alertmanager webhook payload)")
     _check_encodable(body)
-    problems: list[str] = []
-    if body.get("version") != "4":
-        problems.append(f"version: expected \"4\", got {body.get('version')!r:.40}")
-    status = body.get("status")
-    if status not in ("firing", "resolved"):
-        problems.append("status: expected 'firing' or 'resolved'")
-    receiver = _text(body.get("receiver", ""), "receiver", problems)
-    group_key = _text(body.get("groupKey", ""), "groupKey", problems)
-    _url(body.get("externalURL", ""), "externalURL", problems)
-    truncated = body.get("truncatedAlerts", 0)
-    if not isinstance(truncated, int) or isinstance(truncated, bool) or truncated < 0:
-        problems.append("truncatedAlerts: expected an integer >= 0")
-        truncated = 0
-    raw_alerts = body.get("alerts")
-    alerts: list[Alert] = []
-    if not isinstance(raw_alerts, list) or not raw_alerts:
-        problems.append("alerts: expected a non-empty list (Alertmanager sends at least one alert)")
-    else:
-        for i, raw in enumerate(raw_alerts):
-            alert = _alert(raw, f"alerts[{i}]", problems)
-            if alert is not None:
-                alerts.append(alert)
-    if problems:
-        shown = "; ".join(problems[:MAX_PROBLEMS])
-        more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
-        raise PayloadError(shown + more)
-    return Notification(str(status), receiver, group_key, tuple(alerts), truncated)
+    try:
+        payload = NotificationPayload.model_validate(body)
+    except ValidationError as exc:
+        found = problems(exc)
+        shown = "; ".join(found[:MAX_PROBLEMS])
+        more = f" (and {len(found) - MAX_PROBLEMS} more)" if len(found) > MAX_PROBLEMS else ""
+        raise PayloadError(shown + more) from None
+    alerts = tuple(Alert(a.status, a.labels or {}, a.annotations or {}, a.starts_at, a.ends_at, a.fingerprint,
+                         a.generator_url) for a in payload.alerts)
+    return Notification(payload.status, payload.receiver, payload.group_key, alerts, payload.truncated_alerts)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 import random
-import re
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from gpuhealth.contract.duration import parse_duration as prometheus_duration
 
 FAULT_KINDS = (
     "hbm_degradation",
@@ -114,9 +115,6 @@ DEFAULT_FIELD_RATE = 0.17  # GPU failures per day per 64 nodes in the field (../
 DEFAULT_LEMON_WINDOW = 7 * 86400
 HANG_MAX = 1800.0  # longest a job hangs after its GPU's hard failure before the node is drained
 
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
-_DURATION = re.compile(rf"^(?:{_DURATION_PART.pattern})+$")
-_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 class ScenarioError(ValueError):
@@ -128,15 +126,13 @@ class ScenarioError(ValueError):
 
 
 def parse_duration(text: Any) -> float:
-    """Seconds from a Prometheus-style duration (``90s``, ``15m``, ``6h``, ``14d``, ``1h30m``) or a number."""
+    """Seconds from a Prometheus duration (``90s``, ``1h30m``, ``14d``; gpuhealth.contract.duration's
+    grammar, so ``1.5h`` is refused as Prometheus refuses it) or from a plain number of seconds."""
     if isinstance(text, bool):
         raise ValueError(f"{text!r} is not a duration")
     if isinstance(text, int | float):
         return float(text)
-    text = str(text).strip()
-    if not _DURATION.match(text):
-        raise ValueError(f"{text!r} is not a duration (e.g. 30s, 15m, 6h, 14d, 1h30m)")
-    return sum(float(number) * _UNITS[unit] for number, unit in _DURATION_PART.findall(text))
+    return float(prometheus_duration(str(text).strip()))
 
 
 @dataclass(frozen=True)

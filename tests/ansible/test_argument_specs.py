@@ -3,13 +3,18 @@ and documents every variable its shared templates read (the contract for plain-j
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import jinja2
 import jinja2.meta
+import jsonschema
 import pytest
 import yaml
 from conftest import COLLECTION
+from rendering import render
+from wheelhouse import ROOT
 
 ROLES = sorted(p for p in (COLLECTION / "roles").iterdir() if (p / "meta" / "argument_specs.yml").exists())
 SHARED_TEMPLATES = {
@@ -79,3 +84,62 @@ def test_example_inventory_sets_only_documented_variables():
 
     plays = load(COLLECTION / "playbooks" / "site.yml")
     assert {play["hosts"] for play in plays} == set(inventory["all"]["children"])
+
+
+SCHEMA_REFERENCE = re.compile(r"Schema: C\(properties(?:\.(\w+))?\) of docs/schema/([\w-]+\.json)")
+
+
+def schema_references(role: Path) -> list[tuple[str, str, str]]:
+    """(variable, schema file, property) for each variable whose description names its JSON Schema; the
+    property is empty for a variable that holds top-level keys of the file."""
+    found = []
+    for spec in entry_points(role).values():
+        for name, option in spec["options"].items():
+            description = option.get("description", "")
+            text = " ".join(description) if isinstance(description, list) else description
+            found += [(name, file, prop) for prop, file in SCHEMA_REFERENCE.findall(text)]
+    return found
+
+
+def test_webhook_sections_name_the_schema_that_validates_them():
+    named = {name for name, _, _ in schema_references(COLLECTION / "roles" / "gpuhealth_webhook")}
+    assert named == {f"gpuhealth_webhook_{section}"
+                     for section in ("backend", "policy", "guardrails", "retry", "undrain")}
+
+
+@pytest.mark.parametrize("role", ROLES, ids=lambda r: r.name)
+def test_schema_references_name_a_committed_schema_and_property(role: Path):
+    for name, file, prop in schema_references(role):
+        path = ROOT / "docs" / "schema" / file
+        assert path.is_file(), f"{name}: {file} is not in docs/schema"
+        properties = json.loads(path.read_text())["properties"]
+        assert not prop or prop in properties, f"{name}: {file} has no property {prop}"
+
+
+def test_exporter_settings_name_the_schema_that_validates_them():
+    references = schema_references(COLLECTION / "roles" / "gpuhealth_exporter")
+    assert references == [("gpuhealth_exporter_settings", "exporter-config.json", "")]
+
+
+def test_the_rendered_exporter_config_validates_against_its_schema(tmp_path: Path):
+    schema = json.loads((ROOT / "docs" / "schema" / "exporter-config.json").read_text())
+    variables = {"gpuhealth_exporter_root_prefix": str(tmp_path), "gpuhealth_exporter_gpus_expected": 8,
+                 "gpuhealth_exporter_kmsg_path": "/var/log/kern.log",
+                 "gpuhealth_exporter_settings": {"sampling_window": 30, "collectors": {"nfs": False}}}
+    config = yaml.safe_load(render("gpuhealth_exporter", "exporter.yml.j2", variables))
+    assert list(jsonschema.Draft202012Validator(schema).iter_errors(config)) == []
+    config["sampling_window"] = "30"
+    assert not jsonschema.Draft202012Validator(schema).is_valid(config)
+
+
+def test_the_rendered_webhook_config_validates_against_its_schema(tmp_path: Path):
+    schema = json.loads((ROOT / "docs" / "schema" / "webhook-config.json").read_text())
+    variables = {"gpuhealth_webhook_root_prefix": str(tmp_path), "gpuhealth_webhook_dry_run": True,
+                 "gpuhealth_webhook_guardrails": {"breaker_max_nodes": 1, "deny_nodes": ["login*"]},
+                 "gpuhealth_webhook_policy": {"rules": [{"match": {"alertname": "GPUHealth.*"},
+                                                         "action": "drain"}]},
+                 "gpuhealth_webhook_operator_token": "operator-0123456789"}
+    config = yaml.safe_load(render("gpuhealth_webhook", "webhook.yml.j2", variables))
+    assert list(jsonschema.Draft202012Validator(schema).iter_errors(config)) == []
+    config["guardrails"]["breaker_max_nodes"] = -1
+    assert not jsonschema.Draft202012Validator(schema).is_valid(config)

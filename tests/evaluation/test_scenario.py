@@ -212,7 +212,8 @@ def test_compound_durations_and_no_follow_up_error_for_an_unreadable_one() -> No
     with pytest.raises(ScenarioError) as caught:
         parse_scenario(bad, "bad.yaml")
     assert caught.value.problems == [
-        "failures[0].failure: '14 hours' is not a duration (e.g. 30s, 15m, 6h, 14d, 1h30m)"
+        "failures[0].failure: '14 hours' is not a duration (whole numbers with units y, w, d, h, m, s, ms, "
+        "largest first, e.g. 30s, 1h30m, 500ms, 1w)"
     ]
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from gpuhealth.contract.duration import parse_duration
 from gpuhealth.rules import catalogue
 from gpuhealth.rules.render import render_all
 from rules_promtool import GENERATED, SOURCES, Fleet, alert, run_promtool
@@ -134,7 +135,7 @@ def test_catalogue_errors_are_all_listed_without_traceback(tmp_path, capsys):
         "defaults.xid.overrides.drain_reboot: XID 168 is also in class drain_reset_gpu",
         "defaults.xid.overrides.reboot_now: unknown key",
         "defaults.xid.buckets.RESET_GPU: 'reboot' is not one of restart_job, drain, drain_reset_gpu",
-        "defaults.for.GPUHealthExporterDown: not a duration: 'soon'",
+        "defaults.for.GPUHealthExporterDown: 'soon' is not a duration (whole numbers with units",
         "alerts.GPUHealthLemonNode.action: must be one of",
         "defaults.gpu_shards: must be one of 1, 2, 5, 10",
         "defaults.definitive.ecc_storm.fleet_quantile: must be a number in (0, 1), got 1.5",
@@ -189,7 +190,7 @@ def _changed(value: Any, key: str) -> Any:
     if not value:
         return 'cluster="a"'
     try:
-        seconds = catalogue.seconds(value)
+        seconds = parse_duration(value)
     except ValueError:
         return value + ("|x" if "|" in value else "/x")
     return f"{2 * seconds}s" if seconds else "1m"

@@ -45,8 +45,9 @@ def test_every_problem_is_listed_at_once(tmp_path):
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     text = str(caught.value)
-    for needle in ("listen: 'nowhere'", "dry_run: expected bool", "surprise: unknown key",
-                   "auth.basic_auth: needs both", "policy.rules[0].action", "policy.rules[0].match.alertname",
+    for needle in ("listen: 'nowhere'", "dry_run: expected a boolean", "surprise: unknown key",
+                   "auth.basic_auth.password_file: required", "policy.rules[0].action",
+                   "policy.rules[0].match.alertname",
                    "breaker_max_fraction", "'reboot' is not one of", "rate_limit_actions",
                    "undrain.mode", "auth.operator.colour: unknown key",
                    "auth.operator: needs token_file, basic_auth or both", "requeue_breaker_max_nodes",

@@ -121,7 +121,8 @@ if marker.exists():
         log(f"OVERLAP {node} {old}")
 marker.write_text(str(os.getpid()))
 log(f"start {node} {os.getpid()}")
-time.sleep(float(os.environ["SITE_SLEEP"]))
+while not (site / "release").exists():  # held until the webhook has been killed and restarted
+    time.sleep(0.02)
 log(f"end {node}")
 marker.unlink()
 """
@@ -139,7 +140,7 @@ def test_sigkill_during_a_command_helper_kills_it_before_the_step_runs_again(tmp
     hook.config.write_text(yaml.safe_dump({
         "listen": f"127.0.0.1:{hook.port}", "state_dir": "state", "auth": {"token_file": "token"},
         "backend": {"type": "command", "fleet_size": 8, "timeout_seconds": 60,
-                    "env": {"SITE_DIR": str(site), "SITE_SLEEP": "4"},
+                    "env": {"SITE_DIR": str(site)},
                     "commands": {
                         "node_state": ["sh", "-c", "echo '{{\"exists\": true, \"drained\": false}}'"],
                         "drain": [sys.executable, str(site / "drain.py")]}},
@@ -159,9 +160,11 @@ def test_sigkill_during_a_command_helper_kills_it_before_the_step_runs_again(tmp
         survivors = [int(line.split()[2]) for line in lines() if line.startswith("start")]
         assert all(Path(f"/proc/{pid}").exists() for pid in survivors), "helpers outlive the webhook"
         hook.start()
+        (site / "release").touch()  # a helper the restart failed to kill would now log a second "end"
         wait_until(lambda: all(a["state"] == "done" for a in hook.actions()), timeout=60, interval=0.1,
                    what="every drain to complete")
     finally:
+        (site / "release").touch()
         if hook.proc is not None:
             hook.proc.stop()
     log = lines()

@@ -14,9 +14,12 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+from gpuhealth.contract.validation import Model, problems
 from gpuhealth.webhook.backends.base import BackendError, NodeState
+from pydantic import BeforeValidator, Field, ValidationError, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 _RANGE = re.compile(r"^(?P<prefix>[^\[\]]*)\[(?P<first>\d+)-(?P<last>\d+)\](?P<suffix>[^\[\]]*)$")
 
@@ -29,6 +32,24 @@ def expand_hostlist(pattern: str) -> list[str]:
     first, last = match["first"], match["last"]
     width = len(first) if first.startswith("0") else 0
     return [f"{match['prefix']}{i:0{width}d}{match['suffix']}" for i in range(int(first), int(last) + 1)]
+
+
+def _node_list(value: Any) -> Any:
+    if value == []:
+        raise PydanticCustomError("nodes", "expected at least one node name or hostlist like 'gpu[01-08]'")
+    return [value] if isinstance(value, str) else value
+
+
+class SimulatedSettings(Model):
+    """The ``backend:`` section for ``type: simulated`` (without ``type``)."""
+
+    nodes: Annotated[list[Annotated[str, Field(min_length=1)]], BeforeValidator(_node_list),
+                     WithJsonSchema({"anyOf": [{"type": "string", "minLength": 1},
+                                               {"type": "array", "minItems": 1,
+                                                "items": {"type": "string", "minLength": 1}}]})]
+    jobs: dict[str, list[str | int]] = Field(default_factory=dict)  # node name: running job ids
+    state_file: Annotated[Path, Field(strict=False)] | None = None  # survives restarts when set
+    latency_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0  # added to every call
 
 
 class SimulatedBackend:
@@ -50,33 +71,13 @@ class SimulatedBackend:
 
     @classmethod
     def from_config(cls, section: dict[str, Any]) -> SimulatedBackend:
-        errors = []
-        unknown = set(section) - {"nodes", "jobs", "state_file", "latency_seconds"}
-        if unknown:
-            errors.append(f"backend: unknown keys {', '.join(sorted(unknown))}")
-        raw_nodes = section.get("nodes")
-        if isinstance(raw_nodes, str):
-            raw_nodes = [raw_nodes]
-        if not isinstance(raw_nodes, list) or not raw_nodes or not all(isinstance(n, str) for n in raw_nodes):
-            errors.append("backend.nodes: a non-empty list of node names or hostlists like 'gpu[01-08]'")
-            raw_nodes = []
-        jobs = section.get("jobs") or {}
-        if not isinstance(jobs, dict) or not all(isinstance(v, list) for v in jobs.values()):
-            errors.append("backend.jobs: a mapping of node name to a list of job ids")
-            jobs = {}
-        latency = section.get("latency_seconds", 0.0)
-        if not isinstance(latency, int | float) or isinstance(latency, bool) or latency < 0:
-            errors.append("backend.latency_seconds: a number >= 0")
-            latency = 0.0
-        state_file = section.get("state_file")
-        if state_file is not None and not isinstance(state_file, str):
-            errors.append("backend.state_file: a path")
-            state_file = None
-        if errors:
-            raise ValueError("; ".join(errors))
-        nodes = [n for pattern in raw_nodes for n in expand_hostlist(pattern)]
-        return cls(nodes, {str(n): [str(j) for j in ids] for n, ids in jobs.items()},
-                   Path(state_file) if state_file else None, float(latency))
+        try:
+            settings = SimulatedSettings.model_validate(section)
+        except ValidationError as exc:
+            raise ValueError("; ".join(problems(exc, "backend"))) from None
+        nodes = [n for pattern in settings.nodes for n in expand_hostlist(pattern)]
+        return cls(nodes, {node: [str(j) for j in ids] for node, ids in settings.jobs.items()},
+                   settings.state_file, settings.latency_seconds)
 
     async def _latency(self) -> None:
         if self.latency_seconds:

@@ -18,9 +18,9 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
+from gpuhealth.contract.validation import Model, problems
 from gpuhealth.webhook.backends.base import BackendError, NodeState
 from gpuhealth.webhook.backends.command import (
     alert_fields,
@@ -33,6 +33,8 @@ from gpuhealth.webhook.backends.command import (
 from gpuhealth.webhook.backends.helpers import TracksHelpers
 from gpuhealth.webhook.backends.scontrol import job_fields, parse_node_line
 from gpuhealth.webhook.labels import clean_text, valid_node
+from pydantic import Field, PlainValidator, ValidationError, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 log = logging.getLogger(__name__)
 
@@ -46,58 +48,53 @@ OUR_HOLD = "job_requeued_in_held_state"  # the Reason scontrol requeuehold leave
 PERMANENT = re.compile(r"Invalid (node name|job id)|not found|Invalid node state|Requested operation is "
                        r"presently disabled|Access/permission denied|Only batch jobs", re.IGNORECASE)
 JOB_ID = re.compile(r"\d+(_\d+)?")  # one job (or array task), never a list
-_KEYS = {"scontrol", "squeue", "slurm_conf", "timeout_seconds", "partition", "reset_gpu_command",
-         "reset_gpu_fallback", "reboot_next_state"}
 
 
-@dataclass(frozen=True)
-class SlurmSettings:
-    scontrol: tuple[str, ...] = ("scontrol",)  # an argv prefix: ("sudo", "-n", "/usr/bin/scontrol") works
-    squeue: tuple[str, ...] = ("squeue",)
-    slurm_conf: str | None = None
-    timeout_seconds: float = 30.0
-    partition: str | None = None
-    reset_gpu_command: list[str] | None = None
-    reset_gpu_fallback: str = "error"  # or "reboot": no way to reset one GPU, so reboot the node
-    reboot_next_state: str = "RESUME"
-
-
-def _argv(value: Any, name: str, errors: list[str]) -> tuple[str, ...]:
+def _program(value: Any) -> Any:
     """A program as a path or an argv prefix (a wrapper such as sudo); never a shell line."""
     argv = [value] if isinstance(value, str) else value
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and a for a in argv):
-        errors.append(f"{name}: a program, or an argv list such as [sudo, -n, /usr/bin/scontrol]")
-        return ()
+        raise PydanticCustomError("program",
+                                  "a program, or an argv list such as [sudo, -n, /usr/bin/scontrol]")
     return tuple(argv)
 
 
+def _reset_command(value: Any) -> list[str]:
+    name = "reset_gpu_command"
+    errors = template_errors(name, value, frozenset({"node", "gpu", "reason", "alertname"}))
+    if errors:  # the location is given once, in front of them all
+        joined = "; ".join(e.removeprefix(f"{name}: ") for e in errors)
+        raise PydanticCustomError("template", "{errors}", {"errors": joined})
+    return list(value)
+
+
+Program = Annotated[tuple[str, ...], PlainValidator(_program),
+                    WithJsonSchema({"anyOf": [{"type": "string", "minLength": 1},
+                                              {"type": "array", "items": {"type": "string", "minLength": 1},
+                                               "minItems": 1}]})]
+NonEmpty = Annotated[str, Field(min_length=1)]
+
+
+class SlurmSettings(Model):
+    """The ``backend:`` section for ``type: slurm`` (without ``type``)."""
+
+    scontrol: Program = ("scontrol",)  # an argv prefix: [sudo, -n, /usr/bin/scontrol] works
+    squeue: Program = ("squeue",)
+    slurm_conf: NonEmpty | None = None
+    timeout_seconds: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 30.0
+    partition: NonEmpty | None = None
+    reset_gpu_command: Annotated[list[str], PlainValidator(_reset_command),
+                                 WithJsonSchema({"type": "array", "items": {"type": "string"}})] | None = None
+    # error: fail the action; reboot: no way to reset one GPU, so reboot the node
+    reset_gpu_fallback: Literal["error", "reboot"] = "error"
+    reboot_next_state: Literal["RESUME", "DOWN"] = "RESUME"  # DOWN: a rebooted node waits for a person
+
+
 def _settings(section: Mapping[str, Any]) -> SlurmSettings:
-    errors = [f"backend.{key}: unknown key" for key in sorted(set(section) - _KEYS)]
-    for key in ("slurm_conf", "partition"):
-        value = section.get(key)
-        if value is not None and (not isinstance(value, str) or not value):
-            errors.append(f"backend.{key}: a non-empty string")
-    tools = {key: _argv(section.get(key, key), f"backend.{key}", errors) for key in ("scontrol", "squeue")}
-    timeout = section.get("timeout_seconds", 30.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-        errors.append("backend.timeout_seconds: a number > 0")
-    command = section.get("reset_gpu_command")
-    if command is not None:
-        errors.extend(template_errors("backend.reset_gpu_command", command,
-                                      frozenset({"node", "gpu", "reason", "alertname"})))
-    fallback = section.get("reset_gpu_fallback", "error")
-    if fallback not in ("error", "reboot"):
-        errors.append("backend.reset_gpu_fallback: 'error' (fail the action) or 'reboot' (reboot the node)")
-    next_state = section.get("reboot_next_state", "RESUME")
-    if next_state not in ("RESUME", "DOWN"):
-        errors.append("backend.reboot_next_state: RESUME (back in service after the reboot) or DOWN")
-    if errors:
-        raise ValueError("slurm backend:\n  " + "\n  ".join(errors))
-    return SlurmSettings(
-        scontrol=tools["scontrol"], squeue=tools["squeue"], slurm_conf=section.get("slurm_conf"),
-        timeout_seconds=float(timeout),
-        partition=section.get("partition"), reset_gpu_command=list(command) if command else None,
-        reset_gpu_fallback=fallback, reboot_next_state=next_state)
+    try:
+        return SlurmSettings.model_validate(dict(section))
+    except ValidationError as exc:
+        raise ValueError("slurm backend:\n  " + "\n  ".join(problems(exc, "backend"))) from None
 
 
 def slurm_reason(reason: str) -> str:
