@@ -185,7 +185,7 @@ class ExporterFile(Model):
 
     model_config = ConfigDict(json_schema_extra={"title": "gpuhealth-exporter configuration"})
 
-    backend: Literal[BACKENDS] = "nvml"  # type: ignore[valid-type]  # the values come from the table above
+    backend: Literal[BACKENDS] = "nvml"  # type: ignore[valid-type]  # from a table
     sim_scenario: ReadableFile | None = None
     kmsg_path: Annotated[Path_, AfterValidator(_kmsg_parent)] | None = None
     no_kmsg: bool = False
@@ -199,7 +199,7 @@ class ExporterFile(Model):
     gpus_expected: Annotated[int, Field(ge=0)] | None = None
     collectors: Annotated[dict[str, bool], AfterValidator(_collectors)] = Field(default_factory=dict)
     web_config_file: ReadableFile | None = None  # exporter-toolkit format; overrides the web block
-    sim_profile: Literal[tuple(PROFILES)] | None = None  # type: ignore[valid-type]  # the values come from the table above
+    sim_profile: Literal[tuple(PROFILES)] | None = None  # type: ignore[valid-type]  # from a table
     sim_mig: bool = False
     log_level: Annotated[LogLevel, BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)] = "info"
     web: WebBlock = WebBlock()
@@ -226,8 +226,8 @@ class ToolkitTLS(Model):
     cert_file: ToolkitFile
     key_file: ToolkitFile
     client_ca_file: ToolkitFile | None = None
-    client_auth_type: Literal[tuple(CLIENT_AUTH_TYPES)] = "NoClientCert"  # type: ignore[valid-type]  # the values come from the table above
-    min_version: Literal[tuple(TLS_VERSIONS)] = "TLS12"  # type: ignore[valid-type]  # the values come from the table above
+    client_auth_type: Literal[tuple(CLIENT_AUTH_TYPES)] = "NoClientCert"  # type: ignore[valid-type]  # from a table
+    min_version: Literal[tuple(TLS_VERSIONS)] = "TLS12"  # type: ignore[valid-type]  # from a table
 
     @classmethod
     def cross_check(cls, data: dict[str, Any]) -> list[tuple[Location, str]]:

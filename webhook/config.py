@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from gpuhealth.webhook.actions import ALERT_ACTIONS as ACTIONS
 from gpuhealth.contract.validation import Location, Model, problems
+from gpuhealth.webhook.actions import ALERT_ACTIONS as ACTIONS
 from pydantic import (
     AfterValidator,
     ConfigDict,

@@ -21,7 +21,7 @@ def choose_action(labels: dict[str, str], config: Config) -> str:
     policy = config.policy
     for rule in policy.rules:
         if rule.matches(labels):
-            return rule.action
+            return str(rule.action)
     return labels.get(policy.action_label) or policy.default_action
 
 
