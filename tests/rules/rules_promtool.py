@@ -42,6 +42,7 @@ INPUTS: dict[str, dict[str, tuple[str, dict[str, str], float]]] = {
         "pcie_downgraded": ("gpuhealth_gpu_pcie_link_downgraded", {}, 1),
         "pcie_aer": ("gpuhealth_pcie_aer_errors_total", {"severity": "corrected"}, 1),
         "nvlink_crc": ("gpuhealth_gpu_nvlink_errors_all_links_total", {}, 1),
+        "nvlink_up": ("gpuhealth_gpu_nvlink_up", {}, 1),
         "nvml_latency": ("gpuhealth_gpu_nvml_latency_seconds", {}, 1),
         "fallen_off_bus": ("gpuhealth_gpu_fallen_off_bus_total", {}, 1),
         "recovery_action": ("gpuhealth_gpu_recovery_action", {}, 1),
