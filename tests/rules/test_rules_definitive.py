@@ -102,8 +102,10 @@ def test_hbm_wear_needs_persistent_errors_and_remaps(tmp_path, source):
         "day): its memory is degrading. Drain the node, reset the GPU so the remaps take effect, and run a "
         "memory diagnostic; replace it if the remaps go on.")
     checks = [
-        {"eval_time": "375m", "alertname": "GPUHealthHbmWear", "exp_alerts": []},   # within `for`
-        {"eval_time": "378m", "alertname": "GPUHealthHbmWear", "exp_alerts": [wear]},
+        # Rows remapped at minute 360; the evidence groups run after this one, so the `for` starts a
+        # minute or so later.
+        {"eval_time": "372m", "alertname": "GPUHealthHbmWear", "exp_alerts": []},   # within `for`
+        {"eval_time": "380m", "alertname": "GPUHealthHbmWear", "exp_alerts": [wear]},
         {"eval_time": "399m", "alertname": "GPUHealthHbmWear", "exp_alerts": [wear]},
     ]
     _run(tmp_path, source, fleet, checks)

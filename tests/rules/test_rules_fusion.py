@@ -135,6 +135,7 @@ def test_each_signal_and_benign_noise(tmp_path, source):
         latency = 0.2 if node == "n6" else 0.002
         fleet.nfs(node, "/home", "GETATTR", {"operations": 50, "execute": 50 * latency}, minutes)
     fleet.add("nvml_latency", "n1", 4, (0.05, 0, 99), (3, 0, minutes - 100))
+    fleet.add("nvlink_crc", "n1", 4, (0, 60, minutes))       # slow NVML (a busy node) and NVLink errors
     fleet.add("temperature", "n2", 0, (72, 0, minutes))        # always ran hotter than its peers...
     fleet.add("pcie_replays", "n2", 0, (0, 20, minutes))       # ...plus a small signal of another cause
     fleet.add("thermal_seconds", "n2", 1, (0, 30, minutes))
@@ -186,6 +187,8 @@ def test_each_signal_and_benign_noise(tmp_path, source):
         exprs.extend(_evidence("power_brake", "n6", gpu, at) for gpu in range(7))
     if fleet.supports("nvml_latency"):
         exprs.append(_evidence("nvml_latency", "n1", 4, at, 0.99))
+    # Slow NVML names no GPU (a GSP stall or a busy node slows all of them): 0.1 beside NVLink's 0.45.
+    exprs.append(_score("n1", 4, at, 0.55 if fleet.supports("nvml_latency") else 0.45))
     # Benign noise raises no evidence at all.
     for gpu in range(8):
         for signal in ("temperature_peer", "temperature_baseline"):
