@@ -134,6 +134,12 @@ def test_each_signal_and_benign_noise(tmp_path, source):
         fleet.add("page_outs", node, None, (0, rate * 60, minutes))
         latency = 0.2 if node == "n6" else 0.002
         fleet.nfs(node, "/home", "GETATTR", {"operations": 50, "execute": 50 * latency}, minutes)
+    fleet.node("n10", minutes)   # GPU 0 works harder from 50 min (load imbalance), GPU 3's cooling fails
+    for gpu in range(8):
+        fleet.add("power", "n10", gpu, (500, 0, minutes))
+    fleet.add("power", "n10", 0, (500, 0, 49), (650, 0, minutes - 50))
+    fleet.add("temperature", "n10", 0, (60, 0, 49), (70.5, 0, minutes - 50))   # 0.07 C per extra watt
+    fleet.add("temperature", "n10", 3, (60, 0, 49), (70, 0, minutes - 50))     # warmer at the same power
     fleet.add("nvml_latency", "n1", 4, (0.05, 0, 99), (3, 0, minutes - 100))
     fleet.add("nvlink_crc", "n1", 4, (0, 60, minutes))       # slow NVML (a busy node) and NVLink errors
     fleet.add("temperature", "n2", 0, (72, 0, minutes))        # always ran hotter than its peers...
@@ -203,6 +209,9 @@ def test_each_signal_and_benign_noise(tmp_path, source):
         exprs.append(_score("n7", gpu, at, 0))
     for signal in ("interrupt_collapse", "procs_running_collapse"):
         exprs.append(_evidence(signal, "n3", None, at))                     # idle, not collapsed
+    for signal in ("temperature_peer", "temperature_baseline"):
+        exprs.append(_evidence(signal, "n10", 0, at))           # warmer only by what its power explains
+        exprs.append(_evidence(signal, "n10", 3, at, 0.5))      # warmer at the same power: its cooling
     for gpu in range(8):     # most GPUs of the node drifted, either way: the rack's air, no GPU's
         for signal in ("temperature_peer", "temperature_baseline"):
             exprs.append(_evidence(signal, "n8", gpu, at))
