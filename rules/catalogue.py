@@ -23,6 +23,8 @@ ACTIONS = ("none", "restart_job", "drain", "drain_reset_gpu", "drain_reboot", "r
 SEVERITIES = ("critical", "warning", "info")
 GROUPS = ("xid", "definitive", "evidence", "fusion", "lemon", "storage", "meta")
 XID_CLASSES = ("restart_job", "drain", "drain_reset_gpu", "drain_reboot")  # what an XID alone can ask
+# NVLink errors: the first restarts the job, a repeat or a link that stays down drains (xid.nvlink).
+NVLINK_CLASS = "nvlink"
 RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
 MIN_SAMPLES_PER_WINDOW = 4
 GPU_SHARDS = (1, 2, 5, 10)  # divisors of 10: shards by the last digit of the GPU index
@@ -59,7 +61,7 @@ def xid_classes(xid: dict[str, Any]) -> dict[str, list[int]]:
     by_xid = {number: xid["buckets"].get(bucket) for number, bucket in xid_table().items()}
     for klass, xids in xid["overrides"].items():
         by_xid.update(dict.fromkeys(xids, klass))
-    classes: dict[str, list[int]] = {klass: [] for klass in (*XID_CLASSES, "none")}
+    classes: dict[str, list[int]] = {klass: [] for klass in (*XID_CLASSES, NVLINK_CLASS, "none")}
     for number, klass in sorted(by_xid.items()):
         if klass in classes:
             classes[klass].append(number)
@@ -289,7 +291,7 @@ def _check_fusion(d: dict[str, Any], errors: list[str]) -> None:
 
 def _check_xid(d: dict[str, Any], errors: list[str]) -> None:
     xid = d.get("xid") or {}
-    classes = (*XID_CLASSES, "none")
+    classes = (*XID_CLASSES, NVLINK_CLASS, "none")
     buckets = xid.get("buckets") or {}
     for bucket, klass in buckets.items():
         if klass not in classes:
@@ -315,9 +317,10 @@ def _check_xid(d: dict[str, Any], errors: list[str]) -> None:
             errors.append(f"{where}: not an action ({', '.join(ACTIONS[1:])})")
         if not isinstance(actions, list) or any(a not in RECOVERY_ACTIONS for a in actions):
             errors.append(f"{where}: must list recovery actions from {', '.join(RECOVERY_ACTIONS)}")
-    for name in ("repeated_app_fault", "repeated_remap_failure", "repeated_fall_off_bus"):
+    for name in ("repeated_app_fault", "repeated_remap_failure", "repeated_fall_off_bus", "nvlink"):
         block = xid.get(name) or {}
-        _xid_list(block.get("xids"), f"defaults.xid.{name}.xids", errors)
+        if name != "nvlink":
+            _xid_list(block.get("xids"), f"defaults.xid.{name}.xids", errors)
         count = block.get("count")
         if not isinstance(count, int) or count < 1:
             errors.append(f"defaults.xid.{name}.count: must be a positive integer, got {count!r}")

@@ -27,6 +27,7 @@ INPUTS: dict[str, dict[str, tuple[str, dict[str, str], float]]] = {
     "gpuhealth": {
         "info": ("gpuhealth_gpu_info", {"model": MODEL}, 1),
         "temperature": ("gpuhealth_gpu_temperature_celsius", {}, 1),
+        "power": ("gpuhealth_gpu_power_watts", {}, 1),
         "utilization": ("gpuhealth_gpu_utilization_ratio", {}, 1),
         "ecc_corrected": ("gpuhealth_gpu_ecc_errors_total", {"type": "corrected", "counter": "volatile"}, 1),
         "ecc_uncorrected": ("gpuhealth_gpu_ecc_errors_total",
@@ -42,6 +43,7 @@ INPUTS: dict[str, dict[str, tuple[str, dict[str, str], float]]] = {
         "pcie_downgraded": ("gpuhealth_gpu_pcie_link_downgraded", {}, 1),
         "pcie_aer": ("gpuhealth_pcie_aer_errors_total", {"severity": "corrected"}, 1),
         "nvlink_crc": ("gpuhealth_gpu_nvlink_errors_all_links_total", {}, 1),
+        "nvlink_up": ("gpuhealth_gpu_nvlink_up", {}, 1),
         "nvml_latency": ("gpuhealth_gpu_nvml_latency_seconds", {}, 1),
         "fallen_off_bus": ("gpuhealth_gpu_fallen_off_bus_total", {}, 1),
         "recovery_action": ("gpuhealth_gpu_recovery_action", {}, 1),
@@ -54,6 +56,7 @@ INPUTS: dict[str, dict[str, tuple[str, dict[str, str], float]]] = {
     },
     "dcgm": {
         "temperature": ("DCGM_FI_DEV_GPU_TEMP", {"modelName": MODEL}, 1),
+        "power": ("DCGM_FI_DEV_POWER_USAGE", {}, 1),
         "utilization": ("DCGM_FI_DEV_GPU_UTIL", {}, 100),
         "ecc_corrected": ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", {}, 1),
         "ecc_uncorrected": ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", {}, 1),

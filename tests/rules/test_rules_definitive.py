@@ -85,6 +85,57 @@ def test_uncorrectable_ecc_counts_rising(tmp_path, source):
 
 
 @pytest.mark.parametrize("source", SOURCES)
+def test_hbm_wear_needs_persistent_errors_and_remaps(tmp_path, source):
+    """Corrected errors that keep coming while rows are remapped drain; SBE chatter without remaps, or a
+    benign remap without chatter, or one row only, stay quiet. HBM signals need hours of history."""
+    minutes = 400
+    fleet = Fleet(source).node("n1", minutes)
+    fleet.add("ecc_corrected", "n1", 0, (0, 1, minutes))                        # wear: chatter and rows
+    fleet.add("rows_correctable", "n1", 0, (0, 0, 359), (3, 0, minutes - 360))
+    fleet.add("ecc_corrected", "n1", 1, (0, 1, minutes))                        # chatter alone
+    fleet.add("rows_correctable", "n1", 2, (0, 0, 359), (3, 0, minutes - 360))  # remaps alone
+    fleet.add("ecc_corrected", "n1", 3, (0, 1, minutes))                        # chatter and one remap
+    fleet.add("rows_correctable", "n1", 3, (0, 0, 359), (1, 0, minutes - 360))
+    wear = _gpu_alert(
+        "GPUHealthHbmWear", "n1", 0, "3", "warning", "drain_reset_gpu", "HBM of n1 GPU 0 is wearing out",
+        "GPU 0 of n1 keeps correcting ECC errors and spends spare rows on them (3 rows remapped within a "
+        "day): its memory is degrading. Drain the node, reset the GPU so the remaps take effect, and run a "
+        "memory diagnostic; replace it if the remaps go on.")
+    checks = [
+        # Rows remapped at minute 360; the evidence groups run after this one, so the `for` starts a
+        # minute or so later.
+        {"eval_time": "372m", "alertname": "GPUHealthHbmWear", "exp_alerts": []},   # within `for`
+        {"eval_time": "380m", "alertname": "GPUHealthHbmWear", "exp_alerts": [wear]},
+        {"eval_time": "399m", "alertname": "GPUHealthHbmWear", "exp_alerts": [wear]},
+    ]
+    _run(tmp_path, source, fleet, checks)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_pcie_replay_rate_above_the_driver_limit(tmp_path, source):
+    """Replays above 8 a minute for half an hour drain; a steady rate below it, or a burst at boot far
+    above it for one sample, stay quiet."""
+    minutes = 90
+    fleet = Fleet(source).node("n1", minutes)
+    fleet.add("pcie_replays", "n1", 0, (0, 0, 9), (0, 20, minutes - 10))      # 20 a minute from minute 10
+    fleet.add("pcie_replays", "n1", 1, (0, 6, minutes))                        # steady 6 a minute
+    fleet.add("pcie_replays", "n1", 2, (0, 0, 9), (2000, 0, minutes - 10))    # one burst at minute 10
+    replays = _gpu_alert(
+        "GPUHealthPcieReplayRate", "n1", 0, "20", "warning", "drain",
+        "PCIe link of n1 GPU 0 keeps replaying (20/min)",
+        "The PCIe link of GPU 0 on n1 replays 20 packets a minute, above the 8 a minute NVIDIA's driver "
+        "allows a healthy link (DCGM's limit), and has for half an hour: the link is degrading. Drain the "
+        "node and have the link checked (reseat, riser, retimer) before it drops the GPU.")
+    checks = [
+        # Above the limit once the 15-minute rate passes 8 a minute (minute 17), firing 30 minutes later.
+        {"eval_time": "46m", "alertname": "GPUHealthPcieReplayRate", "exp_alerts": []},   # within `for`
+        {"eval_time": "48m", "alertname": "GPUHealthPcieReplayRate", "exp_alerts": [replays]},
+        {"eval_time": "89m", "alertname": "GPUHealthPcieReplayRate", "exp_alerts": [replays]},
+    ]
+    _run(tmp_path, source, fleet, checks)
+
+
+@pytest.mark.parametrize("source", SOURCES)
 def test_corrected_ecc_storm_against_the_fleet(tmp_path, source):
     minutes = 60
     fleet = Fleet(source)

@@ -82,6 +82,9 @@ def test_memory_signals_and_an_isolated_sbe_burst(tmp_path, source):
     # HBM degradation on GPU 5: corrected ECC keeps growing, then remapped rows step up at 6h.
     fleet.add("ecc_corrected", "n1", 5, (0, 1, minutes))
     fleet.add("rows_correctable", "n1", 5, (0, 0, 359), (10, 0, minutes - 360))
+    # Two chronic benign causes on GPU 6: SBE chatter and steady PCIe replays on a healthy link.
+    fleet.add("ecc_corrected", "n1", 6, (0, 1, minutes))
+    fleet.add("pcie_replays", "n1", 6, (0, 6, minutes))
     at = "390m"
     exprs = [
         _evidence("ecc_corrected_growth", "n1", 0, at, 0.99),
@@ -91,9 +94,10 @@ def test_memory_signals_and_an_isolated_sbe_burst(tmp_path, source):
         _evidence("remapped_rows_growth", "n1", 2, at, 0.99),
         _evidence("remap_pending", "n1", 3, at, 0.99),
         _evidence("remap_pending", "n1", 3, "370m"),
-        _score("n1", 5, "350m", 0.35),    # ECC growth alone stays below the threshold
+        _score("n1", 5, "350m", 0.2),     # ECC growth alone stays below the threshold
         _score("n1", 5, "390m", 0.4),     # ...and with the rows it remaps, one memory fault counts once
         _score("n1", 3, "390m", 0.25),    # a pending remap alone: its own low-severity alert, little risk
+        _score("n1", 6, "390m", 0.55),    # chatter (0.2) and steady replays (0.35): below the threshold
     ]
     # Memory signals alone never fire, however many: the HBM's failure is announced by its definitive
     # signals (remap failure, uncorrectable errors), or predicted with evidence of another cause.
@@ -130,7 +134,14 @@ def test_each_signal_and_benign_noise(tmp_path, source):
         fleet.add("page_outs", node, None, (0, rate * 60, minutes))
         latency = 0.2 if node == "n6" else 0.002
         fleet.nfs(node, "/home", "GETATTR", {"operations": 50, "execute": 50 * latency}, minutes)
+    fleet.node("n10", minutes)   # GPU 0 works harder from 50 min (load imbalance), GPU 3's cooling fails
+    for gpu in range(8):
+        fleet.add("power", "n10", gpu, (500, 0, minutes))
+    fleet.add("power", "n10", 0, (500, 0, 49), (650, 0, minutes - 50))
+    fleet.add("temperature", "n10", 0, (60, 0, 49), (70.5, 0, minutes - 50))   # 0.07 C per extra watt
+    fleet.add("temperature", "n10", 3, (60, 0, 49), (70, 0, minutes - 50))     # warmer at the same power
     fleet.add("nvml_latency", "n1", 4, (0.05, 0, 99), (3, 0, minutes - 100))
+    fleet.add("nvlink_crc", "n1", 4, (0, 60, minutes))       # slow NVML (a busy node) and NVLink errors
     fleet.add("temperature", "n2", 0, (72, 0, minutes))        # always ran hotter than its peers...
     fleet.add("pcie_replays", "n2", 0, (0, 20, minutes))       # ...plus a small signal of another cause
     fleet.add("thermal_seconds", "n2", 1, (0, 30, minutes))
@@ -182,6 +193,8 @@ def test_each_signal_and_benign_noise(tmp_path, source):
         exprs.extend(_evidence("power_brake", "n6", gpu, at) for gpu in range(7))
     if fleet.supports("nvml_latency"):
         exprs.append(_evidence("nvml_latency", "n1", 4, at, 0.99))
+    # Slow NVML names no GPU (a GSP stall or a busy node slows all of them): 0.1 beside NVLink's 0.45.
+    exprs.append(_score("n1", 4, at, 0.55 if fleet.supports("nvml_latency") else 0.45))
     # Benign noise raises no evidence at all.
     for gpu in range(8):
         for signal in ("temperature_peer", "temperature_baseline"):
@@ -196,6 +209,9 @@ def test_each_signal_and_benign_noise(tmp_path, source):
         exprs.append(_score("n7", gpu, at, 0))
     for signal in ("interrupt_collapse", "procs_running_collapse"):
         exprs.append(_evidence(signal, "n3", None, at))                     # idle, not collapsed
+    for signal in ("temperature_peer", "temperature_baseline"):
+        exprs.append(_evidence(signal, "n10", 0, at))           # warmer only by what its power explains
+        exprs.append(_evidence(signal, "n10", 3, at, 0.5))      # warmer at the same power: its cooling
     for gpu in range(8):     # most GPUs of the node drifted, either way: the rack's air, no GPU's
         for signal in ("temperature_peer", "temperature_baseline"):
             exprs.append(_evidence(signal, "n8", gpu, at))

@@ -92,6 +92,59 @@ def test_repetition_escalates(tmp_path, source):
     run_promtool(tmp_path, source, ["xid"], [_case(fleet, checks)])
 
 
+@pytest.mark.parametrize("source", SOURCES)
+def test_nvlink_flap_restarts_the_job_a_failing_link_drains(tmp_path, source):
+    """A flap logs one NVLink XID, its link retrains within two minutes and its errors stop: the job
+    restarts, nothing drains. A link that stays down (gpuhealth) or keeps erroring (dcgm), or XIDs that
+    repeat, drain after the `for`."""
+    fleet = Fleet(source)
+    fleet.xid("n1", 0, [(5, 74)], MINUTES)                       # a flap that heals
+    fleet.add("nvlink_up", "n1", 0, "1x4 0 0 1x84", link="3")
+    fleet.add("nvlink_crc", "n1", 0, (0, 50, 5), (250, 0, MINUTES - 5))
+    fleet.xid("n1", 1, [(5, 74)], MINUTES)                       # a link that fails and stays down
+    fleet.add("nvlink_up", "n1", 1, "1x4 0x86", link="7")
+    fleet.add("nvlink_crc", "n1", 1, (0, 50, MINUTES))
+    fleet.xid("n2", 2, [(5, 74), (6, 43), (7, 74)], MINUTES)    # repeats (43 between, for dcgm's gauge)
+    fleet.add("nvlink_up", "n2", 2, (1, 0, MINUTES), link="0")
+
+    def error(node: str, gpu: int, value: str) -> dict:
+        return alert("GPUHealthXidNvlinkError",
+                     {"alertname": "GPUHealthXidNvlinkError", "node": node, "gpu": str(gpu), "xid": "74"},
+                     f"NVLink XID 74 on {node} GPU {gpu}: restart the job",
+                     f"GPU {gpu} of {node} logged NVLink XID 74 ({value} in the last window): the job's "
+                     "transfers over that link failed, restart it. A link that flaps once retrains and "
+                     "heals; a repeat or a link that stays down drains the GPU (GPUHealthXidNvlinkFailing).",
+                     "warning", "restart_job")
+
+    def failing(node: str, gpu: int, reason: str, value: str) -> dict:
+        return alert("GPUHealthXidNvlinkFailing",
+                     {"alertname": "GPUHealthXidNvlinkFailing", "node": node, "gpu": str(gpu),
+                      "reason": reason},
+                     f"NVLink of {node} GPU {gpu} is failing: reset the GPU",
+                     f"GPU {gpu} of {node}: {reason} ({value} in the last window), not a flap that healed. "
+                     "Drain the node, requeue its jobs, reset the GPU; if the link fails again, have the "
+                     "NVLink path (GPU, cable or NVSwitch tray) serviced.", "critical", "drain_reset_gpu")
+
+    down = "NVLink XID with " + ("a link down" if source == "gpuhealth" else "link errors still counting")
+    checks = [
+        {"eval_time": "4m", "alertname": "GPUHealthXidNvlinkError", "exp_alerts": []},
+        {"eval_time": "6m", "alertname": "GPUHealthXidNvlinkError",
+         "exp_alerts": [error("n1", 0, "1"), error("n1", 1, "1"), error("n2", 2, "1")]},
+        {"eval_time": "9m", "alertname": "GPUHealthXidNvlinkFailing", "exp_alerts": []},   # just before `for`
+        {"eval_time": "10m", "alertname": "GPUHealthXidNvlinkFailing",
+         "exp_alerts": [failing("n1", 1, down, "1")]},
+        {"eval_time": "11m", "alertname": "GPUHealthXidNvlinkFailing",
+         "exp_alerts": [failing("n1", 1, down, "1")]},
+        {"eval_time": "12m", "alertname": "GPUHealthXidNvlinkFailing",
+         "exp_alerts": [failing("n1", 1, down, "1"), failing("n2", 2, "NVLink XIDs repeated", "2")]},
+        {"eval_time": "12m", "alertname": "GPUHealthXidResetGpu", "exp_alerts": []},
+        {"eval_time": "30m", "alertname": "GPUHealthXidNvlinkFailing",
+         "exp_alerts": [failing("n1", 1, down, "1"), failing("n2", 2, "NVLink XIDs repeated", "2")]},
+        {"eval_time": "66m", "alertname": "GPUHealthXidNvlinkFailing", "exp_alerts": []},  # window passed
+    ]
+    run_promtool(tmp_path, source, ["xid"], [_case(fleet, checks)])
+
+
 def test_recovery_action_and_fallen_off_bus(tmp_path):
     """XID 154 follows the action it announces; 'fallen off the bus' reboots (gpuhealth source only)."""
     fleet = Fleet("gpuhealth")
@@ -155,6 +208,7 @@ def test_every_xid_of_nvidias_catalogue_has_a_class_or_is_informational():
     assert {46, 110, 136, 155, 156, 158} <= set(classes["drain_reset_gpu"])
     assert 54 in classes["drain"] and 151 in classes["drain_reboot"]
     assert 61 in classes["none"] and 45 in classes["none"]     # unused; 45 only alone (fabric manager)
+    assert [74, *range(144, 151)] == classes["nvlink"]         # NVIDIA's NVLink workflows
     overrides = dict(builtin.defaults["xid"]["overrides"])
     overrides["none"] = [x for x in overrides["none"] if x != 172]
     with pytest.raises(catalogue.CatalogueError, match="XIDs 172 have no bucket"):
