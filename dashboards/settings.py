@@ -66,14 +66,16 @@ def _default_features() -> tuple[PeerFeature, ...]:
 
 def _default_xid_classes() -> tuple[XidClass, ...]:
     # The XID classes the rules derive from NVIDIA's catalogue (rules/xid_catalogue.csv by the buckets
-    # and overrides of rules/catalogue.yaml), named by the alert `action` they lead to; keep in step.
+    # and overrides of rules/catalogue.yaml), named by the alert `action` they lead to (`nvlink`: its own
+    # pair of alerts); tests/contract/test_xid_classes.py holds the two in step.
     return (
         XidClass("restart_job", (8, 11, 13, 25, 31, 32, 39, 40, 41, 60, 68, 69, 70, 71, 72, 75, 76, 77, 80,
                                  82, 83, 84, 85, 86, 88, 89, 94, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105,
                                  126, 127, 128, 129, 130, 131, 132, 133, 134, 135, 139)),
         XidClass("drain", (54, 165)),
-        XidClass("drain_reset_gpu", (46, 48, 62, 64, 74, 95, 109, 110, 119, 120, 136, 140, 143, 144, 145, 146,
-                                     147, 148, 149, 150, 155, 156, 158, 168, 169)),
+        XidClass("nvlink", (74, 144, 145, 146, 147, 148, 149, 150)),  # restart the job; drain if the link fails
+        XidClass("drain_reset_gpu", (46, 48, 62, 64, 95, 109, 110, 119, 120, 136, 140, 143, 155, 156, 158, 168,
+                                     169)),
         XidClass("drain_reboot", (79, 151, 167)),
     )
 
