@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from gpuhealth.contract.faults import FALLS_OFF_BUS_KINDS
+from gpuhealth.contract.faults import FALLS_OFF_BUS_KINDS, RECOVERY_ACTION_KINDS, RECOVERY_ACTION_XID
 from gpuhealth.evaluation.effects import AddXid, Effects, PerLink
 
 if TYPE_CHECKING:
@@ -45,13 +45,16 @@ class FaultEffects(Effects):
         return self.signals.precursor(self.event)
 
     def xids(self, add: AddXid) -> None:
-        """The XID logged every two minutes from the first one until the GPU dies, then the failure's."""
+        """The XID logged every two minutes from the first one until the GPU dies, then the failure's
+        and, where the driver then asks for a GPU reset, XID 154 with it."""
         s, failure = self.signals, self.event
         if failure.first_xid is not None:
             every = max(int(120 / s.timeline.step), 1)
             for k in range(s.at(failure.instant), s.at(failure.failure), every):
                 add(self.row, self.early_xid or failure.xid, k, 1.0)
         add(self.row, failure.xid, s.at(failure.failure), 1.0)
+        if self.kind in RECOVERY_ACTION_KINDS:
+            add(self.row, RECOVERY_ACTION_XID, s.at(failure.failure), 1.0)
 
 
 class MemoryFault(FaultEffects):
@@ -181,6 +184,13 @@ class FellOffBus(FaultEffects):
 
 FAULTS: dict[str, type[FaultEffects]] = {
     cls.kind: cls
-    for cls in (HbmDegradation, SramUncorrectable, ThermalRunaway, PcieDegradation, NvlinkErrors, GspTimeout,
-                FellOffBus)
+    for cls in (
+        HbmDegradation,
+        SramUncorrectable,
+        ThermalRunaway,
+        PcieDegradation,
+        NvlinkErrors,
+        GspTimeout,
+        FellOffBus,
+    )
 }

@@ -382,7 +382,26 @@ class WarmGpu(NoiseEffects):
 
 NOISE: dict[str, type[NoiseEffects]] = {
     cls.kind: cls
-    for cls in (SbeBurst, SbeChatter, BenignRemap, Xid63, ContainedXid94, AppXid, NvlinkFlap,
-                PcieReplaySteady, BootReplayBurst, RebootLoop, IdleNode, CheckpointBurst, CheckpointStorm,
-                LoadImbalance, PowerCap, PowerBrake, SlowNvml, HotAisle, RackCooling, WarmGpu)
+    for cls in (
+        SbeBurst,
+        SbeChatter,
+        BenignRemap,
+        Xid63,
+        ContainedXid94,
+        AppXid,
+        NvlinkFlap,
+        PcieReplaySteady,
+        BootReplayBurst,
+        RebootLoop,
+        IdleNode,
+        CheckpointBurst,
+        CheckpointStorm,
+        LoadImbalance,
+        PowerCap,
+        PowerBrake,
+        SlowNvml,
+        HotAisle,
+        RackCooling,
+        WarmGpu,
+    )
 }

@@ -18,7 +18,7 @@ from functools import cached_property
 
 import numpy as np
 
-from gpuhealth.contract.metrics import CLOCK_EVENT_REASONS, LEGACY_NVLINK_ERROR_TYPES
+from gpuhealth.contract.metrics import CLOCK_EVENT_REASONS, COLLECTORS, LEGACY_NVLINK_ERROR_TYPES, SPECS
 from gpuhealth.evaluation.effects import FOLD_ORDER, Effects
 from gpuhealth.evaluation.faults import FAULTS, FaultEffects
 from gpuhealth.evaluation.hardware import (
@@ -38,7 +38,6 @@ from gpuhealth.evaluation.workload import Timeline, Workload, schedule
 
 NFS_OPS = ("READ", "WRITE", "GETATTR")
 NFS_MOUNT = "/checkpoints"
-COLLECTORS = ("nvml", "kmsg", "host", "nfs")
 
 
 @dataclass
@@ -159,13 +158,13 @@ class FleetSignals:
     def _rows(self, values: np.ndarray, labels: list[str], extra: str = "") -> list[tuple[str, np.ndarray]]:
         return [(f"{extra}{label}" if extra else label, values[i]) for i, label in enumerate(labels)]
 
-    def _gauge(self, name: str, values: np.ndarray, extra: str = "", node: bool = False) -> Family:
-        return Family(name, "gauge", self._rows(values, self.node_labels if node else self.gpu_labels, extra))
+    def _family(self, name: str, rows: list[tuple[str, np.ndarray]]) -> Family:
+        """A family of the exporter's metric table, of the type it has there (``up`` is Prometheus's)."""
+        return Family(name, "gauge" if name == "up" else SPECS[name].kind, rows)
 
-    def _count(self, name: str, values: np.ndarray, extra: str = "", node: bool = False) -> Family:
-        return Family(
-            name, "counter", self._rows(values, self.node_labels if node else self.gpu_labels, extra)
-        )
+    def _series(self, name: str, values: np.ndarray, extra: str = "", node: bool = False) -> Family:
+        """One series per GPU (or per node), labels ``extra`` first."""
+        return self._family(name, self._rows(values, self.node_labels if node else self.gpu_labels, extra))
 
     # ---- shared state -------------------------------------------------------------------------------
     def rng(self, purpose: str) -> np.random.Generator:
@@ -449,13 +448,12 @@ class FleetSignals:
 
     # ---- GPU families -------------------------------------------------------------------------------
     def _up(self) -> Iterator[Family]:
-        yield self._gauge("up", np.where(self.down, 0.0, 1.0), node=True)
+        yield self._series("up", np.where(self.down, 0.0, 1.0), node=True)
 
     def _collectors(self) -> Iterator[Family]:
         ones = np.ones((self.fleet.nodes, self.timeline.count))
-        yield Family(
+        yield self._family(
             "gpuhealth_collector_success",
-            "gauge",
             [row for c in COLLECTORS for row in self._rows(ones, self.node_labels, f'collector="{c}",')],
         )
 
@@ -465,8 +463,8 @@ class FleetSignals:
         for fault in self.faults:
             if fault.falls_off_bus:
                 visible[self.node_index(fault.event.node), self.out_of_service(fault.event)] -= 1
-        yield self._gauge("gpuhealth_gpus_expected", expected, node=True)
-        yield self._gauge("gpuhealth_gpus_visible", visible, node=True)
+        yield self._series("gpuhealth_gpus_expected", expected, node=True)
+        yield self._series("gpuhealth_gpus_visible", visible, node=True)
 
     def _info(self) -> Iterator[Family]:
         ones = np.ones(self.timeline.count)
@@ -483,10 +481,10 @@ class FleetSignals:
                     ones,
                 )
             )
-        yield Family("gpuhealth_gpu_info", "gauge", rows)
+        yield self._family("gpuhealth_gpu_info", rows)
 
     def _gpu_up(self) -> Iterator[Family]:
-        yield self._gauge("gpuhealth_gpu_up", np.where(self.lost, 0.0, 1.0))
+        yield self._series("gpuhealth_gpu_up", np.where(self.lost, 0.0, 1.0))
 
     def _nvml_errors(self) -> Iterator[Family]:
         rows = []
@@ -496,40 +494,40 @@ class FleetSignals:
             lost = np.zeros(self.timeline.count)
             lost[self.out_of_service(fault.event)] = 1
             values = _first_event_on(np.cumsum(lost))
-            rows.append((f'error="{fault.lost_error}",{self.gpu_labels[fault.row]}', values))
-        yield Family("gpuhealth_gpu_nvml_errors_total", "counter", rows)
+            rows.append((f'error="{fault.lost_error}",query="sample",{self.gpu_labels[fault.row]}', values))
+        yield self._family("gpuhealth_gpu_nvml_errors_total", rows)
 
     def _nvml_latency(self) -> Iterator[Family]:
         rng = self.rng("nvml-latency")
         latency = 0.003 + 0.002 * rng.lognormal(0, 0.4, self.shape)
         for event in self.events:
             event.nvml_latency(latency)
-        yield self._gauge("gpuhealth_gpu_nvml_latency_seconds", self.readable(np.round(latency, 4)))
+        yield self._series("gpuhealth_gpu_nvml_latency_seconds", self.readable(np.round(latency, 4)))
 
     def _temperatures(self) -> Iterator[Family]:
         rng = self.rng("memory-temperature")
         memory = np.round(self.temperature + 5 + 0.3 * self.thermal_offset + rng.normal(0, 0.6, self.shape))
-        yield self._gauge("gpuhealth_gpu_temperature_celsius", self.readable(self.temperature))
-        yield self._gauge("gpuhealth_gpu_temperature_max_celsius", self.readable(self.temperature_max))
-        yield self._gauge("gpuhealth_gpu_memory_temperature_celsius", self.readable(memory))
-        yield self._gauge(
+        yield self._series("gpuhealth_gpu_temperature_celsius", self.readable(self.temperature))
+        yield self._series("gpuhealth_gpu_temperature_max_celsius", self.readable(self.temperature_max))
+        yield self._series("gpuhealth_gpu_memory_temperature_celsius", self.readable(memory))
+        yield self._series(
             "gpuhealth_gpu_temperature_slowdown_margin_celsius",
             self.readable(SLOWDOWN_C - self.temperature_max),
         )
 
     def _thresholds(self) -> Iterator[Family]:
-        yield self._gauge(
+        yield self._series(
             "gpuhealth_gpu_temperature_slowdown_threshold_celsius",
             self.readable(np.full(self.shape, SLOWDOWN_C)),
         )
-        yield self._gauge(
+        yield self._series(
             "gpuhealth_gpu_temperature_shutdown_threshold_celsius",
             self.readable(np.full(self.shape, SHUTDOWN_C)),
         )
 
     def _power(self) -> Iterator[Family]:
-        yield self._gauge("gpuhealth_gpu_power_watts", self.readable(np.round(self.power, 1)))
-        yield self._gauge("gpuhealth_gpu_power_limit_watts", self.readable(self.power_limit))
+        yield self._series("gpuhealth_gpu_power_watts", self.readable(np.round(self.power, 1)))
+        yield self._series("gpuhealth_gpu_power_limit_watts", self.readable(self.power_limit))
 
     def _clocks(self) -> Iterator[Family]:
         events = self.clock_events
@@ -540,16 +538,15 @@ class FleetSignals:
             * (1 - 0.5 * events["hw_slowdown"])
         )
         clock = np.where(self.busy, np.round(SM_CLOCK_MAX_HZ * factor / 15e6) * 15e6, SM_CLOCK_IDLE_HZ)
-        yield self._gauge("gpuhealth_gpu_sm_clock_hertz", self.readable(clock))
-        yield self._gauge(
+        yield self._series("gpuhealth_gpu_sm_clock_hertz", self.readable(clock))
+        yield self._series(
             "gpuhealth_gpu_sm_clock_max_hertz", self.readable(np.full(self.shape, SM_CLOCK_MAX_HZ))
         )
 
     def _clock_events(self) -> Iterator[Family]:
         events = self.clock_events
-        yield Family(
+        yield self._family(
             "gpuhealth_gpu_clock_event_active",
-            "gauge",
             [
                 row
                 for reason in CLOCK_EVENT_REASONS
@@ -558,9 +555,8 @@ class FleetSignals:
                 )
             ],
         )
-        yield Family(
+        yield self._family(
             "gpuhealth_gpu_clock_event_seconds_total",
-            "counter",
             [
                 row
                 for reason in CLOCK_EVENT_REASONS
@@ -574,13 +570,13 @@ class FleetSignals:
 
     def _utilization(self) -> Iterator[Family]:
         util = np.round(self.utilization, 2)
-        yield self._gauge("gpuhealth_gpu_utilization_ratio", self.readable(util))
-        yield self._gauge("gpuhealth_gpu_memory_utilization_ratio", self.readable(np.round(util * 0.55, 2)))
+        yield self._series("gpuhealth_gpu_utilization_ratio", self.readable(util))
+        yield self._series("gpuhealth_gpu_memory_utilization_ratio", self.readable(np.round(util * 0.55, 2)))
 
     def _memory(self) -> Iterator[Family]:
         used = np.where(self.busy, 0.9 * MEMORY_TOTAL_BYTES, 0.6e9)
-        yield self._gauge("gpuhealth_gpu_memory_used_bytes", self.readable(used))
-        yield self._gauge(
+        yield self._series("gpuhealth_gpu_memory_used_bytes", self.readable(used))
+        yield self._series(
             "gpuhealth_gpu_memory_total_bytes", self.readable(np.full(self.shape, float(MEMORY_TOTAL_BYTES)))
         )
 
@@ -612,14 +608,13 @@ class FleetSignals:
         ):
             values = self.readable(self.replaced(_counter(self.hbm[kind], offset)))
             rows += self._rows(values, self.gpu_labels, f'type="{kind}",counter="{counter_kind}",')
-        yield Family("gpuhealth_gpu_ecc_errors_total", "counter", rows)
+        yield self._family("gpuhealth_gpu_ecc_errors_total", rows)
 
     def _remaps(self) -> Iterator[Family]:
         rng = self.rng("remap-lifetime")
         lifetime = np.where(rng.random(self.gpus) < 0.05, rng.integers(1, 3, self.gpus), 0).astype(float)
-        yield Family(
+        yield self._family(
             "gpuhealth_gpu_remapped_rows",
-            "gauge",
             [
                 *self._rows(
                     self.readable(self.replaced(_counter(self.hbm["remapped"], lifetime))),
@@ -633,8 +628,8 @@ class FleetSignals:
                 ),
             ],
         )
-        yield self._gauge("gpuhealth_gpu_remap_pending", self.readable(self.hbm["pending"]))
-        yield self._gauge("gpuhealth_gpu_remap_failure", self.readable(self.hbm["failure"]))
+        yield self._series("gpuhealth_gpu_remap_pending", self.readable(self.hbm["pending"]))
+        yield self._series("gpuhealth_gpu_remap_failure", self.readable(self.hbm["failure"]))
 
     @cached_property
     def replays(self) -> np.ndarray:
@@ -662,14 +657,16 @@ class FleetSignals:
         generation = np.full(self.shape, 5.0)
         for event in self.events:
             event.pcie_link(width, generation)
-        yield self._count(
+        yield self._series(
             "gpuhealth_gpu_pcie_replays_total", self.readable(self.replaced(_counter(self.replays, lifetime)))
         )
-        yield self._gauge("gpuhealth_gpu_pcie_link_generation", self.readable(generation))
-        yield self._gauge("gpuhealth_gpu_pcie_link_generation_max", self.readable(np.full(self.shape, 5.0)))
-        yield self._gauge("gpuhealth_gpu_pcie_link_width_lanes", self.readable(width))
-        yield self._gauge("gpuhealth_gpu_pcie_link_width_max_lanes", self.readable(np.full(self.shape, 16.0)))
-        yield self._gauge(
+        yield self._series("gpuhealth_gpu_pcie_link_generation", self.readable(generation))
+        yield self._series("gpuhealth_gpu_pcie_link_generation_max", self.readable(np.full(self.shape, 5.0)))
+        yield self._series("gpuhealth_gpu_pcie_link_width_lanes", self.readable(width))
+        yield self._series(
+            "gpuhealth_gpu_pcie_link_width_max_lanes", self.readable(np.full(self.shape, 16.0))
+        )
+        yield self._series(
             "gpuhealth_gpu_pcie_link_downgraded",
             self.readable(((width < 16) | (generation < 5)).astype(float)),
         )
@@ -685,7 +682,7 @@ class FleetSignals:
                     _counter(increments),
                 )
             )
-        yield Family("gpuhealth_pcie_aer_errors_total", "counter", rows)
+        yield self._family("gpuhealth_pcie_aer_errors_total", rows)
 
     @cached_property
     def nvlink_errors(self) -> tuple[dict[tuple[int, int], np.ndarray], dict[tuple[int, int], np.ndarray]]:
@@ -728,16 +725,15 @@ class FleetSignals:
                         values = np.where(self.lost[i], np.nan, counter)
                         totals[i] = totals[i] + values
                     error_rows.append((f'link="{link}",type="{kind}",{labels}', values))
-        yield Family("gpuhealth_gpu_nvlink_up", "gauge", up_rows)
-        yield Family("gpuhealth_gpu_nvlink_errors_total", "counter", error_rows)
-        yield Family(
+        yield self._family("gpuhealth_gpu_nvlink_up", up_rows)
+        yield self._family("gpuhealth_gpu_nvlink_errors_total", error_rows)
+        yield self._family(
             "gpuhealth_gpu_nvlink_errors_all_links_total",
-            "counter",
             [(self.gpu_labels[i], values) for i, values in totals.items()],
         )
 
     def _processes(self) -> Iterator[Family]:
-        yield self._gauge("gpuhealth_gpu_processes", self.readable(self.busy.astype(float)))
+        yield self._series("gpuhealth_gpu_processes", self.readable(self.busy.astype(float)))
 
     def _jobs(self) -> Iterator[Family]:
         rows = []
@@ -748,7 +744,7 @@ class FleetSignals:
                 rows += [
                     (f'gpu="{g}",job_id="{job_id}",{labels}', values) for g in range(self.fleet.gpus_per_node)
                 ]
-        yield Family("gpuhealth_gpu_job_info", "gauge", rows)
+        yield self._family("gpuhealth_gpu_job_info", rows)
 
     @cached_property
     def boots(self) -> dict[int, list[int]]:
@@ -792,7 +788,7 @@ class FleetSignals:
             (f'xid="{xid}",{self.gpu_labels[i]}', self.events_counter(i, increments))
             for (i, xid), increments in sorted(self.xid_events.items())
         ]
-        yield Family("gpuhealth_xid_events_total", "counter", rows)
+        yield self._family("gpuhealth_xid_events_total", rows)
 
     def _fallen(self) -> Iterator[Family]:
         """Only a GPU that fell off the bus has the counter, from then on, as the exporter publishes it."""
@@ -802,7 +798,7 @@ class FleetSignals:
             if fault.falls_off_bus and at < self.timeline.count:
                 falls.setdefault(fault.row, np.zeros(self.timeline.count))[at] += 1
         rows = [(self.gpu_labels[i], self.events_counter(i, f)) for i, f in sorted(falls.items())]
-        yield Family("gpuhealth_gpu_fallen_off_bus_total", "counter", rows)
+        yield self._family("gpuhealth_gpu_fallen_off_bus_total", rows)
 
     # ---- host families ------------------------------------------------------------------------------
     def node_rate(
@@ -829,17 +825,17 @@ class FleetSignals:
         rows = []
         for mode, rate in (("user", user), ("system", system), ("iowait", iowait), ("idle", idle)):
             rows += self._rows(np.round(_counter(rate * step), 2), self.node_labels, f'mode="{mode}",')
-        yield Family("gpuhealth_host_cpu_seconds_total", "counter", rows)
+        yield self._family("gpuhealth_host_cpu_seconds_total", rows)
 
     def _host_memory(self) -> Iterator[Family]:
         shape = (self.fleet.nodes, self.timeline.count)
-        yield self._gauge(
+        yield self._series(
             "gpuhealth_host_memory_total_bytes", np.full(shape, float(HOST_MEMORY_BYTES)), node=True
         )
         available = (
             HOST_MEMORY_BYTES - self.node_rate("memory", 0.45, 0.05, 0.45, checkpoint=0.1) * HOST_MEMORY_BYTES
         )
-        yield self._gauge("gpuhealth_host_memory_available_bytes", np.round(available, -6), node=True)
+        yield self._series("gpuhealth_host_memory_available_bytes", np.round(available, -6), node=True)
 
     def _load(self) -> Iterator[Family]:
         procs = np.round(self.node_rate("procs", 12, 1, 0.3, checkpoint=2, spread=0.2))
@@ -848,17 +844,17 @@ class FleetSignals:
         load[:, 0] = procs[:, 0]
         for i in range(1, procs.shape[1]):
             load[:, i] = load[:, i - 1] + alpha * (procs[:, i] - load[:, i - 1])
-        yield self._gauge("gpuhealth_host_procs_running", procs, node=True)
-        yield self._gauge("gpuhealth_host_load1", np.round(load, 2), node=True)
+        yield self._series("gpuhealth_host_procs_running", procs, node=True)
+        yield self._series("gpuhealth_host_load1", np.round(load, 2), node=True)
 
     def _interrupts(self) -> Iterator[Family]:
         step = self.timeline.step
-        yield self._count(
+        yield self._series(
             "gpuhealth_host_interrupts_total",
             np.round(_counter(self.node_rate("interrupts", 10000, 1500, 2600, 2000) * step)),
             node=True,
         )
-        yield self._count(
+        yield self._series(
             "gpuhealth_host_context_switches_total",
             np.round(_counter(self.node_rate("ctxt", 50000, 4000, 7000, 8000) * step)),
             node=True,
@@ -877,8 +873,8 @@ class FleetSignals:
     def _paging(self) -> Iterator[Family]:
         step = self.timeline.step
         rate = self.node_rate("page-outs", 300, 50, 100, 2500, spread=0.3) + 40000 * self.storage_stress
-        yield self._count("gpuhealth_host_page_outs_total", np.round(_counter(rate * step)), node=True)
-        yield self._count("gpuhealth_host_swap_outs_total", np.zeros(rate.shape), node=True)
+        yield self._series("gpuhealth_host_page_outs_total", np.round(_counter(rate * step)), node=True)
+        yield self._series("gpuhealth_host_swap_outs_total", np.zeros(rate.shape), node=True)
 
     def _io(self) -> Iterator[Family]:
         step = self.timeline.step
@@ -889,7 +885,7 @@ class FleetSignals:
             ("gpuhealth_host_network_transmit_bytes_total", "ib0", 9e9, 1e6, 3e9),
         ):
             values = np.round(_counter(self.node_rate(name, busy, idle, idle, ckpt, spread=0.1) * step))
-            yield self._count(name, values, extra=f'device="{device}",', node=True)
+            yield self._series(name, values, extra=f'device="{device}",', node=True)
 
     def _nfs(self) -> Iterator[Family]:
         """Per-op RPC counters; checkpoints queue WRITEs on the client (slot table exhaustion)."""
@@ -921,11 +917,11 @@ class FleetSignals:
             ):
                 families.setdefault(name, []).extend(self._rows(values, self.node_labels, extra))
         for name, rows in families.items():
-            yield Family(name, "counter", rows)
+            yield self._family(name, rows)
         sends = sum(ops.values()) * step
         extra = f'mount="{NFS_MOUNT}",'
-        yield self._count("gpuhealth_nfs_transport_sends_total", np.round(_counter(sends)), extra, node=True)
-        yield self._count(
+        yield self._series("gpuhealth_nfs_transport_sends_total", np.round(_counter(sends)), extra, node=True)
+        yield self._series(
             "gpuhealth_nfs_transport_backlog_queue_total",
             np.round(_counter(sends * (0.1 + 60 * load))),
             extra,
