@@ -8,7 +8,13 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from gpuhealth.contract.faults import FAULT_KINDS, NOISE_KINDS, RECOVERY_ACTION_KINDS, RECOVERY_ACTION_XID
+from gpuhealth.contract.faults import (
+    FALLS_OFF_BUS_KINDS,
+    FAULT_KINDS,
+    NOISE_KINDS,
+    RECOVERY_ACTION_KINDS,
+    RECOVERY_ACTION_XID,
+)
 from gpuhealth.contract.metrics import COLLECTORS, SPECS
 
 from gpuhealth.evaluation.effects import FOLD_ORDER
@@ -83,3 +89,8 @@ def test_xid_154_comes_with_the_failures_that_ask_for_a_gpu_reset_and_no_others(
     asking = {s.gpu_index(f.node, f.gpu) for f in ended if f.kind in RECOVERY_ACTION_KINDS}
     assert asking, "the scenario has failures that ask for a reset"
     assert {i for i, xid in s.xid_events if xid == RECOVERY_ACTION_XID} == asking
+
+
+def test_faults_that_fall_off_the_bus_lose_the_gpu_in_nvml() -> None:
+    for kind, cls in FAULTS.items():
+        assert (cls.lost_error == "gpu_is_lost") == (kind in FALLS_OFF_BUS_KINDS), kind
