@@ -10,6 +10,8 @@
 #                           tests/exporter/fixtures/device/)
 #   summary.json            200 timed scrapes (p50/p99), CPU and RSS over 60 s, sanity problems
 #   scrape.prom             one full scrape;  exporter.log  the exporter's log
+#   validate.json           gpuhealth-validate's verdict on the node (validate.log, validate.exit);
+#                           informative only: a busy or recently faulted node may fail it
 # Exit status: 0 when every check passed, 1 when a sanity check failed, 2 when the run itself failed.
 set -euo pipefail
 
@@ -32,6 +34,9 @@ EXPORTER="$(dirname "$PYTHON")/gpuhealth-exporter"
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >"$OUT/nvidia-smi.txt" 2>&1 || true
 
 timeout 60 "$PYTHON" bench/device_check.py calls --backend "$BACKEND" --out "$OUT"
+# without DCGM's diagnostic or a site command: NVML and kernel-log reads only
+timeout 120 "$(dirname "$PYTHON")/gpuhealth-validate" --backend "$BACKEND" >"$OUT/validate.json" \
+  2>"$OUT/validate.log" && echo 0 >"$OUT/validate.exit" || echo "$?" >"$OUT/validate.exit"
 
 PORT="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 "$EXPORTER" --backend "$BACKEND" --listen "127.0.0.1:$PORT" --no-kmsg >"$OUT/exporter.log" 2>&1 &

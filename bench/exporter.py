@@ -4,15 +4,22 @@ Both run side by side on loopback for the same duration and are scraped alternat
 a second each (Prometheus scrapes every 15 s; more scrapes give a steadier p99). gpuhealth-exporter
 simulates 8 GPUs of the chosen profile (default H100 SXM) with 18 NVLinks each and samples every second.
 
-    .venv/bin/python bench/exporter.py --duration 300 [--sim-profile b200]
+    .venv/bin/python bench/exporter.py --duration 300 [--sim-profile b200] [--baseline main]
+
+``--baseline REF`` adds the exporter as it was at a git commit (its ``exporter/`` and ``gpuhealth/``
+trees, run with this venv's interpreter and libraries) as a third target in the same run, so a change
+is judged against the code before it on the same machine at the same moment.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import shutil
 import statistics
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import urllib.request
@@ -42,11 +49,26 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
+def baseline_tree(ref: str, workdir: Path) -> Path:
+    """The ``gpuhealth`` package as it was at ``ref``, laid out to run with ``python -m`` from the
+    returned directory, whose copy is found before this checkout's editable install (the exporter's
+    source lives in ``exporter/`` and installs as ``gpuhealth.exporter``)."""
+    repo = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(["git", "-C", str(repo), "archive", ref, "gpuhealth", "exporter"],
+                             capture_output=True, check=True).stdout
+    root = workdir / "baseline"
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(root, filter="data")
+    (root / "exporter").rename(root / "gpuhealth" / "exporter")
+    return root
+
+
 class Target:
-    def __init__(self, name: str, argv: list[str], port: int, workdir: Path) -> None:
+    def __init__(self, name: str, argv: list[str], port: int, workdir: Path,
+                 cwd: Path | None = None) -> None:
         self.name = name
         self.url = f"http://127.0.0.1:{port}/metrics"
-        self.process = ManagedProcess(name, argv, workdir / f"{name}.log")
+        self.process = ManagedProcess(name, argv, workdir / f"{name}.log", cwd=cwd)
         self.latencies: list[float] = []
         self.rss: list[float] = []
         self.size = 0
@@ -67,6 +89,8 @@ def main() -> int:
     parser.add_argument("--scrape-interval", type=float, default=0.25,
                         help="seconds between scrapes of each target (default 0.25)")
     parser.add_argument("--sim-profile", help="simulator hardware profile (h100-sxm, h200, b200, gb200)")
+    parser.add_argument("--baseline", metavar="REF", help="also run the exporter as it was at this git "
+                        "commit or branch (e.g. main), side by side")
     args = parser.parse_args()
     node_exporter = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
     if node_exporter is None:
@@ -75,14 +99,25 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="gpuhealth-bench-"))
     gh_port, ne_port = free_port(), free_port()
     exporter = Path(sys.executable).parent / "gpuhealth-exporter"
+    sim_args = ["--backend", "sim", "--sampling.interval", "1",
+                *(["--sim-profile", args.sim_profile] if args.sim_profile else [])]
     targets = [
-        Target("gpuhealth-exporter", [str(exporter), "--backend", "sim", "--listen", f"127.0.0.1:{gh_port}",
-                                      "--sampling.interval", "1",
-                                      *(["--sim-profile", args.sim_profile] if args.sim_profile else [])],
+        Target("gpuhealth-exporter", [str(exporter), *sim_args, "--listen", f"127.0.0.1:{gh_port}"],
                gh_port, workdir),
         Target("node_exporter", [node_exporter, f"--web.listen-address=127.0.0.1:{ne_port}"], ne_port,
                workdir),
     ]
+    if args.baseline:
+        try:
+            tree = baseline_tree(args.baseline, workdir)
+        except subprocess.CalledProcessError as exc:
+            print(f"--baseline {args.baseline}: {exc.stderr.decode().strip()}", file=sys.stderr)
+            return 2
+        base_port = free_port()
+        targets.insert(1, Target(f"exporter@{args.baseline}"[:20],
+                                 [sys.executable, "-m", "gpuhealth.exporter.main", *sim_args,
+                                  "--listen", f"127.0.0.1:{base_port}"],
+                                 base_port, workdir, cwd=tree))
     try:
         for target in targets:
             target.start()

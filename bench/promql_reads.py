@@ -19,9 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpuhealth.rules.fleet import SyntheticFleet
-
 from gpuhealth.local.prometheus import PrometheusServer
+from gpuhealth.local.synthetic_fleet import SyntheticFleet
 
 NVLINK_TOTAL = "gpuhealth_gpu_nvlink_errors_all_links_total"
 NVLINK_LINKS = "gpuhealth_gpu_nvlink_errors_total"

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import yaml
 from gpuhealth.rules.catalogue import load
-from gpuhealth.rules.fleet import SyntheticFleet
 from gpuhealth.rules.render import render_all
 
 from gpuhealth.local.process import free_port, wait_until
 from gpuhealth.local.prometheus import PrometheusServer
+from gpuhealth.local.synthetic_fleet import SyntheticFleet
 
 log = logging.getLogger("bench.rules")
 

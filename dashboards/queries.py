@@ -9,12 +9,18 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
-
-from gpuhealth.local.prometheus import PrometheusAPI
+from typing import Any, Protocol
 
 VARIABLE = re.compile(r"\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)")
 LEGEND_LABEL = re.compile(r"\{\{\s*([A-Za-z_]\w*)\s*\}\}")
+
+
+class PrometheusQueries(Protocol):
+    """The two HTTP API reads Grafana makes; whoever runs the queries brings the client."""
+
+    def query(self, expr: str, time: float | None = None) -> list[dict[str, Any]]: ...
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]: ...
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ def legend(fmt: str, labels: dict[str, str]) -> str:
     return f"{name}{{{body}}}" if body else name
 
 
-def run(api: PrometheusAPI, query: PanelQuery, variables: dict[str, str], window: Window,
+def run(api: PrometheusQueries, query: PanelQuery, variables: dict[str, str], window: Window,
         ) -> list[dict[str, Any]]:
     """The query's result as Grafana would fetch it: instant at the window's end, else a range."""
     expr = expand(query.expr, variables, window)
@@ -112,7 +118,7 @@ def run(api: PrometheusAPI, query: PanelQuery, variables: dict[str, str], window
     return api.query_range(expr, window.start, window.end, window.step)
 
 
-def riskiest_gpu(api: PrometheusAPI, window: Window) -> tuple[str, str]:
+def riskiest_gpu(api: PrometheusQueries, window: Window) -> tuple[str, str]:
     """The (node, gpu) a user would drill into: the highest failure risk over the window.
 
     Falls back to the first GPU the inventory lists when no risk has been recorded.

@@ -14,7 +14,8 @@ import collections
 class XidDeduplicator:
     def __init__(self, window: float = 10.0) -> None:
         self.window = window
-        self._recent: dict[tuple[str, int], collections.deque] = collections.defaultdict(collections.deque)
+        self._recent: dict[tuple[str, int], collections.deque[tuple[str, float]]] = collections.defaultdict(
+            collections.deque)
 
     def is_new(self, source: str, gpu: str, xid: int, now: float) -> bool:
         """Record a report; False when it pairs with the other source's earlier report."""

@@ -22,8 +22,8 @@ class GuardedWorker:
     """Runs calls one at a time on a daemon thread, so a stuck call never blocks the caller."""
 
     def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
-        self._busy: Future | None = None
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._busy: Future[Any] | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -35,9 +35,9 @@ class GuardedWorker:
             except BaseException as exc:  # handed to the caller through the future
                 future.set_exception(exc)
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
         """Queue ``fn``; the future fails with DeadlineExceeded at once while the worker is stuck."""
-        future: Future = Future()
+        future: Future[Any] = Future()
         if self._busy is not None and not self._busy.done():
             future.set_exception(DeadlineExceeded("an earlier call is still running"))
             return future
@@ -46,7 +46,7 @@ class GuardedWorker:
         return future
 
     @staticmethod
-    def result(future: Future, timeout: float) -> Any:
+    def result(future: Future[Any], timeout: float) -> Any:
         """The call's result, raising its exception, or DeadlineExceeded after ``timeout`` seconds."""
         timeout = max(timeout, 0.0)
         try:

@@ -106,9 +106,9 @@ def parse_line(line: str) -> Event:
         return Event("fallen_off_bus", "", seq=seq)  # the GPU is named on the notice's first line
     if (at := text.find(": SXid (")) >= 0:
         start = text.rfind("nvidia-nvswitch", max(at - 24, 0), at)
-        if start >= 0 and (match := _SXID.match(text, start)) is None:
-            return Event("malformed", seq=seq)
         if start >= 0:
+            if (match := _SXID.match(text, start)) is None:
+                return Event("malformed", seq=seq)
             severity = "fatal" if match.group(7).lower() == "fatal" else "non_fatal"
             return Event("sxid", pci_bus_id(*match.group(2, 3, 4, 5)), code=int(match.group(6)),
                          severity=severity, device=match.group(1).removeprefix("nvidia-"), seq=seq)
@@ -151,10 +151,12 @@ class KmsgFollower:
 
     Replay after restart: when ``state_file`` is given, the last sequence number handled is kept
     there (with the boot id) and records up to it are skipped; otherwise, and after a reboot, reading
-    starts at the end of the log as it was at start-up.
+    starts at the end of the log as it was at start-up, or at its first record with ``from_start``
+    (a one-shot reader such as ``gpuhealth-validate`` wants what the log holds since boot).
     """
 
-    def __init__(self, path: Path, state_file: Path | None = None, boot_id: str = "") -> None:
+    def __init__(self, path: Path, state_file: Path | None = None, boot_id: str = "",
+                 from_start: bool = False) -> None:
         self.path = Path(path)
         self.state_file = state_file
         self.boot_id = boot_id
@@ -166,7 +168,7 @@ class KmsgFollower:
         self._last_seq = self._load_seq()
         self._saved_seq = self._last_seq
         # Only what existed at start-up is old news: a log created later is read from its start.
-        self._seek_end = self._last_seq is None and self.path.exists()
+        self._seek_end = not from_start and self._last_seq is None and self.path.exists()
         if self.path.exists():  # "start-up" is now, not the first sampling run
             try:
                 self._open()
@@ -233,10 +235,12 @@ class KmsgFollower:
         return records
 
     def _read_records(self, max_records: int) -> list[bytes]:
-        records = []
+        fd = self._fd
+        assert fd is not None, "read while closed"
+        records: list[bytes] = []
         while len(records) < max_records:
             try:
-                record = os.read(self._fd, 8192)
+                record = os.read(fd, 8192)
                 if not record:  # end of file: not /dev/kmsg after all (/dev/null)
                     break
                 # one record per read: the message line, then " KEY=value" dictionary lines
@@ -252,6 +256,7 @@ class KmsgFollower:
     def _read_stream(self, max_records: int) -> list[bytes]:
         """Complete lines from a file or pipe: at most MAX_READ_BYTES a run, lines cut at the record cap."""
         fd = self._fd
+        assert fd is not None, "read while closed"
         seekable = stat.S_ISREG(os.fstat(fd).st_mode)
         if seekable and os.fstat(fd).st_size < os.lseek(fd, 0, os.SEEK_CUR):
             log.info("kmsg file truncated path=%s; reading from its start", self.path)

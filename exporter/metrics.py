@@ -8,7 +8,7 @@ against it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from gpuhealth.contract.metrics import (
     KMSG_RESULTS,
@@ -16,29 +16,63 @@ from gpuhealth.contract.metrics import (
     RECOVERY_ACTIONS,
     REMAP_AVAILABILITY,
     SPECS,
+    Spec,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
+from prometheus_client.samples import Sample
 
 __all__ = ["KMSG_RESULTS", "LEGACY_NVLINK_ERROR_TYPES", "RECOVERY_ACTIONS", "REMAP_AVAILABILITY", "SPECS",
            "Families", "Renderer", "render"]
 
 
+Series = tuple[tuple[str, ...], float]  # label values (as text, in SPECS order) and value
+
+
+class Family:
+    """One family of ``SPECS`` with its samples kept as (label values, value) pairs.
+
+    Every family is rendered once per sampling run, so prometheus_client's families (a ``Sample``
+    and a label dict per series) cost more than the rendering itself; the renderer reads these pairs
+    directly. ``samples`` builds prometheus_client's form for whoever asks.
+    """
+
+    __slots__ = ("documentation", "label_names", "name", "pairs", "sample_name", "type")
+
+    def __init__(self, name: str, spec: Spec) -> None:
+        self.sample_name = name
+        self.name = name.removesuffix("_total") if spec.kind == "counter" else name  # as prometheus_client
+        self.documentation, self.type, self.label_names = spec.help, spec.kind, spec.labels
+        self.pairs: list[Series] = []
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [Sample(self.sample_name, dict(zip(self.label_names, values, strict=False)), value)
+                for values, value in self.pairs]
+
+
+Exposed = Family | Metric  # what collectors yield: Family from Families, Metric from prometheus_client
+
+
 class Families:
-    """Collects samples by metric name and yields prometheus_client families in first-use order."""
+    """Collects samples by metric name and yields families in first-use order."""
 
     def __init__(self) -> None:
-        self._families: dict[str, Metric] = {}
+        self._families: dict[str, Family] = {}
 
-    def add(self, name: str, value: float, labels: Sequence[str] = ()) -> None:
+    def _family(self, name: str) -> Family:
         family = self._families.get(name)
         if family is None:
-            spec = SPECS[name]
-            cls = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
-            family = cls(name, spec.help, labels=spec.labels)
-            self._families[name] = family
-        family.add_metric([str(v) for v in labels], float(value))
+            family = self._families[name] = Family(name, SPECS[name])
+        return family
 
-    def __iter__(self):
+    def add(self, name: str, value: float, labels: Sequence[object] = ()) -> None:
+        self._family(name).pairs.append((tuple(map(str, labels)), float(value)))
+
+    def extend(self, name: str, series: Iterable[Series]) -> None:
+        """Series already in the form ``add`` stores: label values as text, the value a float."""
+        self._family(name).pairs.extend(series)
+
+    def __iter__(self) -> Iterator[Family]:
         return iter(self._families.values())
 
 
@@ -60,36 +94,56 @@ def _utf8(value: str) -> str:
         return value.encode("utf-8", "backslashreplace").decode()
 
 
+_INFINITIES = {float("inf"): "+Inf", float("-inf"): "-Inf"}
+
+
 def _format_value(value: float) -> str:
     if value != value:
         return "NaN"
-    if value in (float("inf"), float("-inf")):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
+    return _INFINITIES.get(value) or repr(float(value))
+
+
+_SeriesKey = tuple[str, ...] | tuple[tuple[str, str], ...]  # a Family's label values, a Sample's items
+
+
+class _Line:
+    """A series' rendered line, kept with its value: most series hold their value from one run to
+    the next (counters change every few seconds, health gauges rarely), so their line is reused."""
+
+    __slots__ = ("prefix", "text", "value")
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix, self.text, self.value = prefix, "", float("nan")  # NaN equals nothing: first update
+
+    def update(self, value: float) -> str:
+        self.value, self.text = value, self.prefix + _format_value(value)
+        return self.text
 
 
 class Renderer:
     """Prometheus text format, with each series' name-and-labels prefix built once and reused.
 
     The exposition is rendered every sampling run, so this is the exporter's hottest loop; series
-    are stable from one run to the next, so nearly every prefix comes from the cache.
+    are stable from one run to the next, so nearly every prefix comes from the cache, found by the
+    label values alone (a family's label names are fixed by ``SPECS``).
     """
 
     def __init__(self) -> None:
-        self._prefixes: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
+        self._series_lines: dict[str, dict[_SeriesKey, _Line]] = {}  # sample name -> label values -> line
+        self._cached = 0
         self._headers: dict[tuple[str, str, str], str] = {}
 
     def _prefix(self, name: str, labels: dict[str, str]) -> str:
-        key = (name, tuple(labels.items()))
-        prefix = self._prefixes.get(key)
-        if prefix is None:
-            if len(self._prefixes) > MAX_CACHED_SERIES:  # label values churned (jobs come and go)
-                self._prefixes.clear()
-            inner = ",".join(f'{k}="{_utf8(str(v)).translate(_ESCAPES)}"' for k, v in sorted(labels.items()))
-            prefix = self._prefixes[key] = f"{name}{{{inner}}} " if inner else f"{name} "
-        return prefix
+        inner = ",".join(f'{k}="{_utf8(str(v)).translate(_ESCAPES)}"' for k, v in sorted(labels.items()))
+        return f"{name}{{{inner}}} " if inner else f"{name} "
 
-    def render(self, families: Iterable[Metric]) -> bytes:
+    def _series(self, name: str) -> dict[_SeriesKey, _Line]:
+        if self._cached > MAX_CACHED_SERIES:  # label values churned (jobs come and go)
+            self._series_lines.clear()
+            self._cached = 0
+        return self._series_lines.setdefault(name, {})
+
+    def render(self, families: Iterable[Exposed]) -> bytes:
         lines: list[str] = []
         for family in families:
             header_key = (family.name, family.type, family.documentation)
@@ -99,11 +153,28 @@ class Renderer:
                 doc = family.documentation.replace("\\", "\\\\").replace("\n", "\\n")
                 header = self._headers[header_key] = f"# HELP {name} {doc}\n# TYPE {name} {family.type}"
             lines.append(header)
-            lines.extend(self._prefix(s.name, s.labels) + _format_value(s.value) for s in family.samples)
+            if isinstance(family, Family):
+                series = self._series(family.sample_name)
+                for values, value in family.pairs:
+                    line = series.get(values)
+                    if line is None:
+                        labels = dict(zip(family.label_names, values, strict=False))
+                        line = series[values] = _Line(self._prefix(family.sample_name, labels))
+                        self._cached += 1
+                    lines.append(line.text if line.value == value else line.update(value))
+            else:
+                for sample in family.samples:
+                    series = self._series(sample.name)
+                    key = tuple(sorted(sample.labels.items()))  # pairs: never equal to a Family's values
+                    line = series.get(key)
+                    if line is None:
+                        line = series[key] = _Line(self._prefix(sample.name, sample.labels))
+                        self._cached += 1
+                    lines.append(line.update(sample.value))
         lines.append("")
         return "\n".join(lines).encode()
 
 
-def render(families: Iterable[Metric]) -> bytes:
+def render(families: Iterable[Exposed]) -> bytes:
     """Prometheus text exposition of ``families`` (one-off; the sampler keeps a ``Renderer``)."""
     return Renderer().render(families)

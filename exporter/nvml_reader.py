@@ -64,7 +64,7 @@ class GpuReading:
     driver_clock_event_reasons: set[str] = field(default_factory=set)  # timed by the driver's counters
     recovery_action: str | None = None
     pids: list[int] = field(default_factory=list)
-    errors: collections.Counter = field(default_factory=collections.Counter)  # (error, query)
+    errors: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)  # error, query
 
     def add(self, name: str, value: float | None, *labels: str) -> None:
         if value is not None:
@@ -84,7 +84,7 @@ class NvmlReader:
 
     def __init__(self, nvml: Any) -> None:
         self.nvml = nvml
-        self._absent: set[tuple] = set()   # (gpu, query, args) and (gpu, "field", field id, scope)
+        self._absent: set[tuple[Any, ...]] = set()   # (gpu, query, args) and (gpu, "field", field id, scope)
         self._links: dict[int, list[int]] = {}
         self._lock = threading.Lock()
         self._reasons = {label: getattr(nvml, f"nvmlClocksEventReason{suffix}")
@@ -95,7 +95,7 @@ class NvmlReader:
         self._recovery_field = getattr(nvml, RECOVERY_ACTION_FIELD)
         self._value_members = value_members(nvml)
         self._success = nvml.NVML_SUCCESS
-        self._requests: dict[int, tuple[int, list]] = {}
+        self._requests: dict[int, tuple[int, list[tuple[FieldSpec | None, int, int]]]] = {}
         self._absent_version = 0
 
     def forget(self) -> None:
@@ -106,7 +106,7 @@ class NvmlReader:
             self._absent_version += 1
 
     @staticmethod
-    def _key(index: int, fn: Callable[..., Any], args: tuple) -> tuple:
+    def _key(index: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
         """What identifies a query: the function and its plain arguments (args[0] is the handle; an
         output buffer such as ``byref(struct)`` or a list of fields counts by its type)."""
         return index, getattr(fn, "__name__", fn), tuple(map(_stable, args[1:]))
@@ -136,7 +136,7 @@ class NvmlReader:
                 r.errors[(label, query)] += 1
             return None
 
-    def _remember_absent(self, key: tuple) -> None:
+    def _remember_absent(self, key: tuple[Any, ...]) -> None:
         with self._lock:
             self._absent.add(key)
             self._absent_version += 1
@@ -228,7 +228,7 @@ class NvmlReader:
         """``nvmlDeviceGetTemperatureV`` (current); the deprecated call only where V is missing."""
         nvml = self.nvml
         for fn in (nvml.nvmlDeviceGetTemperatureV, nvml.nvmlDeviceGetTemperature):
-            value = self.ask(r, index, fn, handle, nvml.NVML_TEMPERATURE_GPU)
+            value: float | None = self.ask(r, index, fn, handle, nvml.NVML_TEMPERATURE_GPU)
             if value is not None or not self._is_absent(index, fn, handle, nvml.NVML_TEMPERATURE_GPU):
                 return value
         return None
@@ -323,7 +323,8 @@ class NvmlReader:
     def _link_state(self, index: int, handle: Any, link: int) -> int | None:
         """Probing: a link number past the GPU's last answers InvalidArgument (or NotSupported)."""
         try:
-            return self.nvml.nvmlDeviceGetNvLinkState(handle, link)
+            state: int = self.nvml.nvmlDeviceGetNvLinkState(handle, link)
+            return state
         except Exception as exc:
             how = reaction(self.nvml, exc)
             if how is None:

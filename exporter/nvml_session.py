@@ -32,7 +32,7 @@ class NvmlSession:
         self.up = False
         self.generation = 0
         self.driver_version = ""
-        self.init_errors: collections.Counter = collections.Counter()
+        self.init_errors: collections.Counter[str] = collections.Counter()
         self._worker = GuardedWorker("nvml-init")
         self._retry_at = 0.0
         self._backoff = BACKOFF_FIRST

@@ -1,7 +1,8 @@
 """The background sampling loop and the snapshot that ``/metrics`` serves.
 
 Collectors run in one thread at a fixed interval (about 1 s), far faster than Prometheus scrapes,
-which is what makes window maxima and time-in-state features possible. Each run renders the whole
+which is what makes window maxima and time-in-state features possible. Steps (the inventory) run
+before the collectors, which read what they learned. Each run renders the whole
 exposition once; a scrape only copies bytes, so it never waits on NVML or the filesystem.
 """
 
@@ -10,11 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from gpuhealth.exporter.collector import Collector
-from gpuhealth.exporter.metrics import Families, Renderer
-from prometheus_client.core import Metric
+from gpuhealth.exporter.metrics import Exposed, Families, Renderer
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +22,11 @@ log = logging.getLogger(__name__)
 class Sampler:
     """Runs the collectors, times them, isolates their failures and keeps the latest exposition."""
 
-    def __init__(self, collectors: dict[str, Collector], static: Callable[[], Iterable[Metric]] = tuple,
-                 interval: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, collectors: dict[str, Collector], static: Callable[[], Iterable[Exposed]] = tuple,
+                 interval: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 steps: Sequence[Callable[[], None]] = ()) -> None:
         self.collectors = collectors
+        self.steps = steps
         self.static = static
         self.interval = interval
         self.clock = clock
@@ -38,8 +40,13 @@ class Sampler:
 
     def sample_once(self) -> bytes:
         with self._lock:
-            families: list[Metric] = list(self.static())
+            families: list[Exposed] = list(self.static())
             meta = Families()
+            for step in self.steps:
+                try:
+                    step()
+                except Exception:  # the collectors still run, on what the inventory already knows
+                    log.exception("sampling step failed step=%s", getattr(step, "__qualname__", step))
             for name, collector in self.collectors.items():
                 start = time.perf_counter()
                 try:

@@ -27,6 +27,7 @@ import ssl
 import threading
 from dataclasses import dataclass
 from http import HTTPStatus
+from os import PathLike
 
 import bcrypt
 from gpuhealth.exporter.sampler import Sampler
@@ -222,13 +223,15 @@ class ExporterServer:
         timeout = self.limits.head_timeout
         try:
             while True:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+                async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
+                    head = await reader.readuntil(b"\r\n\r\n")
                 connection = self._connections.get(key)
                 if connection is None:
                     break
                 connection.waiting = False
                 keep_alive = await self._respond(head, writer)
-                await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
+                async with asyncio.timeout(self.limits.write_timeout):
+                    await writer.drain()
                 if not keep_alive:
                     break
                 connection.waiting = True
@@ -312,12 +315,14 @@ class ExporterServer:
 
 
 # exporter-toolkit's client_auth_type values that a Python TLS server can honour exactly
+StrPath = str | PathLike[str]
 CLIENT_AUTH_TYPES = {"NoClientCert": ssl.CERT_NONE, "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
                      "RequireAndVerifyClientCert": ssl.CERT_REQUIRED}
 TLS_VERSIONS = {"TLS12": ssl.TLSVersion.TLSv1_2, "TLS13": ssl.TLSVersion.TLSv1_3}
 
 
-def tls_context(cert_file, key_file, client_ca_file=None, client_auth: str = "NoClientCert",
+def tls_context(cert_file: StrPath, key_file: StrPath | None, client_ca_file: StrPath | None = None,
+                client_auth: str = "NoClientCert",
                 min_version: str = "TLS12") -> ssl.SSLContext:
     """A server context as exporter-toolkit's ``tls_server_config`` describes it."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -329,7 +334,8 @@ def tls_context(cert_file, key_file, client_ca_file=None, client_auth: str = "No
     return context
 
 
-def make_server(host: str, port: int, sampler: Sampler, tls_cert=None, tls_key=None,
+def make_server(host: str, port: int, sampler: Sampler, tls_cert: StrPath | None = None,
+                tls_key: StrPath | None = None,
                 users: dict[str, str] | None = None, limits: Limits = Limits(), *,
                 tls: ssl.SSLContext | None = None) -> ExporterServer:
     if tls is None and tls_cert is not None:

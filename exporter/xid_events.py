@@ -30,7 +30,7 @@ class NvmlXidEvents:
         self.clock = clock
         self.event_set: Any = None
         self.registered: dict[int, bool] = {}
-        self.wait_errors: collections.Counter = collections.Counter()
+        self.wait_errors: collections.Counter[str] = collections.Counter()
         self._generation = 0
         self._retry_at = 0.0
         self._backoff = BACKOFF_FIRST

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import yaml
@@ -45,11 +45,17 @@ def _environment() -> jinja2.Environment:
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-class _Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):
+if TYPE_CHECKING:  # the C dumper, where libyaml is there, has the pure-Python one's interface
+    _BaseDumper = yaml.SafeDumper
+else:
+    _BaseDumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+class _Dumper(_BaseDumper):
     """Multi-line strings (PromQL) as literal blocks, so the committed files read like PromQL."""
 
 
-def _str(dumper: yaml.BaseDumper, value: str) -> yaml.ScalarNode:
+def _str(dumper: _Dumper, value: str) -> yaml.ScalarNode:
     style = "|" if "\n" in value else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 

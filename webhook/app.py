@@ -13,30 +13,33 @@ import logging
 import re
 import sqlite3
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import jinja2
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from gpuhealth.webhook.auth import Authenticator
 from gpuhealth.webhook.backends import Backend, create_backend
 from gpuhealth.webhook.backends.helpers import TracksHelpers
 from gpuhealth.webhook.config import Config
 from gpuhealth.webhook.engine import Engine
-from gpuhealth.webhook.journal import (
-    ACTIVE_STATES,
-    AWAITING_APPROVAL,
-    CANCELLED,
-    JOURNAL_ERRORS,
-    PENDING,
-    STATES,
-    AsyncJournal,
-    JournalUnwritable,
-)
+from gpuhealth.webhook.intake import resolve
+from gpuhealth.webhook.journal import JOURNAL_ERRORS, AsyncJournal
 from gpuhealth.webhook.metrics import Metrics
 from gpuhealth.webhook.models import PayloadError, decode_body, parse_notification, rfc3339
 from gpuhealth.webhook.outcomes import Outcome, Reason
 from gpuhealth.webhook.policy import decide
+from gpuhealth.webhook.store import (
+    ACTIVE_STATES,
+    AWAITING_APPROVAL,
+    CANCELLED,
+    PENDING,
+    STATES,
+    JournalUnwritable,
+    Store,
+)
 from gpuhealth.webhook.worker import Worker
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -46,7 +49,7 @@ CONFIG = web.AppKey("config", Config)
 BACKEND = web.AppKey("backend", Backend)
 AUTH = web.AppKey("auth", Authenticator)
 METRICS = web.AppKey("metrics", Metrics)
-JOURNAL = web.AppKey("journal", AsyncJournal)
+JOURNAL = web.AppKey("journal", Store)
 ENGINE = web.AppKey("engine", Engine)
 WORKER = web.AppKey("worker", Worker)
 
@@ -59,7 +62,7 @@ def _json_error(status: type[web.HTTPException], message: str) -> web.HTTPExcept
 
 
 @web.middleware
-async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every failure answers JSON: a journal that cannot be written is a 503 (retry later), a bug a 500
     without a traceback to the client."""
     try:
@@ -80,7 +83,7 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
 
 ACTOR = web.RequestKey("actor", str)  # the audit name of who made the request
 @web.middleware
-async def _no_browser_writes(request: web.Request, handler: Any) -> web.StreamResponse:
+async def _no_browser_writes(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Writes come from Alertmanager and operators' tools, never from a web page: browsers mark every
     cross-site write (a form, a no-cors fetch) with ``Origin``, so a page cannot drive the webhook
     through an operator's browser when an authenticating proxy supplies the credentials."""
@@ -91,7 +94,7 @@ async def _no_browser_writes(request: web.Request, handler: Any) -> web.StreamRe
 
 
 @web.middleware
-async def _require_auth(request: web.Request, handler: Any) -> web.StreamResponse:
+async def _require_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every request that changes something needs credentials (alerts: intake; the rest: operator);
     reads stay open."""
     if request.method not in ("GET", "HEAD", "OPTIONS"):
@@ -196,7 +199,7 @@ async def get_actions(request: web.Request) -> web.Response:
         raise _json_error(web.HTTPBadRequest, "limit: an integer 1..10000")
     journal = request.app[JOURNAL]
     since = _since(query.get("since"))
-    actions = await journal.call(journal.sync.list_actions, query.get("node"), state, since, int(limit))
+    actions = await journal.list_actions(query.get("node"), state, since, int(limit))
     return web.json_response({"actions": [a.as_json() for a in actions]})
 
 
@@ -209,10 +212,10 @@ def _action_id(request: web.Request) -> int:
 
 async def get_action(request: web.Request) -> web.Response:
     journal = request.app[JOURNAL]
-    action = await journal.call(journal.sync.get, _action_id(request))
+    action = await journal.get(_action_id(request))
     if action is None:
         raise _json_error(web.HTTPNotFound, "no such action")
-    transitions = await journal.call(journal.sync.transitions, action.id)
+    transitions = await journal.transitions(action.id)
     return web.json_response(action.as_json() | {"transitions": transitions})
 
 
@@ -221,10 +224,10 @@ async def _move(request: web.Request, from_states: tuple[str, ...], to: str, ver
     journal = request.app[JOURNAL]
     action_id = _action_id(request)
     who = request[ACTOR]
-    moved = await journal.write(journal.sync.try_move, action_id, from_states, to,
-                               "operator" if to == CANCELLED else "approved", f"{verb} by {who}", outcome)
+    moved = await journal.try_move(action_id, from_states, to, "operator" if to == CANCELLED else "approved",
+                                   f"{verb} by {who}", outcome)
     if moved is None:
-        current = await journal.call(journal.sync.get, action_id)
+        current = await journal.get(action_id)
         if current is None:
             raise _json_error(web.HTTPNotFound, "no such action")
         raise _json_error(web.HTTPConflict, f"action {action_id} is {current.state}; only "
@@ -252,22 +255,22 @@ async def reset_breaker(request: web.Request) -> web.Response:
 
 
 async def _status(app: web.Application) -> dict[str, Any]:
-    journal, db = app[JOURNAL], app[JOURNAL].sync
-    counts = await journal.call(db.counts)
-    drained = await journal.call(db.drained)
+    journal = app[JOURNAL]
+    counts = await journal.counts()
+    drained = await journal.drained()
     breaker = await app[ENGINE].breaker()
     metrics = app[METRICS]
     metrics.queue_depth.set(sum(counts[s] for s in ACTIVE_STATES))
     metrics.breaker_open.set(int(breaker["open"]))
     metrics.nodes_drained.set(len(drained))
-    jobs = await journal.call(db.exhausted_jobs)
+    jobs = await journal.exhausted_jobs()
     return {
         "dry_run": app[CONFIG].dry_run,
         "undrain_mode": app[CONFIG].undrain.mode,
         "backend": app[BACKEND].name,
         "breaker": breaker,
-        "drained_by_us": [{"node": n, "since": e["since"], "reason": e["reason"], "action_id": e["action_id"],
-                           "left_for_human": bool(e["keep"]) or app[CONFIG].undrain.mode == "manual"}
+        "drained_by_us": [{"node": n, "since": e.since, "reason": e.reason, "action_id": e.action_id,
+                           "left_for_human": e.keep or app[CONFIG].undrain.mode == "manual"}
                           for n, e in drained.items()],
         "queue": counts,
         "jobs_out_of_retries": [{"job_id": j.job_id, "attempts": j.attempts, "nodes": j.excluded,
@@ -289,7 +292,7 @@ async def get_metrics(request: web.Request) -> web.Response:
 async def healthz(request: web.Request) -> web.Response:
     journal = request.app[JOURNAL]
     try:
-        await journal.call(journal.sync.counts)
+        await journal.counts()
     except sqlite3.Error as exc:
         raise _json_error(web.HTTPServiceUnavailable, f"journal: {exc}") from None
     if journal.write_error is not None:
@@ -306,8 +309,8 @@ def _when(ts: float | None) -> str:
 async def status_page(request: web.Request) -> web.Response:
     journal = request.app[JOURNAL]
     status = await _status(request.app)
-    actions = await journal.call(journal.sync.list_actions, None, None, None, 50)
-    waiting = await journal.call(journal.sync.list_actions, None, AWAITING_APPROVAL, None, 100)
+    actions = await journal.list_actions(limit=50)
+    waiting = await journal.list_actions(state=AWAITING_APPROVAL, limit=100)
     html = _TEMPLATES.get_template("status.html").render(status=status, actions=actions, waiting=waiting,
                                                           when=_when, now=_when(time.time()))
     return web.Response(text=html, content_type="text/html")
@@ -337,16 +340,17 @@ def create_app(config: Config, *, backend: Backend | None = None) -> web.Applica
     return app
 
 
-async def _runtime(app: web.Application):
+async def _runtime(app: web.Application) -> AsyncIterator[None]:
     """Open the journal and start the worker; on shutdown stop the worker before closing the journal."""
     config = app[CONFIG]
-    journal = AsyncJournal(config.journal_path, config.journal_busy_timeout_seconds,
+    journal = AsyncJournal(config.journal_path, resolve, config.journal_busy_timeout_seconds,
                            on_failure=app[METRICS].journal_write_failures.inc)
     engine = Engine(config, app[BACKEND], journal, app[METRICS])
     worker = Worker(engine, journal, config.journal_retention_days * 86400)
     app[JOURNAL], app[ENGINE], app[WORKER] = journal, engine, worker
-    if isinstance(app[BACKEND], TracksHelpers):  # kill what a killed webhook left running first
-        await asyncio.to_thread(app[BACKEND].track_helpers, config.state_dir / "helpers")
+    backend = app[BACKEND]
+    if isinstance(backend, TracksHelpers):  # kill what a killed webhook left running first
+        await asyncio.to_thread(backend.track_helpers, config.state_dir / "helpers")
     breaker = await engine.breaker()
     app[METRICS].breaker_open.set(int(breaker["open"]))
     log.info("event=started journal=%s backend=%s dry_run=%s breaker_open=%s", config.journal_path,

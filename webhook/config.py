@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from gpuhealth.webhook.actions import ALERT_ACTIONS as ACTIONS
 
 DEFAULT_PORT = 9836
-# Weakest first: the cooldown holds back only an action at least as strong as the last one.
-ACTIONS = ("none", "restart_job", "drain", "drain_reset_gpu", "drain_reboot", "replace")
 
 
 class ConfigError(ValueError):
@@ -71,7 +70,7 @@ class Rule:
 class PolicyConfig:
     action_label: str = "action"
     rules: tuple[Rule, ...] = ()
-    default_action: str = "none"  # for alerts whose label is missing or names no known action
+    default_action: str = "none"  # for alerts with no action label (an unknown one is refused)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ class LimitedServer(web.Server):
         self.on_refused = on_refused
         self.serving: set[RequestHandler] = set()  # a connection serves one request at a time
 
-    def _tracked(self, handle: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]):
+    def _tracked(self, handle: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
+                 ) -> Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]:
         async def tracked(request: web.BaseRequest) -> web.StreamResponse:
             self.serving.add(request.protocol)
             try:

@@ -2,8 +2,9 @@
 
 A notification is acknowledged only after its transaction commits, and the action worker is fed
 from the journal alone, so a webhook killed at any point resumes exactly where it stopped. All
-SQLite work runs on one dedicated thread: the event loop never blocks on a disk write, and the
-connection is never shared between threads.
+SQLite work runs on journal threads: the event loop never blocks on a disk write, and a connection
+is never shared between threads. The journal is a store (``store.Store``): it keeps records and
+answers questions; every rule about them (which kinds drain, what a resolution does) is passed in.
 """
 
 from __future__ import annotations
@@ -11,26 +12,38 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import copy
 import json
 import logging
 import sqlite3
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from gpuhealth.webhook.labels import clean_text, journaled
 from gpuhealth.webhook.models import Alert, Notification
+from gpuhealth.webhook.store import (
+    AWAITING_APPROVAL,
+    CANCELLED,
+    FINISHED_STATES,
+    PENDING,
+    RUNNING,
+    SKIPPED,
+    STATES,
+    Action,
+    Decision,
+    DrainedNode,
+    JobRecord,
+    JournalUnwritable,
+    RecordResult,
+    Resolver,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 JOURNAL_ERRORS = (sqlite3.Error, OSError)  # what a full, read-only or failing disk raises
-
-
-class JournalUnwritable(Exception):
-    """The journal refused a write; whatever depends on it must wait, never run twice."""
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS notifications (
@@ -65,85 +78,16 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
-PENDING, AWAITING_APPROVAL, RUNNING = "pending", "awaiting_approval", "running"
-DONE, SKIPPED, FAILED, CANCELLED = "done", "skipped", "failed", "cancelled"
-ACTIVE_STATES = (PENDING, AWAITING_APPROVAL, RUNNING)
-STATES = (*ACTIVE_STATES, DONE, SKIPPED, FAILED, CANCELLED)
-UNDRAIN = "undrain"  # the action kind created when a drain's alert resolves
-BREAKER = "breaker"  # meta key: {"open": bool, "since": float, "reason": str}
-DRAINING_KINDS = ("drain", "drain_reset_gpu", "drain_reboot")  # followed by an undrain on resolve
-
-
-def _holds(table: str = "") -> str:
-    """SQL: the action keeps its node drained until its alert resolves.
-
-    Every action that was not cancelled or skipped does; so does one skipped because an earlier
-    alert had already drained the node, so that the node stays out until every such alert resolved.
-    """
-    return f"({table}state NOT IN ('cancelled', 'skipped') OR {table}reason = 'already_drained')"
-
-
 _ACTIVE = "state IN ('pending', 'running')"  # the worker's queue; matches the partial index
 
 
-@dataclass
-class Action:
-    id: int
-    fingerprint: str
-    starts_at: str
-    kind: str
-    node: str
-    gpu: str
-    alertname: str
-    summary: str
-    state: str
-    outcome: str
-    reason: str
-    detail: str
-    attempts: int
-    next_at: float
-    progress: dict[str, Any]
-    received_at: float
-    started_at: float | None
-    finished_at: float | None
-    updated_at: float
-
-    def as_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+def _rowid(cur: sqlite3.Cursor) -> int:
+    assert cur.lastrowid is not None  # an INSERT that wrote a row
+    return cur.lastrowid
 
 
-@dataclass
-class Decision:
-    """What the policy chose for one firing alert, before any guardrail looked at it.
-
-    ``problem`` (reason, detail): a value the action would use is outside its grammar, so the action
-    is journaled already skipped, with that value quoted, never passed on.
-    """
-
-    kind: str
-    needs_approval: bool
-    problem: tuple[str, str] | None = None
-
-
-@dataclass
-class RecordResult:
-    notification_id: int
-    new_actions: list[int] = field(default_factory=list)
-    duplicates: int = 0
-    resolved: int = 0
-    cancelled: list[str] = field(default_factory=list)  # kinds of actions the resolution made moot
-    refused: list[tuple[int, str, str, str]] = field(default_factory=list)  # skipped at intake:
-    # (action id, kind, reason, detail)
-
-
-@dataclass
-class JobRecord:
-    job_id: str
-    attempts: int
-    last_at: float
-    excluded: list[str]
-    exhausted: bool
-    last_node: str
+def _marks(values: tuple[str, ...]) -> str:
+    return ", ".join("?" * len(values))
 
 
 def _action(row: sqlite3.Row) -> Action:
@@ -195,26 +139,28 @@ class Journal:
              SKIPPED if finished else "", reason, detail, now, now, now if finished else None, now))
         if not cur.rowcount:
             return None
-        self._transition(cur.lastrowid, state, reason, detail, now)
-        return cur.lastrowid
+        action_id = _rowid(cur)
+        self._transition(action_id, state, reason, detail, now)
+        return action_id
 
-    def record(self, batch: list[tuple[Notification, dict[tuple[str, str], Decision]]]
+    def record(self, batch: list[tuple[Notification, dict[tuple[str, str], Decision]]], resolve: Resolver
                ) -> list[RecordResult | Exception]:
-        """Journal notifications and the actions their new alerts call for, all in one transaction.
+        """Journal notifications and the actions their new alerts call for, all in one transaction;
+        ``resolve`` says what a resolved alert does to its actions.
 
         Notifications that arrive together share one commit (and one fsync): group commit is what
         lets a storm be journaled faster than the disk can sync once per request.
         """
         now = time.time()
-        return self._tx(lambda: [self._isolated(n, d, now) for n, d in batch])
+        return self._tx(lambda: [self._isolated(n, d, resolve, now) for n, d in batch])
 
     def _isolated(self, notification: Notification, decisions: dict[tuple[str, str], Decision],
-                  now: float) -> RecordResult | Exception:
+                  resolve: Resolver, now: float) -> RecordResult | Exception:
         """One notification of a group commit, in its own savepoint: one that cannot be stored (text
         SQLite refuses) is rolled back alone and its exception returned; its neighbours commit."""
         self.db.execute("SAVEPOINT notification")
         try:
-            result: RecordResult | Exception = self._record_one(notification, decisions, now)
+            result: RecordResult | Exception = self._record_one(notification, decisions, resolve, now)
         except (ValueError, sqlite3.DataError, sqlite3.IntegrityError) as exc:
             self.db.execute("ROLLBACK TO notification")
             result = exc
@@ -222,17 +168,17 @@ class Journal:
         return result
 
     def _record_one(self, notification: Notification, decisions: dict[tuple[str, str], Decision],
-                    now: float) -> RecordResult:
+                    resolve: Resolver, now: float) -> RecordResult:
         cur = self.db.execute(
             "INSERT INTO notifications (received_at, receiver, group_key, status, alerts, new_alerts) "
             "VALUES (?,?,?,?,?,0)", (now, notification.receiver, notification.group_key,
                                     notification.status, len(notification.alerts)))
-        result = RecordResult(cur.lastrowid)
+        result = RecordResult(_rowid(cur))
         for alert in notification.alerts:
             if alert.status == "firing":
                 self._record_firing(alert, decisions.get(alert.key), now, result)
             else:
-                self._record_resolved(alert, now, result)
+                self._record_resolved(alert, resolve, now, result)
         self.db.execute("UPDATE notifications SET new_alerts = ? WHERE id = ?",
                         (len(notification.alerts) - result.duplicates, result.notification_id))
         return result
@@ -264,7 +210,7 @@ class Journal:
         if action_id is not None:
             result.new_actions.append(action_id)
 
-    def _record_resolved(self, alert: Alert, now: float, result: RecordResult) -> None:
+    def _record_resolved(self, alert: Alert, resolve: Resolver, now: float, result: RecordResult) -> None:
         row = self.db.execute("SELECT status FROM alerts WHERE fingerprint = ? AND starts_at = ?",
                               alert.key).fetchone()
         if row is None:
@@ -277,61 +223,68 @@ class Journal:
         self.db.execute("UPDATE alerts SET status = 'resolved', resolved_at = ? WHERE fingerprint = ? "
                         "AND starts_at = ?", (now, *alert.key))
         result.resolved += 1
-        for action in self.db.execute(f"SELECT id, kind, state, attempts, {_holds()} AS holds FROM actions "
-                                      "WHERE fingerprint = ? AND starts_at = ?", alert.key).fetchall():
-            if action["state"] in (PENDING, AWAITING_APPROVAL) and action["attempts"] == 0:
-                self._set_state(action["id"], CANCELLED, "cancelled", "resolved",
+        actions = [_action(r) for r in self.db.execute("SELECT * FROM actions WHERE fingerprint = ? AND "
+                                                         "starts_at = ? ORDER BY id", alert.key)]
+        resolution = resolve(actions)
+        for action in actions:
+            if action.id in resolution.cancel:
+                self._set_state(action.id, CANCELLED, "cancelled", "resolved",
                                 "the alert resolved before the action started", now)
-                result.cancelled.append(action["kind"])
-            elif action["kind"] in DRAINING_KINDS and action["holds"]:
-                action_id = self._insert_action(alert, UNDRAIN, PENDING, "", now)
-                if action_id is not None:
-                    result.new_actions.append(action_id)
+                result.cancelled.append(action.kind)
+        if resolution.follow_up is not None:
+            action_id = self._insert_action(alert, resolution.follow_up, PENDING, "", now)
+            if action_id is not None:
+                result.new_actions.append(action_id)
 
     def _set_state(self, action_id: int, state: str, outcome: str, reason: str, detail: str, now: float,
                    **extra: Any) -> None:
         columns = {"state": state, "outcome": outcome, "reason": reason, "detail": detail, "updated_at": now,
                    **extra}
-        if state in (DONE, SKIPPED, FAILED, CANCELLED):
+        if state in FINISHED_STATES:
             columns["finished_at"] = now
         assignments = ", ".join(f"{k} = ?" for k in columns)
         self.db.execute(f"UPDATE actions SET {assignments} WHERE id = ?", (*columns.values(), action_id))
         self._transition(action_id, state, reason, detail, now)
 
+    def _state_of(self, action_id: int) -> str | None:
+        row = self.db.execute("SELECT state FROM actions WHERE id = ?", (action_id,)).fetchone()
+        return None if row is None else str(row["state"])
+
     def update(self, action_id: int, state: str, *, expect: str, outcome: str = "", reason: str = "",
-               detail: str = "", drop_drained: str | None = None, **extra: Any) -> bool:
-        """Move an action from ``expect`` to ``state`` and journal the transition (``extra``: other columns).
+               detail: str = "", drop_drained: str | None = None, next_at: float | None = None,
+               attempts: int | None = None) -> bool:
+        """Move an action from ``expect`` to ``state`` and journal the transition; ``drop_drained``: a
+        node no longer drained by us, in the same commit.
 
         False, changing nothing, when the action is no longer in ``expect`` (an operator cancelled
         it while the worker was deciding).
         """
-        if "progress" in extra:
-            extra["progress"] = json.dumps(extra["progress"])
+        extra = {k: v for k, v in (("next_at", next_at), ("attempts", attempts)) if v is not None}
 
         def run() -> bool:
-            row = self.db.execute("SELECT state FROM actions WHERE id = ?", (action_id,)).fetchone()
-            if row is None or row["state"] != expect:
+            if self._state_of(action_id) != expect:
                 return False
             self._set_state(action_id, state, outcome, reason, detail, time.time(), **extra)
             if drop_drained is not None:
-                self.remove_drained(drop_drained)
+                self.db.execute("DELETE FROM drained WHERE node = ?", (drop_drained,))
             return True
 
         return self._tx(run)
 
-    def start(self, action_id: int, reserve: tuple[str, str, bool] | None) -> bool:
-        """Pending -> running, reserving the node as drained by us (node, reason, keep) in the same commit.
+    def start(self, action_id: int, reserve: DrainedNode | None) -> bool:
+        """Pending -> running, reserving the node as drained by us in the same commit.
 
         False when the action is no longer pending (cancelled meanwhile). The reservation counts
         against the circuit breaker from this moment, before the drain itself is sent.
         """
         def run() -> bool:
-            row = self.db.execute("SELECT state FROM actions WHERE id = ?", (action_id,)).fetchone()
-            if row is None or row["state"] != PENDING:
+            if self._state_of(action_id) != PENDING:
                 return False
             now = time.time()
             if reserve is not None:
-                self.add_drained(*reserve, action_id=action_id)
+                self.db.execute("INSERT OR REPLACE INTO drained (node, action_id, since, reason, keep) "
+                                "VALUES (?,?,?,?,?)", (reserve.node, reserve.action_id, reserve.since,
+                                                      reserve.reason, int(reserve.keep)))
             self._set_state(action_id, RUNNING, "", "", "started", now, started_at=now, next_at=now)
             return True
 
@@ -340,7 +293,10 @@ class Journal:
     def job_requeued(self, action_id: int, progress: dict[str, Any], job: JobRecord) -> None:
         """A job's new attempt and the action's progress, together: a restart never counts it twice."""
         def run() -> None:
-            self.save_job(job)
+            self.db.execute("INSERT OR REPLACE INTO jobs (job_id, attempts, last_at, excluded, exhausted, "
+                            "last_node) VALUES (?,?,?,?,?,?)",
+                            (job.job_id, job.attempts, job.last_at, json.dumps(job.excluded),
+                             int(job.exhausted), job.last_node))
             self.save_progress(action_id, progress)
 
         self._tx(run)
@@ -356,11 +312,24 @@ class Journal:
         allowed = tuple(from_states)
 
         def run() -> Action | None:
-            row = self.db.execute("SELECT state FROM actions WHERE id = ?", (action_id,)).fetchone()
-            if row is None or row["state"] not in allowed:
+            if self._state_of(action_id) not in allowed:
                 return None
             self._set_state(action_id, state, outcome, reason, detail, time.time(), next_at=time.time())
             return self.get(action_id)
+
+        return self._tx(run)
+
+    def rearm(self, kind: str, reason: str, detail: str, meta: tuple[str, Any]) -> list[int]:
+        """Put the ``kind`` actions skipped for ``reason`` back to pending, and write ``meta``, in one
+        commit; their ids."""
+        def run() -> list[int]:
+            self.set_meta(*meta)
+            held = [r[0] for r in self.db.execute("SELECT id FROM actions WHERE kind = ? AND state = ? AND "
+                                                  "reason = ?", (kind, SKIPPED, reason))]
+            now = time.time()
+            for action_id in held:
+                self._set_state(action_id, PENDING, "", "", detail, now, next_at=now, finished_at=None)
+            return held
 
         return self._tx(run)
 
@@ -384,13 +353,16 @@ class Journal:
         rows = self.db.execute(sql + " ORDER BY id DESC LIMIT ?", (*args, limit))
         return [_action(r) for r in rows]
 
-    def due(self, now: float, busy_nodes: Iterable[str], limit: int) -> list[Action]:
+    def due(self, now: float, busy_nodes: Iterable[str], limit: int,
+            yield_reasons: Iterable[str] = ()) -> list[Action]:
         """Runnable actions: per node only the oldest active one (node order is FIFO), and only when due.
+        A pending action waiting for one of ``yield_reasons`` lets those behind it on its node go first.
 
         Walks active actions oldest first and stops once ``limit`` are found, so a deep backlog
         costs only the rows in front of it.
         """
         seen = set(busy_nodes)
+        yielding = frozenset(yield_reasons)
         due: list[Action] = []
         # The partial index yields active actions already in id order; without it SQLite would sort
         # the whole backlog on every call.
@@ -398,8 +370,8 @@ class Journal:
         for row in rows:
             if row["node"] in seen:
                 continue
-            if row["reason"] == "cooldown" and row["state"] == PENDING and row["next_at"] > now:
-                continue  # not started, waiting out a cooldown: a stronger action behind it may go first
+            if row["reason"] in yielding and row["state"] == PENDING and row["next_at"] > now:
+                continue
             seen.add(row["node"])
             if row["next_at"] <= now:
                 due.append(_action(row))
@@ -410,68 +382,57 @@ class Journal:
     def next_due_at(self) -> float | None:
         row = self.db.execute("SELECT MIN(next_at) FROM actions WHERE state IN (?, ?)",
                               (PENDING, RUNNING)).fetchone()
-        return row[0]
+        return None if row[0] is None else float(row[0])
 
     def counts(self) -> dict[str, int]:
         rows = self.db.execute("SELECT state, COUNT(*) FROM actions GROUP BY state").fetchall()
         return {state: 0 for state in STATES} | {r[0]: r[1] for r in rows}
 
-    def last_acted_at(self, node: str, exclude_id: int, kinds: Iterable[str]) -> float | None:
-        """When an action of ``kinds`` last started acting on ``node`` (for the cooldown), unless our own
-        undrain put the node back in service since: a fresh drain then is a new incident.
-
-        Only admitted actions have a start time: dry runs and skips never count.
-        """
+    def last_started(self, node: str, exclude_id: int, kinds: Iterable[str]) -> float | None:
+        """When an action of ``kinds`` other than ``exclude_id`` last started on ``node``; dry runs count,
+        actions that never started (skips) do not."""
         wanted = tuple(kinds)
-        row = self.db.execute(
-            f"SELECT MAX(started_at) FROM actions WHERE node = ? AND id != ? AND kind IN "
-            f"({', '.join('?' * len(wanted))})", (node, exclude_id, *wanted)).fetchone()
-        undrained = self.db.execute("SELECT MAX(finished_at) FROM actions WHERE node = ? AND kind = ? AND "
-                                    "state = ? AND reason = 'ok'", (node, UNDRAIN, DONE)).fetchone()
-        if row[0] is None or (undrained[0] is not None and undrained[0] >= row[0]):
-            return None
-        return row[0]
+        row = self.db.execute(f"SELECT MAX(started_at) FROM actions WHERE node = ? AND id != ? AND kind IN "
+                              f"({_marks(wanted)})", (node, exclude_id, *wanted)).fetchone()
+        return None if row[0] is None else float(row[0])
+
+    def last_finished(self, node: str, kind: str, state: str, reason: str) -> float | None:
+        """When an action of ``kind`` last ended on ``node`` in ``state`` for ``reason``."""
+        row = self.db.execute("SELECT MAX(finished_at) FROM actions WHERE node = ? AND kind = ? AND "
+                              "state = ? AND reason = ?", (node, kind, state, reason)).fetchone()
+        return None if row[0] is None else float(row[0])
 
     def nodes_started(self, kind: str, since: float, exclude_node: str) -> int:
         """How many other nodes an action of ``kind`` started on since ``since``."""
         row = self.db.execute("SELECT COUNT(DISTINCT node) FROM actions WHERE kind = ? AND started_at >= ? "
                               "AND node != ?", (kind, since, exclude_node)).fetchone()
-        return row[0]
+        return int(row[0])
 
-    def rate_limited_until(self, since: float, limit: int, window: float) -> float | None:
-        """None while fewer than ``limit`` actions started since ``since``; else when the next slot frees."""
-        where = "FROM actions WHERE started_at >= ? AND kind != 'none'"
-        count = self.db.execute(f"SELECT COUNT(*) {where}", (since,)).fetchone()[0]
-        if count < limit:
-            return None
-        row = self.db.execute(f"SELECT started_at {where} ORDER BY started_at LIMIT 1 OFFSET ?",
-                              (since, count - limit)).fetchone()
-        return row[0] + window
+    def nth_latest_start(self, since: float, kinds: Iterable[str], n: int) -> float | None:
+        """The start time of the ``n``-th most recent action of ``kinds`` started since ``since``; None
+        when fewer started."""
+        wanted = tuple(kinds)
+        row = self.db.execute(f"SELECT started_at FROM actions WHERE started_at >= ? AND kind IN "
+                              f"({_marks(wanted)}) ORDER BY started_at DESC LIMIT 1 OFFSET ?",
+                              (since, *wanted, n - 1)).fetchone()
+        return None if row is None else float(row[0])
 
-    def firing_drains(self, node: str, exclude: tuple[str, str]) -> int:
-        """Alerts still firing on ``node`` whose action drains it: the node must stay drained."""
-        row = self.db.execute(
-            "SELECT COUNT(*) FROM alerts al JOIN actions ac ON ac.fingerprint = al.fingerprint AND "
-            "ac.starts_at = al.starts_at WHERE al.node = ? AND al.status = 'firing' AND ac.kind IN "
-            f"({', '.join('?' * len(DRAINING_KINDS))}, 'replace') AND {_holds('ac.')} "
-            "AND NOT (al.fingerprint = ? AND al.starts_at = ?)",
-            (node, *DRAINING_KINDS, *exclude)).fetchone()
-        return row[0]
+    def firing_actions(self, node: str, exclude: tuple[str, str]) -> list[Action]:
+        """The actions of alerts still firing on ``node``, but for the alert ``exclude``."""
+        rows = self.db.execute(
+            "SELECT ac.* FROM alerts al JOIN actions ac ON ac.fingerprint = al.fingerprint AND "
+            "ac.starts_at = al.starts_at WHERE al.node = ? AND al.status = 'firing' "
+            "AND NOT (al.fingerprint = ? AND al.starts_at = ?) ORDER BY ac.id", (node, *exclude))
+        return [_action(r) for r in rows]
 
-    def drained(self) -> dict[str, dict[str, Any]]:
+    def drained(self) -> dict[str, DrainedNode]:
         rows = self.db.execute("SELECT * FROM drained ORDER BY node")
-        return {r["node"]: dict(r) for r in rows}
-
-    def add_drained(self, node: str, reason: str, keep: bool, action_id: int) -> None:
-        self.db.execute("INSERT OR REPLACE INTO drained (node, action_id, since, reason, keep) "
-                        "VALUES (?,?,?,?,?)", (node, action_id, time.time(), reason, int(keep)))
+        return {r["node"]: DrainedNode(r["node"], r["action_id"], r["since"], r["reason"], bool(r["keep"]))
+                for r in rows}
 
     def keep_drained(self, node: str) -> None:
         """Leave ``node`` drained for a human: no automatic undrain will touch it."""
         self.db.execute("UPDATE drained SET keep = 1 WHERE node = ?", (node,))
-
-    def remove_drained(self, node: str) -> None:
-        self.db.execute("DELETE FROM drained WHERE node = ?", (node,))
 
     def job(self, job_id: str) -> JobRecord | None:
         row = self.db.execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
@@ -479,12 +440,6 @@ class Journal:
             return None
         return JobRecord(row["job_id"], row["attempts"], row["last_at"], json.loads(row["excluded"]),
                          bool(row["exhausted"]), row["last_node"])
-
-    def save_job(self, job: JobRecord) -> None:
-        self.db.execute("INSERT OR REPLACE INTO jobs (job_id, attempts, last_at, excluded, exhausted, "
-                        "last_node) VALUES (?,?,?,?,?,?)", (job.job_id, job.attempts, job.last_at,
-                                                          json.dumps(job.excluded), int(job.exhausted),
-                                                          job.last_node))
 
     def exhausted_jobs(self) -> list[JobRecord]:
         rows = self.db.execute("SELECT job_id FROM jobs WHERE exhausted = 1 ORDER BY last_at DESC LIMIT 100")
@@ -497,33 +452,20 @@ class Journal:
         makes Alertmanager's re-deliveries duplicates) and the actions of those alerts (a later
         resolution looks them up to undrain).
         """
-        finished = "state IN ('done', 'skipped', 'failed', 'cancelled')"
+        finished = f"state IN ({_marks(FINISHED_STATES)})"
         alert_firing = ("EXISTS (SELECT 1 FROM alerts al WHERE al.fingerprint = actions.fingerprint AND "
                         "al.starts_at = actions.starts_at AND al.status = 'firing')")
         statements = {
-            "actions": f"DELETE FROM actions WHERE {finished} AND finished_at < ? AND NOT {alert_firing}",
-            "transitions": "DELETE FROM transitions WHERE at < ? AND action_id NOT IN "
-                           "(SELECT id FROM actions)",
-            "alerts": "DELETE FROM alerts WHERE status = 'resolved' AND resolved_at < ?",
-            "notifications": "DELETE FROM notifications WHERE received_at < ?",
-            "jobs": "DELETE FROM jobs WHERE last_at < ?",
+            "actions": (f"DELETE FROM actions WHERE {finished} AND finished_at < ? AND NOT {alert_firing}",
+                        (*FINISHED_STATES, before)),
+            "transitions": ("DELETE FROM transitions WHERE at < ? AND action_id NOT IN "
+                            "(SELECT id FROM actions)", (before,)),
+            "alerts": ("DELETE FROM alerts WHERE status = 'resolved' AND resolved_at < ?", (before,)),
+            "notifications": ("DELETE FROM notifications WHERE received_at < ?", (before,)),
+            "jobs": ("DELETE FROM jobs WHERE last_at < ?", (before,)),
         }
-        return self._tx(lambda: {table: self.db.execute(sql, (before,)).rowcount
-                                 for table, sql in statements.items()})
-
-    def reset_breaker(self, state: dict[str, Any], by: str) -> list[int]:
-        """Close the breaker and re-arm the undrains it held back, in one commit; their ids."""
-        def run() -> list[int]:
-            self.set_meta(BREAKER, state)
-            held = [r[0] for r in self.db.execute("SELECT id FROM actions WHERE kind = ? AND state = ? AND "
-                                                  "reason = 'breaker_open'", (UNDRAIN, SKIPPED))]
-            now = time.time()
-            for action_id in held:
-                self._set_state(action_id, PENDING, "", "", f"re-armed by the breaker reset ({by})", now,
-                                next_at=now, finished_at=None)
-            return held
-
-        return self._tx(run)
+        return self._tx(lambda: {table: self.db.execute(sql, args).rowcount
+                                 for table, (sql, args) in statements.items()})
 
     def probe(self) -> None:
         """A small write: does the journal take writes again?"""
@@ -538,7 +480,8 @@ class Journal:
 
 
 class AsyncJournal:
-    """Runs ``Journal`` calls on journal threads, so the event loop never blocks on the disk.
+    """The ``Store`` on SQLite: ``Journal`` calls on journal threads, so the event loop never blocks on
+    the disk.
 
     Two connections, each on its own thread: intake (``record``) commits power-safe and never
     queues behind the worker's many small progress updates; everything else shares the other one,
@@ -546,16 +489,21 @@ class AsyncJournal:
     sent again, and backends are idempotent).
     """
 
-    def __init__(self, path: Path, busy_timeout: float = 5.0,
+    def __init__(self, path: Path, resolve: Resolver, busy_timeout: float = 5.0,
                  on_failure: Callable[[], object] | None = None) -> None:
+        self._resolve = resolve  # what a resolved alert does to its actions (the intake's rule)
         self._on_failure = on_failure  # counts refused writes (a metric)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal")
         self._intake_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal-intake")
         self._intake = self._intake_executor.submit(Journal, path, busy_timeout).result()
-        self.sync = self._executor.submit(Journal, path, busy_timeout, False).result()
-        self.write_error: str | None = None  # set while writes fail: /healthz answers 503
+        self._db = self._executor.submit(Journal, path, busy_timeout, False).result()
+        self._write_error: str | None = None  # set while writes fail: /healthz answers 503
         self._waiting: collections.deque[tuple[Notification, dict[tuple[str, str], Decision],
                                                concurrent.futures.Future[RecordResult]]] = collections.deque()
+
+    @property
+    def write_error(self) -> str | None:
+        return self._write_error
 
     async def record(self, notification: Notification,
                      decisions: dict[tuple[str, str], Decision]) -> RecordResult:
@@ -576,14 +524,15 @@ class AsyncJournal:
         if not batch:
             return  # an earlier call committed this one's notification already
         live = [done.set_running_or_notify_cancel() for _, _, done in batch]
+        results: list[RecordResult | Exception]
         try:
-            results = self._intake.record([(n, d) for n, d, _ in batch])
+            results = self._intake.record([(n, d) for n, d, _ in batch], self._resolve)
         except Exception as exc:
             if isinstance(exc, JOURNAL_ERRORS):
-                self.failed(exc)
+                self._failed(exc)
             results = [exc] * len(batch)
         else:
-            self.recovered()
+            self._recovered()
         for (_, _, done), waiting, result in zip(batch, live, results, strict=True):
             if not waiting:
                 continue
@@ -592,37 +541,125 @@ class AsyncJournal:
             else:
                 done.set_result(result)
 
-    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+    async def _read(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
-    async def write(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``call`` for a write: a failure marks the journal unwritable (``JournalUnwritable``), a
-        success marks it writable again."""
+    async def _write(self, fn: Callable[[], T]) -> T:
+        """A write: a failure marks the journal unwritable (``JournalUnwritable``), a success marks it
+        writable again."""
         try:
-            result = await self.call(fn, *args, **kwargs)
+            result = await self._read(fn)
         except JOURNAL_ERRORS as exc:
-            self.failed(exc)
+            self._failed(exc)
             raise JournalUnwritable(str(exc)) from exc
-        self.recovered()
+        self._recovered()
         return result
 
-    def failed(self, exc: BaseException) -> None:
+    def _failed(self, exc: BaseException) -> None:
         log.debug("event=journal_write_refused error=%r", exc)
         if self._on_failure is not None:
             self._on_failure()
-        if self.write_error is None:
+        if self._write_error is None:
             log.error("event=journal_unwritable error=%r (actions wait until it can be written)", exc)
-        self.write_error = str(exc) or type(exc).__name__
+        self._write_error = str(exc) or type(exc).__name__
 
-    def recovered(self) -> None:
-        if self.write_error is not None:
-            log.warning("event=journal_writable_again after=%r", self.write_error)
-            self.write_error = None
+    def _recovered(self) -> None:
+        if self._write_error is not None:
+            log.warning("event=journal_writable_again after=%r", self._write_error)
+            self._write_error = None
+
+    async def get(self, action_id: int) -> Action | None:
+        return await self._read(lambda: self._db.get(action_id))
+
+    async def transitions(self, action_id: int) -> list[dict[str, Any]]:
+        return await self._read(lambda: self._db.transitions(action_id))
+
+    async def list_actions(self, node: str | None = None, state: str | None = None,
+                           since: float | None = None, limit: int = 500) -> list[Action]:
+        return await self._read(lambda: self._db.list_actions(node, state, since, limit))
+
+    async def counts(self) -> dict[str, int]:
+        return await self._read(self._db.counts)
+
+    async def due(self, now: float, busy_nodes: Iterable[str], limit: int,
+                  yield_reasons: Iterable[str] = ()) -> list[Action]:
+        busy, yielding = tuple(busy_nodes), tuple(yield_reasons)
+        return await self._read(lambda: self._db.due(now, busy, limit, yielding))
+
+    async def next_due_at(self) -> float | None:
+        return await self._read(self._db.next_due_at)
+
+    async def start(self, action_id: int, reserve: DrainedNode | None) -> bool:
+        return await self._write(lambda: self._db.start(action_id, reserve))
+
+    async def update(self, action_id: int, state: str, *, expect: str, outcome: str = "", reason: str = "",
+                     detail: str = "", drop_drained: str | None = None, next_at: float | None = None,
+                     attempts: int | None = None) -> bool:
+        return await self._write(lambda: self._db.update(
+            action_id, state, expect=expect, outcome=outcome, reason=reason, detail=detail,
+            drop_drained=drop_drained, next_at=next_at, attempts=attempts))
+
+    async def try_move(self, action_id: int, from_states: Iterable[str], state: str, reason: str,
+                       detail: str, outcome: str = "") -> Action | None:
+        allowed = tuple(from_states)
+        return await self._write(lambda: self._db.try_move(action_id, allowed, state, reason, detail,
+                                                           outcome))
+
+    async def save_progress(self, action_id: int, progress: dict[str, Any]) -> None:
+        saved = copy.deepcopy(progress)  # the caller goes on changing its own
+        await self._write(lambda: self._db.save_progress(action_id, saved))
+
+    async def rearm(self, kind: str, reason: str, detail: str, meta: tuple[str, Any]) -> list[int]:
+        return await self._write(lambda: self._db.rearm(kind, reason, detail, meta))
+
+    async def last_started(self, node: str, exclude_id: int, kinds: Iterable[str]) -> float | None:
+        wanted = tuple(kinds)
+        return await self._read(lambda: self._db.last_started(node, exclude_id, wanted))
+
+    async def last_finished(self, node: str, kind: str, state: str, reason: str) -> float | None:
+        return await self._read(lambda: self._db.last_finished(node, kind, state, reason))
+
+    async def nodes_started(self, kind: str, since: float, exclude_node: str) -> int:
+        return await self._read(lambda: self._db.nodes_started(kind, since, exclude_node))
+
+    async def nth_latest_start(self, since: float, kinds: Iterable[str], n: int) -> float | None:
+        wanted = tuple(kinds)
+        return await self._read(lambda: self._db.nth_latest_start(since, wanted, n))
+
+    async def firing_actions(self, node: str, exclude: tuple[str, str]) -> list[Action]:
+        return await self._read(lambda: self._db.firing_actions(node, exclude))
+
+    async def drained(self) -> dict[str, DrainedNode]:
+        return await self._read(self._db.drained)
+
+    async def keep_drained(self, node: str) -> None:
+        await self._write(lambda: self._db.keep_drained(node))
+
+    async def job(self, job_id: str) -> JobRecord | None:
+        return await self._read(lambda: self._db.job(job_id))
+
+    async def job_requeued(self, action_id: int, progress: dict[str, Any], job: JobRecord) -> None:
+        saved, record = copy.deepcopy(progress), copy.deepcopy(job)
+        await self._write(lambda: self._db.job_requeued(action_id, saved, record))
+
+    async def exhausted_jobs(self) -> list[JobRecord]:
+        return await self._read(self._db.exhausted_jobs)
+
+    async def get_meta(self, key: str) -> Any:
+        return await self._read(lambda: self._db.get_meta(key))
+
+    async def set_meta(self, key: str, value: Any) -> None:
+        await self._write(lambda: self._db.set_meta(key, value))
+
+    async def prune(self, before: float) -> dict[str, int]:
+        return await self._write(lambda: self._db.prune(before))
+
+    async def probe(self) -> None:
+        await self._write(self._db.probe)
 
     async def close(self) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._intake_executor, self._intake.close)
-        await self.call(self.sync.close)
+        await self._read(self._db.close)
         self._intake_executor.shutdown(wait=True)
         self._executor.shutdown(wait=True)

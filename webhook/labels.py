@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
+from gpuhealth.webhook.actions import ALERT_ACTIONS, KINDS, NONE
 from gpuhealth.webhook.outcomes import Reason
 
 # One node name: Slurm reads "gpu[01-64]", "a,b" or "ALL" as many nodes, and a label must never widen
@@ -21,8 +22,12 @@ HOSTLIST_WORDS = frozenset({"ALL"})  # names scontrol reads as every node, in an
 # One GPU: its index as NVML numbers it, or its NVML UUID. Never a list ("0,1"), "all" or an option.
 _HEX = "[0-9a-fA-F]"
 GPU = re.compile(rf"[0-9]{{1,3}}|GPU-{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}")
+# The exporter's gpu label for a kernel-log event it could not match to a GPU: the node is known, the
+# GPU is not. A node-wide action may go ahead; one that acts on a GPU may not.
+UNKNOWN_GPU = "unknown"
 # Prometheus's metric (and alert) name grammar, bounded so that a reason still has room for it.
 ALERT_NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]{0,119}")
+UNNAMED_ALERT = "alert"  # stands for a missing alertname in a reason or a command's {alertname}
 SHOWN_CHARS = 80  # of an invalid value, quoted, in a reason or a log
 TEXT_CHARS = 200  # of cleaned free text
 # CSI (ESC [ ... final), OSC (ESC ] ... BEL or ESC \) and two-character escapes.
@@ -55,8 +60,12 @@ def journaled(node: str, gpu: str, alertname: str) -> tuple[str, str, str]:
     def kept(value: str, ok: bool) -> str:
         return value if ok or not value else shown(value)
 
-    return (kept(node, valid_node(node)), kept(gpu, bool(GPU.fullmatch(gpu))),
+    return (kept(node, valid_node(node)), kept(gpu, valid_gpu_label(gpu)),
             kept(alertname, bool(ALERT_NAME.fullmatch(alertname))))
+
+
+def valid_gpu_label(gpu: str) -> bool:
+    return gpu == UNKNOWN_GPU or bool(GPU.fullmatch(gpu))
 
 
 def label_problem(node: str, gpu: str, alertname: str) -> tuple[Reason, str] | None:
@@ -66,8 +75,29 @@ def label_problem(node: str, gpu: str, alertname: str) -> tuple[Reason, str] | N
         return Reason.NO_NODE, "the alert has no node label"
     if not valid_node(node):
         return Reason.INVALID_NODE, f"node label {shown(node)} is not one node name"
-    if gpu and not GPU.fullmatch(gpu):
+    if gpu and not valid_gpu_label(gpu):
         return Reason.INVALID_LABEL, f"gpu label {shown(gpu)} is neither a GPU index nor a GPU-<uuid>"
     if alertname and not ALERT_NAME.fullmatch(alertname):
         return Reason.INVALID_LABEL, f"alertname {shown(alertname)} is not a Prometheus alert name"
     return None
+
+
+def action_problem(kind: str, node: str, gpu: str, alertname: str) -> tuple[Reason, str] | None:
+    """Why action ``kind`` cannot act on these values, or None: an unknown kind, a value outside its
+    grammar, or a step that acts on one GPU when the alert names no real one. ``none`` acts on nothing."""
+    if kind == NONE:
+        return None
+    if kind not in KINDS:
+        return unknown_action(kind)
+    problem = label_problem(node, gpu, alertname)
+    if problem is not None:
+        return problem
+    if KINDS[kind].needs_gpu and not GPU.fullmatch(gpu):
+        named = f"its gpu label is {shown(gpu)}" if gpu else "it has no gpu label"
+        return Reason.NO_GPU, f"{kind} acts on one GPU and the alert names none ({named})"
+    return None
+
+
+def unknown_action(asked: str) -> tuple[Reason, str]:
+    known = ", ".join(ALERT_ACTIONS)
+    return Reason.UNKNOWN_ACTION, f"action label {shown(asked)} names no action the webhook knows ({known})"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from gpuhealth.webhook.actions import KINDS, UNKNOWN
 from gpuhealth.webhook.outcomes import VALID, Outcome, Reason
-from gpuhealth.webhook.policy import STEPS
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 NOTIFICATION_OUTCOMES = ("accepted", "duplicate", "malformed", "unauthorized", "too_large", "journal_error")
@@ -44,10 +44,11 @@ class Metrics:
             self.connections_refused.labels(which)
         for outcome in NOTIFICATION_OUTCOMES:
             self.notifications.labels(outcome)
-        for action in STEPS:
+        for action in KINDS:
             for outcome, reasons in VALID.items():
                 for reason in reasons:
                     self.actions.labels(action, outcome.value, reason.value)
+        self.actions.labels(UNKNOWN, Outcome.SKIPPED.value, Reason.UNKNOWN_ACTION.value)
 
     def action(self, action: str, outcome: Outcome, reason: Reason) -> None:
         self.actions.labels(action, outcome.value, reason.value).inc()

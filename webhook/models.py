@@ -32,8 +32,10 @@ def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
-        key = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise PayloadError(f"body is not valid JSON: key {key[:40]!r} appears twice in one object")
+        for key, _ in pairs:
+            if key in seen:
+                raise PayloadError(f"body is not valid JSON: key {key[:40]!r} appears twice in one object")
+            seen.add(key)
     return obj
 
 
@@ -182,7 +184,7 @@ def _alert(raw: Any, where: str, problems: list[str]) -> Alert | None:
         if len(problems) == before:
             problems.append(f"{where}.startsAt: must be a real time, not Go's zero time")
         return None
-    return Alert(status, labels, annotations, starts_at, ends_at, fingerprint, generator)
+    return Alert(str(status), labels, annotations, starts_at, ends_at, str(fingerprint), generator)
 
 
 def _check_encodable(body: Any) -> None:
@@ -225,4 +227,4 @@ def parse_notification(body: Any) -> Notification:
         shown = "; ".join(problems[:MAX_PROBLEMS])
         more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
         raise PayloadError(shown + more)
-    return Notification(status, receiver, group_key, tuple(alerts), truncated)
+    return Notification(str(status), receiver, group_key, tuple(alerts), truncated)

@@ -25,6 +25,8 @@ class Reason(StrEnum):
     NO_NODE = "no_node"  # the alert has no node label
     INVALID_NODE = "invalid_node"  # a label a scheduler would read as many nodes ("gpu[01-64]", "ALL,x")
     INVALID_LABEL = "invalid_label"  # a gpu or alertname outside its grammar ("0;reboot", "all", "-h")
+    UNKNOWN_ACTION = "unknown_action"  # the alert's action label names no action the webhook knows
+    NO_GPU = "no_gpu"  # a step acts on one GPU and the alert names none (no gpu label, or "unknown")
     NOT_ALLOWED = "not_allowed"  # not on the allow list
     DENIED = "denied"  # on the deny list
     UNKNOWN_NODE = "unknown_node"
@@ -46,7 +48,8 @@ class Reason(StrEnum):
 VALID: dict[Outcome, tuple[Reason, ...]] = {
     Outcome.DONE: (Reason.OK, Reason.RECORD_ONLY, Reason.ALREADY_RESUMED),
     Outcome.DRY_RUN: (Reason.DRY_RUN,),
-    Outcome.SKIPPED: (Reason.NO_NODE, Reason.INVALID_NODE, Reason.INVALID_LABEL, Reason.NOT_ALLOWED,
+    Outcome.SKIPPED: (Reason.NO_NODE, Reason.INVALID_NODE, Reason.INVALID_LABEL, Reason.UNKNOWN_ACTION,
+                      Reason.NO_GPU, Reason.NOT_ALLOWED,
                       Reason.DENIED, Reason.UNKNOWN_NODE, Reason.DRAINED_BY_OTHER, Reason.ALREADY_DRAINED,
                       Reason.BREAKER_OPEN, Reason.NOT_DRAINED_BY_US, Reason.STILL_FIRING,
                       Reason.LEFT_FOR_HUMAN, Reason.HEALTH_CHECK_FAILED),

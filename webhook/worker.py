@@ -14,20 +14,23 @@ import sqlite3
 import time
 
 from gpuhealth.webhook.engine import Engine
-from gpuhealth.webhook.journal import Action, AsyncJournal, JournalUnwritable
+from gpuhealth.webhook.outcomes import Reason
+from gpuhealth.webhook.store import Action, JournalUnwritable, Store
 
 log = logging.getLogger(__name__)
 
 CONCURRENCY = 8
 IDLE_POLL_SECONDS = 5.0  # re-read the journal at least this often (clock jumps, manual edits)
 PRUNE_EVERY_SECONDS = 3600.0
+# A pending action waiting out a cooldown lets a (stronger) action behind it on its node go first.
+YIELDING_REASONS = (Reason.COOLDOWN,)
 # While the journal refuses writes nothing is started; a probe write is tried this often, doubling.
 WRITE_RETRY_INITIAL_SECONDS = 0.5
 WRITE_RETRY_MAX_SECONDS = 30.0
 
 
 class Worker:
-    def __init__(self, engine: Engine, journal: AsyncJournal, retention_seconds: float,
+    def __init__(self, engine: Engine, journal: Store, retention_seconds: float,
                  concurrency: int = CONCURRENCY) -> None:
         self.engine = engine
         self.journal = journal
@@ -98,24 +101,23 @@ class Worker:
         self._write_retry_at = now + self._write_retry
         self._write_retry = min(self._write_retry * 2, WRITE_RETRY_MAX_SECONDS)
         with contextlib.suppress(JournalUnwritable):
-            await self.journal.write(self.journal.sync.probe)
+            await self.journal.probe()
         return self.journal.write_error is None
 
     async def _dispatch(self) -> float:
         """Start what is due; return how long to sleep unless woken."""
-        db = self.journal.sync
         if not await self._writable():
             return max(0.01, self._write_retry_at - time.monotonic())
         if time.monotonic() - self._pruned_at > PRUNE_EVERY_SECONDS or not self._pruned_at:
             self._pruned_at = time.monotonic()
-            pruned = await self.journal.write(db.prune, time.time() - self.retention_seconds)
+            pruned = await self.journal.prune(time.time() - self.retention_seconds)
             if any(pruned.values()):
                 log.info("event=journal_pruned %s", " ".join(f"{k}={v}" for k, v in pruned.items()))
         free = self.concurrency - len(self._busy)
         if free > 0:
-            for action in await self.journal.call(db.due, time.time(), self._busy, free):
+            for action in await self.journal.due(time.time(), self._busy, free, YIELDING_REASONS):
                 self._launch(action)
-        next_at = await self.journal.call(db.next_due_at)
+        next_at = await self.journal.next_due_at()
         if next_at is not None and next_at > time.time():
             return min(IDLE_POLL_SECONDS, next_at - time.time())
         return IDLE_POLL_SECONDS

@@ -16,13 +16,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from gpuhealth.exporter.collector import Context, register
+from gpuhealth.exporter.collector import GPU_IDENTITIES, GPU_PROCESSES, Context, register
 from gpuhealth.exporter.guard import DeadlineExceeded, GuardedWorker
 from gpuhealth.exporter.inventory import GpuIdentity, nvidia_gpus_on_pci
-from gpuhealth.exporter.metrics import RECOVERY_ACTIONS, Families
+from gpuhealth.exporter.metrics import RECOVERY_ACTIONS, Families, Family, Series
 from gpuhealth.exporter.nvml_errors import GpuDown, NvmlDown, error_label
 from gpuhealth.exporter.nvml_reader import CLOCK_EVENT_REASONS, GpuReading, NvmlReader
-from prometheus_client.core import Metric
 
 log = logging.getLogger(__name__)
 
@@ -33,45 +32,50 @@ FULL_EVERY_SECONDS = 5.0
 SAMPLE = "sample"  # the query label of errors that marked the GPU down
 
 
+def _by_family(gpu: str, samples: list[tuple[str, tuple[str, ...], float]]) -> dict[str, list[Series]]:
+    """A full reading's samples as ready series by family: they are published unchanged for several
+    runs (FULL_EVERY_SECONDS), so they are labelled once, not added one by one at every run."""
+    families: dict[str, list[Series]] = {}
+    for name, labels, value in samples:
+        families.setdefault(name, []).append(((gpu, *map(str, labels)), value))
+    return families
+
+
 @dataclass
 class GpuTrack:
     """What the collector remembers about one GPU between samples."""
 
     up: bool = False
     visible: bool = True
-    errors: collections.Counter = field(default_factory=lambda: collections.Counter(
+    errors: collections.Counter[tuple[str, str]] = field(default_factory=lambda: collections.Counter(
         {(error, SAMPLE): 0 for error in PREINITIALISED_ERRORS}))
-    window: collections.deque = field(default_factory=collections.deque)  # (t, temperature, latency)
+    # (t, temperature, latency)
+    window: collections.deque[tuple[float, float | None, float]] = field(default_factory=collections.deque)
     clock_event_seconds: dict[str, float] = field(default_factory=dict)
     last_sample: float | None = None
     reading: GpuReading | None = None
-    slow: list = field(default_factory=list)      # the last full reading's slow samples
+    slow: dict[str, list[Series]] = field(default_factory=dict)  # the last full reading's, by family
     slowdown_threshold: float | None = None
-    driver_clock_event_reasons: set = field(default_factory=set)
+    driver_clock_event_reasons: set[str] = field(default_factory=set)
     last_full: float | None = None
     recovery_action: str | None = None  # last polled from NVML
 
 
-@register("gpu", "NVML per-GPU telemetry, identity and derived features")
+@register("gpu", "NVML per-GPU telemetry, identity and derived features", needs=[GPU_IDENTITIES],
+          provides=[GPU_PROCESSES])
 class GpuCollector:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.reader = NvmlReader(ctx.nvml)
-        self.workers: dict[int, GuardedWorker] = {}
         self.tracks: dict[int, GpuTrack] = {}
         self.expected = ctx.gpus_expected
-        self.node_worker = GuardedWorker("nvml-node")
         self.count = 0
         self.stalled = False
         self.generation = 0
 
-    def _worker(self, index: int) -> GuardedWorker:
-        if index not in self.workers:
-            self.workers[index] = GuardedWorker(f"nvml-gpu{index}")
-        return self.workers[index]
-
     def _sample(self, index: int, known: bool, full: bool) -> tuple[GpuIdentity | None, GpuReading, float]:
-        """Runs on the GPU's worker; shared state is only updated by the sampling thread."""
+        """Runs on the GPU's worker; shared state is only updated by the sampling thread. The identity
+        is read here only when the inventory step could not (no step in tests, or it failed)."""
         start = self.ctx.clock()
         identity = None if known else self.reader.identity(index)
         reading = self.reader.read(index, full)
@@ -82,8 +86,8 @@ class GpuCollector:
         return track is None or track.last_full is None or \
             self.ctx.clock() - track.last_full >= FULL_EVERY_SECONDS
 
-    def collect(self) -> Iterator[Metric]:
-        ctx, session = self.ctx, self.ctx.session
+    def collect(self) -> Iterator[Family]:
+        ctx, session = self.ctx, self.ctx.nvml_session
         if self.expected is None and ctx.sysfs is not None:
             self.expected = nvidia_gpus_on_pci(ctx.sysfs) or None  # none on the bus: ask NVML
         if not session.ensure():
@@ -94,7 +98,8 @@ class GpuCollector:
             self.reader.forget()
             ctx.inventory.driver_version = session.driver_version
         try:
-            self.count = GuardedWorker.result(self.node_worker.submit(self._count), ctx.nvml_timeout_seconds)
+            self.count = GuardedWorker.result(ctx.worker("node").submit(self._count),
+                                              ctx.nvml_timeout_seconds)
         except NvmlDown as exc:
             session.lost(exc.error)
             yield from self._families(sorted(self.tracks), nvml_up=False)
@@ -108,10 +113,10 @@ class GpuCollector:
         # Each GPU's own deadline from its submission, in real time (what the guard waits in); the
         # waits overlap, so a run takes one timeout at most however many GPUs hang.
         deadlines = {i: time.monotonic() + ctx.nvml_timeout_seconds for i in indices}
-        futures = {i: self._worker(i).submit(functools.partial(self._sample, i, i in ctx.inventory.gpus,
-                                                               self._full_due(i)))
+        futures = {i: ctx.worker(f"gpu{i}").submit(
+                       functools.partial(self._sample, i, i in ctx.inventory.gpus, self._full_due(i)))
                    for i in indices}
-        outcomes: dict[int, tuple | BaseException] = {}
+        outcomes: dict[int, tuple[GpuIdentity | None, GpuReading, float] | BaseException] = {}
         for index, future in futures.items():
             try:
                 outcomes[index] = GuardedWorker.result(future, deadlines[index] - time.monotonic())
@@ -128,7 +133,7 @@ class GpuCollector:
                 session.lost(outcome.error)
                 self._down(index, track, outcome, index < count)
             elif stalled:
-                track.reading, track.slow = None, []  # no fresh data; not a lost GPU either
+                track.reading, track.slow = None, {}  # no fresh data; not a lost GPU either
                 self._remember(track, ctx.clock(), None, ctx.nvml_timeout_seconds)
             elif isinstance(outcome, BaseException):
                 self._down(index, track, outcome, index < count)
@@ -140,7 +145,8 @@ class GpuCollector:
         yield from self._families(indices, nvml_up=session.up)
 
     def _count(self) -> int:
-        return self.reader.core(self.ctx.nvml.nvmlDeviceGetCount)
+        count: int = self.reader.core(self.ctx.nvml.nvmlDeviceGetCount)
+        return count
 
     def _down(self, index: int, track: GpuTrack, exc: BaseException, enumerated: bool) -> None:
         error = error_label(exc)
@@ -149,7 +155,7 @@ class GpuCollector:
         track.up = False
         track.visible = enumerated and error != "gpu_is_lost"
         track.errors[(error, SAMPLE)] += 1
-        track.reading, track.slow, track.last_full = None, [], None
+        track.reading, track.slow, track.last_full = None, {}, None
         self.ctx.inventory.processes.pop(index, None)
         now = self.ctx.clock()
         latency = self.ctx.nvml_timeout_seconds if error == "timeout" else 0.0
@@ -160,7 +166,7 @@ class GpuCollector:
         if not track.up and track.last_sample is not None:
             log.info("gpu up gpu=%d", index)
         if reading.full:
-            track.slow, track.last_full = reading.slow, now
+            track.slow, track.last_full = _by_family(str(index), reading.slow), now
             track.slowdown_threshold = reading.slowdown_threshold
             track.driver_clock_event_reasons = reading.driver_clock_event_reasons
         for reason, active in reading.clock_events.items():
@@ -182,9 +188,9 @@ class GpuCollector:
         while track.window and track.window[0][0] < now - self.ctx.window_seconds:
             track.window.popleft()
 
-    def _families(self, indices: list[int], nvml_up: bool) -> Iterator[Metric]:
+    def _families(self, indices: list[int], nvml_up: bool) -> Iterator[Family]:
         f = Families()
-        session = self.ctx.session
+        session = self.ctx.nvml_session
         f.add("gpuhealth_nvml_up", int(nvml_up))
         f.add("gpuhealth_nvml_stalled", int(self.stalled and nvml_up))
         for error, count in sorted(session.init_errors.items()):
@@ -210,8 +216,10 @@ class GpuCollector:
                 f.add("gpuhealth_gpu_recovery_action", int(action == requested), [gpu, action])
             if track.reading is None:
                 continue
-            for name, labels, value in (*track.reading.samples, *track.slow):
+            for name, labels, value in track.reading.samples:
                 f.add(name, value, [gpu, *labels])
+            for name, series in track.slow.items():
+                f.extend(name, series)
             temperatures = [t for _, t, _ in track.window if t is not None]
             if temperatures:
                 f.add("gpuhealth_gpu_temperature_max_celsius", max(temperatures), [gpu])

@@ -13,8 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gpuhealth.exporter.collector import Context, register
-from gpuhealth.exporter.metrics import Families
-from prometheus_client.core import Metric
+from gpuhealth.exporter.metrics import Families, Family
 
 CPU_MODES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 SECTOR_BYTES = 512  # /proc/diskstats counts 512-byte sectors whatever the device's sector size
@@ -35,7 +34,7 @@ class HostCollector:
         self.procfs = ctx.procfs
         self.clock_ticks = os.sysconf("SC_CLK_TCK")
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         f = Families()
         stat = _fields(self.procfs / "stat")
         for mode, ticks in zip(CPU_MODES, stat["cpu"], strict=False):

@@ -1,7 +1,7 @@
 """Which Slurm job uses which GPU, from the cgroup (or environment) of each GPU compute process.
 
-Lets an alert on a GPU name the job to requeue. Runs after the ``gpu`` collector (collectors run in
-name order), which records each GPU's compute processes in the shared inventory.
+Lets an alert on a GPU name the job to requeue. Needs each GPU's compute processes, which the ``gpu``
+collector records in the shared inventory, so it runs after that collector.
 """
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpuhealth.exporter.collector import Context, register
-from gpuhealth.exporter.metrics import Families
-from prometheus_client.core import Metric
+from gpuhealth.exporter.collector import GPU_PROCESSES, Context, register
+from gpuhealth.exporter.metrics import Families, Family
 
 _CGROUP_JOB = re.compile(r"/job_(\d+)(?:/|$)")
 # Slurm's job ids are decimal; the environment is the process owner's to set, so nothing else is read.
@@ -39,12 +38,12 @@ def slurm_job_of(procfs: Path, pid: int) -> str | None:
     return None
 
 
-@register("jobs", "Slurm job attribution of GPU compute processes")
+@register("jobs", "Slurm job attribution of GPU compute processes", needs=[GPU_PROCESSES])
 class JobsCollector:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         f = Families()
         for index, pids in sorted(self.ctx.inventory.processes.items()):
             jobs = {job for pid in pids if (job := slurm_job_of(self.ctx.procfs, pid))}

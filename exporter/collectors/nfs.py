@@ -10,8 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from gpuhealth.exporter.collector import Context, register
-from gpuhealth.exporter.metrics import Families
-from prometheus_client.core import Metric
+from gpuhealth.exporter.metrics import Families, Family
 
 # xprt line: index of "sends" and "backlog_u" after the protocol name, per transport
 _XPRT_FIELDS = {"tcp": (5, 9), "udp": (2, 6), "rdma": (5, 9)}
@@ -59,7 +58,7 @@ class NfsCollector:
     def __init__(self, ctx: Context) -> None:
         self.path = ctx.procfs / "self/mountstats"
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         f = Families()
         for stats in parse_mountstats(self.path.read_text(errors="surrogateescape")):
             f.add("gpuhealth_nfs_transport_sends_total", stats.sends, [stats.mount])

@@ -11,14 +11,13 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpuhealth.exporter.collector import Context, register
+from gpuhealth.exporter.collector import GPU_IDENTITIES, Context, register
 from gpuhealth.exporter.dedup import XidDeduplicator
 from gpuhealth.exporter.guard import DeadlineExceeded, GuardedWorker
 from gpuhealth.exporter.kmsg import Event, KmsgFollower, parse_line
-from gpuhealth.exporter.metrics import KMSG_RESULTS, Families
+from gpuhealth.exporter.metrics import KMSG_RESULTS, Families, Family
 from gpuhealth.exporter.recovery import load_recovery, save_recovery
 from gpuhealth.exporter.xid_events import MAX_EVENTS_PER_RUN, NvmlXidEvents
-from prometheus_client.core import Metric
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +31,7 @@ def _boot_id(procfs: Path) -> str:
         return ""
 
 
-@register("xid", "XID events (NVML and kernel log), NVSwitch SXIDs, PCIe AER errors")
+@register("xid", "XID events (NVML and kernel log), NVSwitch SXIDs, PCIe AER errors", needs=[GPU_IDENTITIES])
 class XidCollector:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -49,20 +48,20 @@ class XidCollector:
         # Event counters appear at their first event, not at 0 for every GPU and known code: 20 XIDs
         # x 16,384 GPUs of zeros would be most of a fleet's series, and every XID rule would read them
         # all. The rules and dashboards count a series that appears as its first event.
-        self.xids: collections.Counter = collections.Counter()          # (gpu, xid)
-        self.sxids: collections.Counter = collections.Counter()         # (device, sxid, severity)
-        self.aer: collections.Counter = collections.Counter()           # (pci_bus_id, severity, gpu)
-        self.fallen: collections.Counter = collections.Counter()        # gpu
+        self.xids: collections.Counter[tuple[str, ...]] = collections.Counter()    # (gpu, xid)
+        self.sxids: collections.Counter[tuple[str, ...]] = collections.Counter()   # (device, sxid, severity)
+        self.aer: collections.Counter[tuple[str, ...]] = collections.Counter()     # pci_bus_id, severity, gpu
+        self.fallen: collections.Counter[str] = collections.Counter()              # gpu
         self.lines = collections.Counter(dict.fromkeys(KMSG_RESULTS, 0))
         self._notice_pci = ""  # the GPU of a fallen-off-the-bus notice whose first line was just read
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         """No NVML failure may stop the kernel log's XIDs, SXIDs and AER errors from counting."""
-        session = self.ctx.session
-        if self.events is not None and session is not None and session.ensure():
+        session, source = self.ctx.session, self.events
+        if source is not None and session is not None and session.ensure():
             try:
                 events = GuardedWorker.result(
-                    self.nvml_worker.submit(lambda: self.events.drain(session.generation)),
+                    self.nvml_worker.submit(lambda: source.drain(session.generation)),
                     self.ctx.nvml_timeout_seconds)
             except DeadlineExceeded:  # a hung driver: try again next run, count nothing twice
                 log.warning("NVML event drain timed out")
@@ -115,7 +114,7 @@ class XidCollector:
                 self._notice_pci = ""
         self.follower.save_state()
 
-    def _series(self, event: Event) -> tuple[collections.Counter, tuple[str, ...]] | None:
+    def _series(self, event: Event) -> tuple[collections.Counter[tuple[str, ...]], tuple[str, ...]] | None:
         """The counter family and label values an event counts in, for the kinds whose labels come
         from the line itself (device addresses, codes); None for the others."""
         if event.kind == "xid":
@@ -127,7 +126,7 @@ class XidCollector:
             return self.aer, (event.pci_bus_id, event.severity, "" if gpu == "unknown" else gpu)
         return None
 
-    def _families(self) -> Iterator[Metric]:
+    def _families(self) -> Iterator[Family]:
         f = Families()
         for labels, count in sorted(self.xids.items(), key=lambda kv: (kv[0][0], int(kv[0][1]))):
             f.add("gpuhealth_xid_events_total", count, labels)

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pynvml
 from gpuhealth.exporter.sim.gpu import (
@@ -65,7 +66,7 @@ class SimulatedNvml(NvmlCurrent):
         self._advanced_to: float | None = None
         self._initialised = False
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         if name.startswith(("NVML", "nvmlClocks", "nvmlEventType", "c_nvml", "nvmlMemory_v",
                             "nvmlTemperature_v")):
             return getattr(pynvml, name)
@@ -263,7 +264,8 @@ class SimulatedNvml(NvmlCurrent):
 
     def nvmlDeviceGetNvLinkState(self, handle: SimHandle, link: int) -> int:
         gpu = self._link(handle, link)
-        return pynvml.NVML_FEATURE_DISABLED if link in gpu.nvlink_down else pynvml.NVML_FEATURE_ENABLED
+        state: int = pynvml.NVML_FEATURE_DISABLED if link in gpu.nvlink_down else pynvml.NVML_FEATURE_ENABLED
+        return state
 
     def nvmlDeviceGetNvLinkErrorCounter(self, handle: SimHandle, link: int, counter: int) -> int:
         gpu = self._link(handle, link)

@@ -10,7 +10,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pynvml
 from gpuhealth.exporter.sim.profiles import (
@@ -20,6 +20,9 @@ from gpuhealth.exporter.sim.profiles import (
     PROFILES,
     Profile,
 )
+
+if TYPE_CHECKING:
+    from gpuhealth.exporter.sim.gpu import GpuState, Node
 
 NVLINK_DL_FIELDS = {pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_CRC: ("crc_flit", "crc_data"),
                     pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY: ("replay",),
@@ -58,6 +61,14 @@ def refusable(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 class NvmlCurrent:
     """Mixin: needs ``_gpu(handle)`` and ``_node`` from SimulatedNvml."""
+
+    if TYPE_CHECKING:  # what SimulatedNvml provides
+        _initialised: bool
+        _node: Node
+
+        def _gpu(self, handle: Any) -> GpuState: ...
+        def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int: ...
+        def nvmlDeviceGetTotalEccErrors(self, handle: Any, error_type: int, counter_type: int) -> int: ...
 
     profile: Profile = PROFILES[DEFAULT_PROFILE]
     mig = False
@@ -134,9 +145,9 @@ class NvmlCurrent:
         struct.state = pynvml.NVML_GPU_FABRIC_STATE_COMPLETED
         struct.status = pynvml.NVML_SUCCESS
         struct.healthMask = pynvml.NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_FALSE
-        return pynvml.NVML_SUCCESS
+        return int(pynvml.NVML_SUCCESS)
 
-    def nvmlDeviceGetFieldValues(self, handle: Any, field_ids: list) -> Any:
+    def nvmlDeviceGetFieldValues(self, handle: Any, field_ids: list[Any]) -> Any:
         """Field ids or ``(field id, scope)`` pairs, exactly as pynvml takes them."""
         gpu = self._gpu(handle)
         values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
@@ -154,7 +165,7 @@ class NvmlCurrent:
                 value.valueType, value.value.ullVal = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, number
         return values
 
-    def _field(self, gpu: Any, field_id: int, scope: int) -> int | float | None:
+    def _field(self, gpu: GpuState, field_id: int, scope: int) -> int | float | None:
         generation = self.profile.nvlink_generation
         if field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP:
             return round(gpu.memory_temperature)

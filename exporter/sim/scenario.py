@@ -151,7 +151,7 @@ def _parse_workload(raw: Any, problems: list[str]) -> Workload:
 
 
 def _gpu_index(value: Any, where: str, gpus: int, problems: list[str]) -> int | None:
-    index = _number(value, where, problems, 0, integer=True)
+    index: int | None = _number(value, where, problems, 0, integer=True)
     if index is not None and index >= gpus:
         problems.append(f"{where}: GPU {index} does not exist (the scenario has {gpus})")
         return None
@@ -164,9 +164,10 @@ def _parse_process(raw: Any, where: str, gpus: int, problems: list[str]) -> Proc
         return None
     pid = _number(raw["pid"], f"{where}.pid", problems, 1, integer=True)
     indices = [_gpu_index(g, f"{where}.gpus", gpus, problems) for g in raw["gpus"] or []]
-    if pid is None or None in indices:
+    known = tuple(i for i in indices if i is not None)
+    if pid is None or len(known) < len(indices):
         return None
-    return Process(pid, tuple(indices))  # type: ignore[arg-type]
+    return Process(pid, known)
 
 
 def _parse_fault(raw: Any, where: str, gpus: int, nvlinks: int, problems: list[str]) -> Fault | None:
@@ -206,7 +207,8 @@ def _parse_fault(raw: Any, where: str, gpus: int, nvlinks: int, problems: list[s
         problems.append(f"{where}.link: link {params['link']} does not exist (the scenario has {nvlinks})")
     if len(problems) > before:
         return None
-    return Fault(kind, indices, float(start), float(duration), params)  # type: ignore[arg-type]
+    known = tuple(i for i in indices if i is not None)  # all of them: a missing one is a problem above
+    return Fault(kind, known, float(start), float(duration), params)
 
 
 def load_scenario(path: Path | None) -> Scenario:

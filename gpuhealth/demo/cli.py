@@ -141,8 +141,10 @@ def _draw(stack: ClosedLoopStack, observer: Observer, snap: Snapshot) -> None:
         bar = "#" * round(score * 10)
         lines.append(f"{node:8} {state[:22]:22} {gpu:>3} {score:5.2f}  {bar:10} {top} {alerts}")
     lines += ["", "JOBS"]
-    lines += [f"  {job_id}: {state} on {','.join(nodes) or '-'} (restarts {restarts})"
-              for job_id, (state, nodes, restarts) in snap.jobs.items()]
+    for job_id, (state, nodes, restarts) in snap.jobs.items():
+        saved = snap.checkpoints.get(job_id)
+        checkpoint = f", checkpoint step {saved.step} {snap.at - saved.written_at:.0f}s ago" if saved else ""
+        lines.append(f"  {job_id}: {state} on {','.join(nodes) or '-'} (restarts {restarts}{checkpoint})")
     lines += ["", "TIMELINE"]
     lines += [f"  +{e.at - observer.started:6.1f}s  {e.text}" for e in observer.events[-12:]]
     sys.stdout.write("\x1b[H\x1b[2J" + "\n".join(lines) + "\n")

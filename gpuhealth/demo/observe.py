@@ -10,7 +10,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from gpuhealth.demo.stack import ClosedLoopStack, Fault
+from gpuhealth.demo.stack import ClosedLoopStack, Fault, started
+from gpuhealth.local.training_job import Checkpoint, newest_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class Snapshot:
     contributions: dict[tuple[str, str], list[tuple[str, float]]] = field(default_factory=dict)
     alerts: set[tuple[str, str, str, str]] = field(default_factory=set)  # alertname, node, gpu, action
     actions: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # id -> action, node, state
+    checkpoints: dict[str, Checkpoint] = field(default_factory=dict)  # job id -> its newest checkpoint
 
     def drained(self, node: str) -> bool:
         return "DRAIN" in self.node_states.get(node, ("", ""))[0]
@@ -86,6 +88,8 @@ class Observer:
         for job_id in self.stack.jobs:
             job = self.stack.slurm.job(job_id)
             snap.jobs[job_id] = (job.state, tuple(job.nodes), job.restarts)
+            if (saved := newest_checkpoint(self.stack.slurm.checkpoint_dir(job_id))) is not None:
+                snap.checkpoints[job_id] = saved
         self._poll_prometheus(snap)
         self._poll_webhook(snap)
         self._diff(self.last, snap)
@@ -93,7 +97,7 @@ class Observer:
         return snap
 
     def _poll_prometheus(self, snap: Snapshot) -> None:
-        api = self.stack.prometheus.api
+        api = started(self.stack.prometheus).api
         for sample in api.query("gpuhealth:gpu_failure_risk:score"):
             labels = sample["metric"]
             snap.risk[(labels.get("node", ""), labels.get("gpu", ""))] = float(sample["value"][1])
@@ -138,6 +142,9 @@ class Observer:
             if before is not None and restarts > before[2]:
                 for node in before[1]:
                     self._milestone("requeued", node, at)
+        for job_id, saved in new.checkpoints.items():
+            if saved.reason == "signal" and saved != old.checkpoints.get(job_id):
+                self._event(saved.written_at, f"job {job_id}: checkpoint at step {saved.step} on request")
 
     # --- verdict ---------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ and sending SIGHUP. Used by ``gpuhealth demo``, the end-to-end test and ``bench/
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -69,6 +70,17 @@ class StackOptions:
     scrape_interval: str = "5s"
     evaluation_interval: str = "5s"
     breaker_max_nodes: int = 2
+    checkpoint_interval: float = 10.0  # the training jobs' checkpoint interval, seconds
+
+
+T = TypeVar("T")
+
+
+def started(daemon: T | None) -> T:
+    """A daemon of the stack, which must have been started by now (the stack starts them in order)."""
+    if daemon is None:
+        raise ProcessError("the stack has not started this daemon yet")
+    return daemon
 
 
 class ClosedLoopStack:
@@ -113,8 +125,9 @@ class ClosedLoopStack:
             self._start_prometheus(rules_dir)
             progress(f"submitting {self.options.jobs} training job(s) of {self.options.job_nodes} nodes")
             for index in range(self.options.jobs):
-                self.jobs.append(self.slurm.submit_training_job(self.options.job_nodes, seconds=3600,
-                                                                name=f"train{index + 1}"))
+                self.jobs.append(self.slurm.submit_training_job(
+                    self.options.job_nodes, seconds=3600, name=f"train{index + 1}",
+                    checkpoint_interval=self.options.checkpoint_interval))
             progress("waiting for Prometheus to scrape every exporter")
             self.wait_targets_up()
         except BaseException:
@@ -149,14 +162,14 @@ class ClosedLoopStack:
             port = free_port()
             node_dir = self.root / "nodes" / node
             (node_dir / "state").mkdir(parents=True, exist_ok=True)
-            argv = [self._bin("gpuhealth-exporter"), "--backend", "sim",
+            argv: list[str | Path] = [self._bin("gpuhealth-exporter"), "--backend", "sim",
                     "--sim-scenario", self._scenario_path(node), "--kmsg-path", node_dir / "kmsg",
                     "--listen", f"127.0.0.1:{port}", "--state-dir", node_dir / "state",
                     "--sampling.window", "5"]
             proc = ManagedProcess(f"exporter-{node}", argv, node_dir / "exporter.log").start()
             self.exporters[node], self.exporter_ports[node] = proc, port
         for node, proc in self.exporters.items():
-            proc.wait_ready(lambda port=self.exporter_ports[node]: http_ok(f"http://127.0.0.1:{port}/healthz"))
+            proc.wait_ready(functools.partial(http_ok, f"http://127.0.0.1:{self.exporter_ports[node]}/healthz"))
 
     def _generate_rules(self) -> tuple[Path, dict[str, Any]]:
         out = self.root / "generated"
@@ -225,7 +238,7 @@ class ClosedLoopStack:
             "gpuhealth_prometheus_scrape_interval": self.options.scrape_interval,
             "gpuhealth_prometheus_scrape_timeout": self.options.scrape_interval,
             "gpuhealth_prometheus_evaluation_interval": self.options.evaluation_interval,
-            "gpuhealth_prometheus_alertmanager_targets": [f"127.0.0.1:{self.alertmanager.port}"],
+            "gpuhealth_prometheus_alertmanager_targets": [f"127.0.0.1:{started(self.alertmanager).port}"],
             "gpuhealth_prometheus_webhook_target": f"127.0.0.1:{self.webhook_port}",
         })
         self.prometheus = PrometheusServer(self.root / "prometheus", yaml.safe_load(text)).start()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from gpuhealth.evaluation.alerts import Episode
@@ -216,7 +216,8 @@ def score(
     lemons = [e for e in actionable if lemon.search(e.alert)]
     actionable = [e for e in actionable if not lemon.search(e.alert)]
     informational = [e for e in episodes if e.action == "none"]
-    outcomes, matched = [], set()
+    outcomes: list[Outcome] = []
+    matched: set[int] = set()  # ids of the episodes that match a failure
     for failure in failures:
         mine = [e for e in actionable if concerns(e, failure)]
         outcome = _outcome(failure, mine, start, min_lead)
@@ -262,7 +263,7 @@ def score(
 
 
 def nearest_noise(
-    episode: Episode, noise: Iterable[tuple[Noise, Iterable[str]]], start: float, slack: float = 3600.0
+    episode: Episode, noise: Iterable[tuple[Noise, Collection[str]]], start: float, slack: float = 3600.0
 ) -> Noise | None:
     """The benign event that reached the episode's node (``noise`` pairs each event with the nodes it
     touched), on its GPU or node-wide, overlapping it within ``slack`` and starting closest to it, if
@@ -282,7 +283,7 @@ def nearest_noise(
 
 
 def noise_near(
-    episode: Episode, noise: Iterable[tuple[Noise, Iterable[str]]], start: float, slack: float = 3600.0
+    episode: Episode, noise: Iterable[tuple[Noise, Collection[str]]], start: float, slack: float = 3600.0
 ) -> str | None:
     """The kind of ``nearest_noise``."""
     event = nearest_noise(episode, noise, start, slack)

@@ -328,7 +328,7 @@ class SlowNvml(NoiseEffects):
 class AmbientHeat(NoiseEffects):
     """Heat at the same load over whole nodes, uneven over their GPUs (position in the airflow)."""
 
-    def heated(self) -> tuple[list[int] | range, float]:
+    def heated(self) -> tuple[list[int], float]:
         """The node indices warmed and by how much at the peak."""
         raise NotImplementedError
 
@@ -347,10 +347,10 @@ class HotAisle(AmbientHeat):
 
     kind = "hot_aisle"
 
-    def heated(self) -> tuple[list[int] | range, float]:
+    def heated(self) -> tuple[list[int], float]:
         strength = self.event.strength
         last = min(self.node + (2 if strength > 0.6 else 1), self.signals.fleet.nodes)
-        return range(self.node, last), 3 + 6 * strength
+        return list(range(self.node, last)), 3 + 6 * strength
 
     def reach(self) -> list[str]:
         s = self.signals
@@ -364,7 +364,7 @@ class RackCooling(AmbientHeat):
 
     kind = "rack_cooling"
 
-    def heated(self) -> tuple[list[int] | range, float]:
+    def heated(self) -> tuple[list[int], float]:
         return list(self.signals.rack(self.event.node)), 4 + 10 * self.event.strength
 
     def reach(self) -> list[str]:

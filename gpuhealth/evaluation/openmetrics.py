@@ -88,8 +88,8 @@ class BlockFiles:
             key = values.tobytes()
             if key != last[0]:
                 idx = np.flatnonzero(thinning.keep(values, step))
-                pairs = np.strings.add(np.strings.add(_value_texts(values[idx]), " "), self.stamps[idx])
-                last = (key, [*np.searchsorted(idx, self.bounds).tolist(), idx.size], pairs.tolist())
+                texts = np.strings.add(np.strings.add(_value_texts(values[idx]), " "), self.stamps[idx])
+                last = (key, [*np.searchsorted(idx, self.bounds).tolist(), idx.size], texts.tolist())
             _, cuts, pairs = last
             self.samples += len(pairs)
             prefix = f"{family.name}{{{labels}}} "

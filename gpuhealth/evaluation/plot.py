@@ -73,7 +73,7 @@ RAW = {
 class Case:
     """What one plot shows: a node (and GPU), an instant to centre on, the period, a title."""
 
-    node: str
+    node: str | None  # None: a fleet-wide false alarm
     gpu: str | None
     kind: str
     first: float
@@ -89,7 +89,8 @@ def pick(score: Score) -> Outcome | None:
     if predicted:
         return max(predicted, key=lambda o: o.lead_seconds or 0)
     with_precursor = [o for o in score.outcomes if o.failure.has_precursor]
-    return (with_precursor or score.outcomes or [None])[0]
+    candidates = with_precursor or score.outcomes
+    return candidates[0] if candidates else None
 
 
 def _failure_case(score: Score, start: float) -> Case | None:
@@ -132,7 +133,7 @@ def _false_alarm_case(score: Score, scenario: Scenario, reach: list[tuple[Noise,
         if episode.gpu is not None
         else (str(event.gpu) if event and event.gpu is not None else None)
     )
-    marks = ((episode.start, "tab:red"),)
+    marks: tuple[tuple[float, str], ...] = ((episode.start, "tab:red"),)
     if event is not None:
         marks = ((scenario.start + event.at, "tab:blue"), *marks)
     title = (

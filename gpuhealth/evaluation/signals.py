@@ -174,7 +174,9 @@ class FleetSignals:
     def at(self, rel: float) -> int:
         return self.timeline.index(self.scenario.start + rel)
 
-    def gpu_index(self, node: str, gpu: int) -> int:
+    def gpu_index(self, node: str, gpu: int | None) -> int:
+        if gpu is None:
+            raise ValueError(f"an event on one GPU of {node} names no GPU")
         return self.fleet.node_names.index(node) * self.fleet.gpus_per_node + gpu
 
     def node_index(self, node: str) -> int:
@@ -225,15 +227,15 @@ class FleetSignals:
                 "shape": rng.uniform(1.0, 3.0),
                 "hang": rng.uniform(600, HANG_MAX),
                 "extra": rng.uniform(0, 1),
-                "link": rng.integers(0, max(self.fleet.nvlinks, 1)),
+                "link": int(rng.integers(0, max(self.fleet.nvlinks, 1))),
                 "aer": rng.random() < 0.5,
                 "downgrade": rng.random() < 0.35,
                 "generation": rng.random() < 0.4,
                 "remaps": rng.random(),  # how many rows the wear hits again and again (``MemoryFault``)
                 "quiet": rng.random() < 0.35,
                 "rise": rng.uniform(0.03, 0.3),
-                "steps": rng.integers(1, 4),
-                "seed": rng.integers(0, 2**31),
+                "steps": int(rng.integers(1, 4)),
+                "seed": int(rng.integers(0, 2**31)),
             }
             for f in self.scenario.failures
         }
@@ -918,7 +920,7 @@ class FleetSignals:
                 families.setdefault(name, []).extend(self._rows(values, self.node_labels, extra))
         for name, rows in families.items():
             yield self._family(name, rows)
-        sends = sum(ops.values()) * step
+        sends = np.asarray(sum(ops.values()) * step)
         extra = f'mount="{NFS_MOUNT}",'
         yield self._series("gpuhealth_nfs_transport_sends_total", np.round(_counter(sends)), extra, node=True)
         yield self._series(

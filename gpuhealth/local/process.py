@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Self
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,8 @@ def http_ok(url: str, timeout: float = 1.0) -> bool:
 class ManagedProcess:
     """A child in its own process group, so that stopping it also stops anything it spawned."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None,
-                 cwd: Path | None = None) -> None:
+    def __init__(self, name: str, argv: Sequence[str | os.PathLike[str]], log_path: Path,
+                 env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         self.name = name
         self.argv = [str(a) for a in argv]
         self.log_path = Path(log_path)
@@ -60,7 +61,7 @@ class ManagedProcess:
         self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> ManagedProcess:
+    def start(self) -> Self:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         logfile = self.log_path.open("ab")
         log.info("starting name=%s argv=%s", self.name, " ".join(self.argv))
@@ -113,7 +114,7 @@ class ManagedProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers left in the group
 
-    def __enter__(self) -> ManagedProcess:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

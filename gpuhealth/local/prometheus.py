@@ -11,9 +11,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
-import psutil
 import yaml
 
 from gpuhealth.local.process import ManagedProcess, ProcessError, free_port, http_ok
@@ -95,12 +94,12 @@ class LoopbackServer(ManagedProcess):
         text = config if isinstance(config, str) else yaml.safe_dump(config, sort_keys=False)
         self.config_path.write_text(text)
         self.url = f"http://127.0.0.1:{self.port}"
-        super().__init__(self.name, self.argv(), self.workdir / f"{self.name}.log")
+        super().__init__(self.name, self.command(), self.workdir / f"{self.name}.log")
 
-    def argv(self) -> list[str]:
+    def command(self) -> list[str]:
         raise NotImplementedError
 
-    def start(self, timeout: float | None = None) -> LoopbackServer:
+    def start(self, timeout: float | None = None) -> Self:
         super().start()
         self.wait_ready(lambda: http_ok(f"{self.url}/-/ready"), timeout or self.ready_timeout)
         return self
@@ -120,7 +119,7 @@ class PrometheusServer(LoopbackServer):
         super().__init__(workdir, config, port)
         self.api = PrometheusAPI(self.url)
 
-    def argv(self) -> list[str]:
+    def command(self) -> list[str]:
         return [
             find_binary(PROMETHEUS_BIN),
             f"--config.file={self.config_path}",
@@ -139,6 +138,8 @@ class PrometheusServer(LoopbackServer):
 
     def cpu_seconds(self) -> float:
         """User + system CPU time so far: unlike wall time, other load on the machine barely moves it."""
+        import psutil  # the tools extra: only benchmarks measure CPU, and the daemons' installs lack it
+
         assert self.proc is not None
         times = psutil.Process(self.proc.pid).cpu_times()
         return times.user + times.system
@@ -150,7 +151,7 @@ class AlertmanagerServer(LoopbackServer):
     name = "alertmanager"
     config_name = "alertmanager.yml"
 
-    def argv(self) -> list[str]:
+    def command(self) -> list[str]:
         return [
             find_binary(ALERTMANAGER_BIN, "alertmanager"),
             f"--config.file={self.config_path}",

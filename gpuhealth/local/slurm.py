@@ -17,11 +17,13 @@ import logging
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +31,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from gpuhealth.local.process import ManagedProcess, ProcessError, free_port, wait_until
+from gpuhealth.local.training_job import checkpoint_dir
+from gpuhealth.webhook.backends.scontrol import job_fields, parse_node_line
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -36,9 +40,6 @@ T = TypeVar("T")
 SBIN_PATH = "/usr/sbin:/usr/bin"
 TOOLS = ("scontrol", "squeue", "sbatch", "sinfo", "scancel")
 NODE_ENV = "GPUHEALTH_SLURM_NODE"
-_STATE = re.compile(r"(?:^|\s)State=(\S+)")
-_REASON = re.compile(r"\sReason=(.*?)(?=\s(?:Comment|Extra)=|$)")  # Slurm prints Comment, Extra after it
-_JOB_FIELDS = re.compile(r"(?:^|\s)(JobState|NodeList|ExcNodeList|Reason|Restarts)=(\S*)")
 
 
 class SlurmError(RuntimeError):
@@ -171,7 +172,8 @@ class SlurmCluster:
 
     def _start_slurmd(self, node: str, rebooted: bool = False) -> None:
         (self._spool / node).mkdir(parents=True, exist_ok=True)
-        argv = [_binary("slurmd"), "-D", *(["-b"] if rebooted else []), "-N", node, "-f", self.conf_path]
+        argv: list[str | Path] = [_binary("slurmd"), "-D", *(["-b"] if rebooted else []), "-N", node, "-f",
+                                  self.conf_path]
         env = {**self.env, NODE_ENV: node}  # the RebootProgram, run by this slurmd, names its node
         self._slurmd[node] = ManagedProcess(f"slurmd-{node}", argv, self.workdir / f"slurmd.{node}.out",
                                             env=env).start()
@@ -186,9 +188,9 @@ class SlurmCluster:
         for daemon in self._slurmd.values():
             daemon.stop()
         self._kill_job_leftovers()
-        for daemon in (self._slurmctld, self._munged):
-            if daemon is not None:
-                daemon.stop()
+        for central in (self._slurmctld, self._munged):
+            if central is not None:
+                central.stop()
         if self._munge_dir is not None:
             shutil.rmtree(self._munge_dir, ignore_errors=True)
             self._munge_dir = None
@@ -314,12 +316,23 @@ class SlurmCluster:
                        f"--output={self.workdir / 'job-%j.out'}", *args)
         return out.strip().split(";")[0]
 
-    def submit_training_job(self, nodes: int = 2, seconds: int = 600, name: str = "train") -> str:
-        """A requeueable multi-node job, started on ``nodes`` nodes; returns once it runs."""
-        job_id = self.sbatch("--requeue", f"--nodes={nodes}", f"--job-name={name}", "--wrap",
-                             f"sleep {seconds}")
+    def submit_training_job(self, nodes: int = 2, seconds: int = 600, name: str = "train",
+                            checkpoint_interval: float = 30.0, step_seconds: float = 0.2) -> str:
+        """A requeueable multi-node training job (``training_job.py``), started on ``nodes`` nodes;
+        returns once it runs. It checkpoints every ``checkpoint_interval`` seconds and on SIGUSR1 into
+        ``checkpoint_dir(job_id)``, and resumes from there after a requeue; ``seconds`` of training."""
+        command = [sys.executable, "-m", "gpuhealth.local.training_job",
+                   "--interval", str(checkpoint_interval), "--step-seconds", str(step_seconds),
+                   "--steps", str(max(int(seconds / step_seconds), 1))]
+        # exec: the job's batch process is the trainer itself, so "scancel --signal=USR1 --batch" reaches it
+        job_id = self.sbatch("--requeue", "--open-mode=append", f"--nodes={nodes}", f"--job-name={name}",
+                             "--wrap", f"exec {shlex.join(command)}")
         self.wait_job(job_id, lambda job: job.state == "RUNNING", what=f"job {job_id} to run")
         return job_id
+
+    def checkpoint_dir(self, job_id: str) -> Path:
+        """Where training job ``job_id`` keeps its checkpoints (``training_job.newest_checkpoint``)."""
+        return checkpoint_dir(self.workdir, job_id)
 
     def hostnames(self, hostlist: str) -> list[str]:
         """Expand a Slurm hostlist (``gpu[01-02,04]``) the way Slurm does."""
@@ -328,15 +341,12 @@ class SlurmCluster:
         return self.scontrol("show", "hostnames", hostlist).split()
 
     def node(self, name: str) -> NodeInfo:
-        line = self.scontrol("show", "node", name, "-o").strip()
-        state = _STATE.search(line)
-        reason = _REASON.search(line)
-        return NodeInfo(name, state[1] if state else "", reason[1] if reason else "")
+        parsed = parse_node_line(self.scontrol("show", "node", name, "-o").strip())
+        return NodeInfo(name, parsed.state, parsed.printed_reason)
 
     def job(self, job_id: str) -> JobInfo:
-        fields: dict[str, str] = {}
-        for key, value in _JOB_FIELDS.findall(self.scontrol("show", "job", job_id, "-o")):
-            fields.setdefault(key, value)  # the job's own, not look-alikes in a Comment printed later
+        fields = job_fields(self.scontrol("show", "job", job_id, "-o"),
+                            ("JobState", "NodeList", "ExcNodeList", "Reason", "Restarts"))
         return JobInfo(job_id, fields.get("JobState", ""), self.hostnames(fields.get("NodeList", "")),
                        self.hostnames(fields.get("ExcNodeList", "")), fields.get("Reason", ""),
                        int(fields.get("Restarts", "0")))

@@ -21,6 +21,10 @@ CASES = {
                                            "gpuhealth_exporter_driver_version_file": "/",
                                            "gpuhealth_exporter_sim_scenario": "/"},
                              "needs gpuhealth_exporter_backend: sim"),
+    "validate-without-healthcheck": ("gpu_nodes", {"gpuhealth_exporter_slurm_healthcheck": False,
+                                                   "gpuhealth_exporter_slurm_healthcheck_validate": True},
+                                     "runs from the Slurm health check: set "
+                                     "gpuhealth_exporter_slurm_healthcheck: true too"),
     "no-token": ("gpuhealth_webhook", {"gpuhealth_webhook_token": ""}, "gpuhealth_webhook_token must be set"),
     "bad-backend": ("gpuhealth_webhook", {"gpuhealth_webhook_backend": {"type": "pbs"}},
                     "gpuhealth_webhook_backend.type must be one of slurm, kubernetes, command, simulated"),

@@ -34,6 +34,8 @@ UPGRADE = f"{VERSION}.post1"
 SITE_VARS = {
     "gpuhealth_prometheus_scrape_interval": "1s",
     "gpuhealth_webhook_backend": {"type": "simulated", "nodes": [NODE]},
+    "gpuhealth_exporter_slurm_healthcheck_validate": True,
+    "gpuhealth_exporter_slurm_healthcheck_validate_args": ["--backend", "sim"],
 }
 
 
@@ -136,6 +138,7 @@ def test_first_run_installs_everything(runs, site):
     am_token = deployment.path("/etc/prometheus/gpuhealth-webhook.token")
     assert am_token.read_text().strip() == TOKEN and mode(am_token) == 0o640
     assert os.access(deployment.path("/usr/local/sbin/gpuhealth-healthcheck"), os.X_OK)
+    assert os.access(deployment.path("/opt/gpuhealth/venv/bin/gpuhealth-validate"), os.X_OK)
 
     rules = sorted(p.name for p in deployment.path("/etc/prometheus/rules/gpuhealth").iterdir())
     assert rules == runs["rules"]
@@ -238,6 +241,11 @@ def test_installed_daemons_work_together(site, tmp_path):
         healthcheck = subprocess.run([script, "--node", NODE, "--url", f"{exporter}/metrics", "--dry-run"],
                                      capture_output=True, text=True, timeout=60)
         assert (healthcheck.returncode, healthcheck.stdout) == (0, ""), healthcheck.stderr
+        validator = deployment.path("/opt/gpuhealth/venv/bin/gpuhealth-validate")
+        validate = subprocess.run([validator, "--backend", "sim", "--gpus-expected", "9"],
+                                  capture_output=True, text=True, timeout=120)
+        assert validate.returncode == 1 and json.loads(validate.stdout)["failed"] == ["gpus_visible"], \
+            validate.stderr
 
         assert_webhook_accepts_alertmanagers_token_only(deployment, webhook)
         assert_prometheus_scrapes_the_exporter_with_its_node_label(deployment, tmp_path / "prometheus")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 
-from gpuhealth.dashboards.preview import _mapped, _threshold_colour, format_value
 from gpuhealth.dashboards.queries import Window, legend, variable_queries, variable_values
+
+from gpuhealth.previews.draw import _mapped, _threshold_colour, format_value
 
 
 def test_legend_follows_legend_format_like_grafana():

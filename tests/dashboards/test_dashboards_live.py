@@ -12,9 +12,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from gpuhealth.dashboards.fleet_sample import backfilled_fleet
 from gpuhealth.dashboards.generate import render
-from gpuhealth.dashboards.preview import Previewer
 from gpuhealth.dashboards.queries import (
     Window,
     panel_queries,
@@ -23,7 +21,10 @@ from gpuhealth.dashboards.queries import (
     variable_queries,
     variable_values,
 )
-from gpuhealth.dashboards.webhook_sample import SCRAPE_SECONDS, webhook_session
+
+from gpuhealth.previews.draw import Previewer
+from gpuhealth.previews.fleet_sample import backfilled_fleet
+from gpuhealth.previews.webhook_sample import SCRAPE_SECONDS, webhook_session
 
 pytestmark = pytest.mark.slow
 

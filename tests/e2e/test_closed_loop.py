@@ -130,3 +130,11 @@ def test_noise_and_healthy_nodes_are_left_alone(loop):
         if name not in faulty:
             assert "DRAIN" not in stack.slurm.node(name).state, name
     assert observer.healthy_nodes_touched() == []
+
+
+def test_training_jobs_checkpoint_and_the_demo_sees_it(loop):
+    stack, observer, _ = loop
+    assert set(observer.last.checkpoints) == set(stack.jobs)
+    for job_id, saved in observer.last.checkpoints.items():
+        assert saved.reason == "interval" and saved.step > 0, (job_id, saved)
+        assert saved.path.parent == stack.slurm.checkpoint_dir(job_id)

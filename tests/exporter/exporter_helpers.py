@@ -33,7 +33,12 @@ class FakeClock:
 
 def sim_context(scenario: dict, clock: FakeClock, kmsg_path: Path | None = None, profile=None,
                 **kwargs) -> Context:
-    """A Context on a simulated node driven by ``clock``, NVML initialised."""
+    """A Context on a simulated node driven by ``clock``, NVML initialised.
+
+    The NVML deadline defaults to 10 s, not the exporter's 2 s: a healthy simulated GPU must never miss it
+    on a loaded test machine. Tests about deadlines pass their own.
+    """
+    kwargs.setdefault("nvml_timeout_seconds", 10.0)
     nvml = SimulatedNvml(parse_scenario(scenario), kmsg_path, clock=clock, profile=profile)
     nvml.nvmlInit()
     ctx = Context(nvml=nvml, procfs=PROCFS, kmsg_path=kmsg_path, clock=clock, **kwargs)

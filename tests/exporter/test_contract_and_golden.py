@@ -27,22 +27,28 @@ CONTRACT = Path(__file__).parents[2] / "docs" / "contract.md"
 
 
 def contract_metrics() -> dict[str, tuple[str, ...]]:
-    """metric -> label names, from the exporter section of the contract."""
+    """metric -> label names, from the metric column of the exporter section's tables (the notes
+    column mentions metrics too, without their labels)."""
     text = CONTRACT.read_text()
     section = text[text.index("## Exporter metrics"):text.index("## Rules")]
     found: dict[str, tuple[str, ...]] = {}
-    for name, labels in re.findall(r"`(gpuhealth_[a-z0-9_]+)(?:\{([a-z_,]+)\})?`", section):
-        found[name] = tuple(labels.split(",")) if labels else ()
+    for row in section.splitlines():
+        if not row.startswith("| `gpuhealth_"):
+            continue
+        for name, labels in re.findall(r"`(gpuhealth_[a-z0-9_]+)(?:\{([a-z_,]+)\})?`", row.split("|")[1]):
+            assert name not in found, f"{name} is listed twice in docs/contract.md"
+            found[name] = tuple(labels.split(",")) if labels else ()
     return found
 
 
 def test_every_contract_metric_is_published_with_its_labels() -> None:
     contract = contract_metrics()
     assert len(contract) > 50
+    assert any(not labels for labels in contract.values())  # node-level metrics are checked too
     for name, labels in contract.items():
         assert name in SPECS, f"{name} is in docs/contract.md but the exporter does not publish it"
-        if labels:
-            assert set(SPECS[name].labels) == set(labels), name
+        assert set(SPECS[name].labels) == set(labels), (
+            f"{name}: the exporter's labels {SPECS[name].labels} differ from the contract's {labels}")
 
 
 def test_exporter_publishes_nothing_outside_the_contract() -> None:

@@ -15,6 +15,9 @@ from exporter_helpers import (
     sim_context,
     value,
 )
+from gpuhealth.exporter.collector import Context
+from gpuhealth.exporter.sim.nvml import SimulatedNvml
+from gpuhealth.exporter.sim.scenario import parse_scenario
 
 
 def test_default_node_golden(clock: FakeClock) -> None:
@@ -157,25 +160,33 @@ def test_hung_gpu_times_out_and_stays_down_without_blocking(clock: FakeClock) ->
         release.set()
 
 
-def test_gsp_precursor_shows_as_nvml_latency() -> None:
-    """Slow answers before the GSP timeout: measured with the real clock, the sleep is real."""
-    import time
+def test_gsp_precursor_shows_as_nvml_latency(clock: FakeClock) -> None:
+    """Slow answers before the GSP timeout: the simulator's delays move an injected clock, not real time.
 
-    ctx = sim_context({"gpus": 2, "faults": [{"kind": "gsp_timeout", "gpu": 0, "precursor": 2}]},
-                      time.monotonic)
-    collector = make_collector("gpu", ctx)
-    time.sleep(1.5)  # three quarters into the precursor: answers take about 190 ms
+    Each GPU is sampled on its own thread, so each thread's waits count only on that thread's clock:
+    GPU 0's slow answers cannot leak into GPU 1's measured latency, whatever the interleaving.
+    """
+    waited = threading.local()
+
+    def now() -> float:
+        return clock() + getattr(waited, "seconds", 0.0)
+
+    def sleep(seconds: float) -> None:
+        waited.seconds = getattr(waited, "seconds", 0.0) + seconds
+
+    scenario = parse_scenario({"gpus": 2, "faults": [{"kind": "gsp_timeout", "gpu": 0, "precursor": 2}]})
+    nvml = SimulatedNvml(scenario, clock=clock, sleep=sleep)
+    collector = make_collector("gpu", Context(nvml=nvml, clock=now))
+    clock.advance(1.5)  # three quarters into the precursor: the temperature answers after 0.1875 s
     text = scrape(collector)
     slow, fast = (value(text, "gpuhealth_gpu_nvml_latency_seconds", gpu=g) for g in ("0", "1"))
-    assert slow >= 0.15 and fast < slow / 2
+    assert slow == pytest.approx(0.25 * 1.5 / 2)
+    assert fast == 0
 
 
 def test_driver_clock_event_counters_win_over_sampling(clock: FakeClock) -> None:
     """Where the driver counts time in a reason (field values, ns), that exact figure is published."""
     import pynvml
-    from gpuhealth.exporter.collector import Context
-    from gpuhealth.exporter.sim.nvml import SimulatedNvml
-    from gpuhealth.exporter.sim.scenario import parse_scenario
 
     class DriverTimed(SimulatedNvml):
         def _field(self, gpu, field_id, scope):

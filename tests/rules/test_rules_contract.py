@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 from gpuhealth.contract.metrics import COLLECTORS, SPECS
-from gpuhealth.rules import fleet
 from rules_promtool import GENERATED, INPUTS
+
+from gpuhealth.local import synthetic_fleet as fleet
 
 REPO = Path(__file__).resolve().parents[2]
 METRIC = re.compile(r"\b(gpuhealth_[a-z0-9_]+)")

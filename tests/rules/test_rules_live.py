@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from gpuhealth.rules.fleet import SyntheticFleet
 from rules_promtool import GENERATED
 
 from gpuhealth.cli import main
 from gpuhealth.local.process import wait_until
 from gpuhealth.local.prometheus import PrometheusServer
+from gpuhealth.local.synthetic_fleet import SyntheticFleet
 
 DEMO = GENERATED.parent / "overlays" / "demo.yaml"
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import subprocess
@@ -15,6 +14,7 @@ import pytest
 from gpuhealth.webhook.app import create_app
 from gpuhealth.webhook.backends.simulated import SimulatedBackend
 from gpuhealth.webhook.config import parse_config
+from waiting import eventually
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TOKEN = "test-token-0123456789"
@@ -86,26 +86,28 @@ class Harness:
 
     async def settle(self, timeout: float = 10.0) -> list[dict[str, Any]]:
         """Wait until no action can make progress now; return them all, oldest first."""
-        deadline = time.monotonic() + timeout
-        while True:
-            actions = await self.actions()
+        def quiet(actions: list[dict[str, Any]]) -> bool:
             now = time.time()
-            busy = [a for a in actions if a["state"] in ("pending", "running") and a["next_at"] <= now]
-            if not busy:
-                return actions
-            assert time.monotonic() < deadline, f"actions still under way: {busy}"
-            await asyncio.sleep(0.02)
+            return not any(a["state"] in ("pending", "running") and a["next_at"] <= now for a in actions)
+
+        return await eventually(self.actions, quiet, timeout=timeout, what="actions under way to settle",
+                                interval=0.02)
+
+    async def until(self, predicate: Callable[[list[dict[str, Any]]], object], what: str,
+                    timeout: float = 30.0) -> list[dict[str, Any]]:
+        """Settle until ``predicate`` holds for the actions (deferred ones come due meanwhile)."""
+        return await eventually(self.settle, predicate, timeout=timeout, what=what, interval=0.1)
 
     async def wait_action(self, action_id: int, predicate: Callable[[dict[str, Any]], bool],
                           timeout: float = 20.0) -> dict[str, Any]:
         """Poll one action until ``predicate`` holds, failing with its last state at the deadline."""
-        deadline = time.monotonic() + timeout
-        while True:
-            action = await self.call("GET", f"/actions/{action_id}")
-            if predicate(action):
-                return action
-            assert time.monotonic() < deadline, action
-            await asyncio.sleep(0.05)
+        return await eventually(lambda: self.call("GET", f"/actions/{action_id}"), predicate, timeout=timeout,
+                                what=f"action {action_id}")
+
+    async def until_metric(self, name: str, at_least: float, what: str, timeout: float = 30.0) -> float:
+        """Poll a metric until it reaches ``at_least``."""
+        return await eventually(lambda: self.metric(name), lambda v: v >= at_least, timeout=timeout,
+                                what=what)
 
     async def metric(self, name: str, **labels: str) -> float:
         text = await (await self.client.get("/metrics")).text()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from datetime import UTC, datetime
 
 import aiohttp
@@ -47,21 +45,14 @@ async def test_ha_alertmanager_pair_drives_one_drain_and_one_undrain(webhook, tm
                     async with session.post(f"{am.url}/api/v2/alerts", json=alerts) as resp:
                         assert resp.status == 200, await resp.text()
 
-            async def until(predicate, what: str) -> list[dict]:
-                deadline = time.monotonic() + 30
-                while not predicate(actions := await hook.settle()):
-                    assert time.monotonic() < deadline, f"timed out waiting for {what}: {actions}"
-                    await asyncio.sleep(0.1)
-                return actions
-
             await post([_alert("gpu05", "3")])
-            actions = await until(lambda a: a and a[0]["state"] == "done", "the drain")
+            actions = await hook.until(lambda a: a and a[0]["state"] == "done", "the drain")
             assert hook.drained == {"gpu05": "gpuhealth: GPUHealthXidResetGpu: XID 48 on gpu05 GPU 3"}
             assert ["reset_gpu", "gpu05", "3", hook.drained["gpu05"]] in hook.backend.history
             now = datetime.now(UTC).isoformat().replace("+00:00", "Z")
             await post([_alert("gpu05", "3", ends_at=now)])
-            actions = await until(lambda a: any(x["kind"] == "undrain" and x["state"] == "done" for x in a),
-                                  "the undrain")
+            actions = await hook.until(
+                lambda a: any(x["kind"] == "undrain" and x["state"] == "done" for x in a), "the undrain")
     finally:
         for am in pair:
             am.stop()

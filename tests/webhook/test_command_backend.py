@@ -11,6 +11,7 @@ import pytest
 from gpuhealth.webhook.backends import create_backend
 from gpuhealth.webhook.backends.base import BackendError, NodeState
 from gpuhealth.webhook.backends.command import CommandBackend
+from waiting import eventually
 
 RECORDER = """\
 import json, os, sys
@@ -49,7 +50,7 @@ def calls(tmp_path: Path) -> list[dict]:
 async def test_placeholders_are_filled_verbatim_never_through_a_shell(tmp_path, recorder):
     backend = make(tmp_path, recorder, {"drain": ["--node={node}", "{reason}"]})
     reason = "gpuhealth: GPUHealthXidResetGpu: XID 79 $(touch pwned); `id` > x && echo {gpu}"
-    await backend.drain("gpu07", reason)
+    await backend.drain("gpu07", reason, alertname="GPUHealthXidResetGpu")
     [call] = calls(tmp_path)
     assert call["argv"] == ["--node=gpu07", reason]
     assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
@@ -66,8 +67,10 @@ async def test_every_operation_passes_its_fields(tmp_path, recorder):
     })
     await backend.resume("gpu01")
     await backend.requeue("4242_3", ["gpu01", "gpu05"])
-    await backend.reset_gpu("gpu02", "3", "gpuhealth: GPUHealthGpuFailureRisk: high risk")
-    await backend.reboot("gpu03", "gpuhealth: GPUHealthGpusMissing: 7 of 8 GPUs")
+    await backend.reset_gpu("gpu02", "3", "gpuhealth: GPUHealthGpuFailureRisk: high risk",
+                            alertname="GPUHealthGpuFailureRisk")
+    await backend.reboot("gpu03", "gpuhealth: GPUHealthGpusMissing: 7 of 8 GPUs",
+                         alertname="GPUHealthGpusMissing")
     got = calls(tmp_path)
     assert [c["argv"] for c in got] == [["gpu01"], ["4242_3", "gpu01,gpu05"], ["gpu02", "3"],
                                         ["gpu03", "GPUHealthGpusMissing"]]
@@ -112,10 +115,11 @@ async def test_timeout_kills_the_whole_process_group(tmp_path):
     assert err.value.retryable and "timed out" in str(err.value)
     assert time.monotonic() - started < 10
     child = int(pidfile.read_text())
-    deadline = time.monotonic() + 5
-    while Path(f"/proc/{child}").exists() and "Z" not in _proc_state(child):
-        assert time.monotonic() < deadline, "the command's child survived the timeout"
-        time.sleep(0.05)
+
+    async def gone() -> bool:
+        return not Path(f"/proc/{child}").exists() or "Z" in _proc_state(child)
+
+    await eventually(gone, timeout=5, what="the command's child to be killed with its group")
 
 
 def _proc_state(pid: int) -> str:

@@ -85,10 +85,7 @@ async def test_undrain_waits_for_a_passing_health_check(webhook, tmp_path):
     assert actions[-1]["state"] == "running" and actions[-1]["reason"] == "health_check_failed"
     assert "gpu07" in hook.drained
     flag.touch()
-    deadline = time.monotonic() + 10
-    while (await hook.actions())[-1]["state"] != "done":
-        assert time.monotonic() < deadline
-        await hook.settle()
+    await hook.until(lambda a: a[-1]["state"] == "done", "the undrain after the health check passed", 10)
     assert hook.drained == {}
 
 
@@ -283,29 +280,35 @@ async def test_policy_rules_override_the_action_label(webhook):
                                            {"match": {"alertname": "GPUHealthXid.*"}, "action": "replace"}]})
     await hook.post(alert("gpu01", action="drain", severity="info"),
                     alert("gpu02", action="drain", alertname="GPUHealthXidFatal"),
-                    alert("gpu03", action="bogus", alertname="Other"))
+                    alert("gpu03", action="bogus", alertname="Other"),
+                    alert("gpu04", action="", alertname="Other"))
     actions = await hook.settle()
-    assert [a["kind"] for a in actions] == ["none", "replace", "none"]
+    assert [a["kind"] for a in actions] == ["none", "replace", "unknown", "none"]
+    # an action label the webhook does not know is refused, never mistaken for a deliberate "none";
+    # an empty one falls back to default_action
+    assert (actions[2]["state"], actions[2]["reason"]) == ("skipped", "unknown_action")
+    assert "'bogus'" in actions[2]["detail"] and actions[3]["reason"] == "record_only"
+    assert await hook.metric("gpuhealth_webhook_actions_total", action="unknown", outcome="skipped",
+                             reason="unknown_action") == 1
+    assert hook.backend.history == [["drain", "gpu02", hook.drained["gpu02"]]]
 
 
 async def test_backend_errors_are_retried_with_backoff_then_failed(webhook):
     class Flaky(SimulatedBackend):
         failures = 2
 
-        async def drain(self, node, reason):
+        async def drain(self, node, reason, **alert):
             if self.failures:
                 self.failures -= 1
                 raise BackendError("slurm_update error: Socket timed out")
-            await super().drain(node, reason)
+            await super().drain(node, reason, **alert)
 
-        async def reboot(self, node, reason):
+        async def reboot(self, node, reason, **alert):
             raise BackendError("Invalid node name specified", retryable=False)
 
     hook = await webhook(backend=Flaky(["gpu01", "gpu02"]), retry={"backend_max_attempts": 5})
     await hook.post(alert("gpu01", action="drain"))
-    actions = await hook.settle()
-    while actions[0]["state"] != "done":
-        actions = await hook.settle()
+    actions = await hook.until(lambda a: a[0]["state"] == "done", "the drain after two failures")
     assert actions[0]["attempts"] == 2
     await hook.post(alert("gpu02", action="drain_reboot"))
     actions = await hook.settle()
@@ -379,3 +382,21 @@ async def test_cancel_while_the_worker_decides_wins(webhook):
     actions = await hook.actions()
     assert [(a["state"], a["reason"]) for a in actions] == [("cancelled", "operator")] * 2
     assert hook.drained == {"gpu02": "maintenance by a human"}
+
+
+async def test_a_gpu_step_needs_a_real_gpu_and_a_node_step_does_not(webhook):
+    """``gpu="unknown"`` is the exporter's label for a kernel-log event it matched to no GPU: a reset
+    cannot be aimed at it, a drain or reboot of the node still can."""
+    hook = await webhook()
+    body = await hook.post(alert("gpu01", action="drain_reset_gpu", gpu="unknown"),
+                           alert("gpu02", action="drain_reset_gpu", gpu=None),
+                           alert("gpu03", action="drain_reboot", gpu="unknown"))
+    actions = await hook.settle()
+    assert [(a["node"], a["state"], a["reason"]) for a in actions] == [
+        ("gpu01", "skipped", "no_gpu"), ("gpu02", "skipped", "no_gpu"), ("gpu03", "done", "ok")]
+    assert body["new_actions"] == [actions[2]["id"]]
+    assert "drain_reset_gpu acts on one GPU and the alert names none (its gpu label is 'unknown')" in \
+        actions[0]["detail"]
+    assert [op[:2] for op in hook.backend.history] == [["drain", "gpu03"], ["reboot", "gpu03"]]
+    assert await hook.metric("gpuhealth_webhook_actions_total", action="drain_reset_gpu", outcome="skipped",
+                             reason="no_gpu") == 2

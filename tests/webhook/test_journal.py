@@ -6,6 +6,7 @@ import time
 
 from conftest import alert, notification, resolved
 from gpuhealth.webhook.config import parse_config
+from gpuhealth.webhook.intake import resolve
 from gpuhealth.webhook.journal import Journal
 from gpuhealth.webhook.models import parse_notification
 from gpuhealth.webhook.policy import decide
@@ -15,7 +16,7 @@ CONFIG = parse_config({"backend": {"type": "simulated", "nodes": ["gpu01"]}})
 
 def _record(journal: Journal, *alerts: dict) -> list[int]:
     parsed = parse_notification(notification(*alerts))
-    [result] = journal.record([(parsed, decide(parsed, CONFIG))])
+    [result] = journal.record([(parsed, decide(parsed, CONFIG))], resolve)
     return result.new_actions
 
 

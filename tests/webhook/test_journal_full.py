@@ -4,11 +4,9 @@ write that records the drain is the first one refused. The same on the real Slur
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 from conftest import alert
 from gpuhealth.webhook.backends.command import CommandBackend
+from waiting import eventually
 
 
 async def test_a_full_disk_never_repeats_a_drain_and_work_resumes_when_space_returns(webhook, tmp_path,
@@ -21,10 +19,8 @@ async def test_a_full_disk_never_repeats_a_drain_and_work_resumes_when_space_ret
     hook = await webhook(backend=backend, state_dir=str(small_disk))
     await hook.post(alert("gpu01", action="drain"))
 
-    deadline = time.monotonic() + 30
-    while await hook.metric("gpuhealth_webhook_journal_write_failures_total") < 4:  # several retry rounds
-        assert time.monotonic() < deadline, "the journal never reported a refused write"
-        await asyncio.sleep(0.05)
+    await hook.until_metric("gpuhealth_webhook_journal_write_failures_total", 4,  # several retry rounds
+                            "the journal to report refused writes")
     assert calls.read_text().split() == ["gpu01"], "the drain was sent again without its record"
     health = await hook.client.get("/healthz")
     assert health.status == 503 and "journal cannot be written" in (await health.json())["error"]
@@ -35,13 +31,8 @@ async def test_a_full_disk_never_repeats_a_drain_and_work_resumes_when_space_ret
     assert resp.status == 503
 
     filler.unlink()  # space returns
-    deadline = time.monotonic() + 60
-    while True:
-        actions = await hook.actions()
-        if actions and actions[0]["state"] == "done":
-            break
-        assert time.monotonic() < deadline, actions
-        await asyncio.sleep(0.1)
+    actions = await eventually(hook.actions, lambda a: a and a[0]["state"] == "done", timeout=60,
+                               what="the drain once space returned", interval=0.1)
     assert (actions[0]["reason"], actions[0]["progress"]["done"]) == ("ok", ["drain", "requeue"])
     assert calls.read_text().split() == ["gpu01"], "exactly one drain, first to last"
     assert (await hook.client.get("/healthz")).status == 200

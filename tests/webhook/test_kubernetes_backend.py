@@ -253,7 +253,7 @@ async def test_reboot_and_gpu_reset_can_run_a_site_command_instead(kube, tmp_pat
     backend = _backend(kube, tmp_path, node_actions="command", node_commands={
         "reset_gpu": ["touch", str(tmp_path / "reset-{node}-{gpu}-{alertname}")],
         "reboot": ["false"]})
-    await backend.reset_gpu("gpu01", "3", REASON)
+    await backend.reset_gpu("gpu01", "3", REASON, alertname="GPUHealthXidFatal")
     assert (tmp_path / "reset-gpu01-3-GPUHealthXidFatal").exists()
     assert kube.requests == [], "a command replaces the node annotation"
     with pytest.raises(BackendError, match="false: exit 1") as exc:

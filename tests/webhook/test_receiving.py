@@ -7,18 +7,19 @@ import base64
 import gzip
 import json
 import sqlite3
-import time
 from dataclasses import replace
 
 import pytest
 from conftest import FIXTURES, TOKEN, alert, notification, recorded
 from gpuhealth.webhook.config import parse_config
+from gpuhealth.webhook.intake import resolve
 from gpuhealth.webhook.journal import Journal
 from gpuhealth.webhook.models import PayloadError, parse_notification
 from gpuhealth.webhook.policy import decide
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
+from waiting import eventually
 
 
 async def test_recorded_alertmanager_delivery_is_accepted_with_its_own_headers(webhook, tmp_path):
@@ -211,10 +212,7 @@ async def test_a_sender_hanging_up_mid_request_does_not_lose_the_notification(we
     await writer.drain()
     writer.close()  # gone before the answer, as Alertmanager is when its timeout fires
     await writer.wait_closed()
-    deadline = time.monotonic() + 10
-    while not await hook.actions():
-        assert time.monotonic() < deadline, "the notification was lost"
-        await asyncio.sleep(0.02)
+    await eventually(hook.actions, timeout=10, what="the notification (was it lost?)", interval=0.02)
     [action] = await hook.settle()
     assert (action["node"], action["state"]) == ("gpu05", "done")
 
@@ -239,7 +237,7 @@ def test_the_journal_isolates_each_notification_of_a_batch(tmp_path):
     broken = replace(good[0], receiver="\ud800")  # text SQLite cannot encode
     batch = [(n, decide(n, parse_config({"backend": {"type": "simulated"}}))) for n in
              (good[0], broken, good[1], good[2])]
-    results = journal.record(batch)
+    results = journal.record(batch, resolve)
     assert isinstance(results[1], UnicodeEncodeError)
     assert [len(r.new_actions) for r in (results[0], results[2], results[3])] == [1, 1, 1]
     assert sorted(a.node for a in journal.list_actions()) == ["gpu01", "gpu02", "gpu03"]

@@ -10,7 +10,7 @@ out-of-tree backend the same way.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Protocol
 
 from gpuhealth.webhook.backends.base import Backend, BackendError, NodeState
 
@@ -24,12 +24,18 @@ BUILTIN = {
 }
 
 
-def backend_class(kind: str) -> type:
+class BackendClass(Protocol):
+    """A backend class: ``from_config`` validates its settings and builds it."""
+
+    def from_config(self, settings: dict[str, Any]) -> Backend: ...
+
+
+def backend_class(kind: str) -> BackendClass:
     """The class for a backend ``type``; ``ValueError`` with the known types when there is none."""
     if ":" in kind:
         module_name, _, class_name = kind.partition(":")
         try:
-            cls = getattr(importlib.import_module(module_name), class_name)
+            cls: BackendClass = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"backend type {kind!r} cannot be loaded: {exc}") from None
         return cls
@@ -42,7 +48,8 @@ def backend_class(kind: str) -> type:
         raise ValueError(f"backend type {kind!r} is not available: {exc}") from None
     for value in vars(module).values():
         if isinstance(value, type) and getattr(value, "name", None) == kind and hasattr(value, "from_config"):
-            return value
+            found: BackendClass = value
+            return found
     raise ValueError(f"backend module {BUILTIN[kind]} defines no class with name = {kind!r}")
 
 

@@ -14,27 +14,23 @@ changes nodes: without it an operator's drain could not be seen, and it would no
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import os
-import re
 import shlex
-import signal
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuhealth.webhook import process
 from gpuhealth.webhook.backends.base import BackendError, NodeState
 from gpuhealth.webhook.backends.helpers import HelperRegistry, TracksHelpers
-from gpuhealth.webhook.labels import GPU, clean_text, shown, valid_node
+from gpuhealth.webhook.labels import ALERT_NAME, GPU, UNNAMED_ALERT, clean_text, shown, valid_node
 
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_CHARS = 2000
-REASON_ALERTNAME = re.compile(r"^gpuhealth: (?P<alertname>[A-Za-z_:][A-Za-z0-9_:]{0,119}?)(?:: |$)")
 # Operations that change a node: each needs node_state, to leave a node someone else drained alone.
 NODE_CHANGING = ("drain", "resume", "reset_gpu", "reboot")
 
@@ -60,46 +56,23 @@ def _tail(data: bytes) -> str:
 async def run_argv(argv: Sequence[str], *, env: Mapping[str, str] | None, timeout: float,
                    cwd: str | None = None, permanent_exit_codes: frozenset[int] = frozenset(),
                    helpers: HelperRegistry | None = None) -> str:
-    """Run ``argv`` with no shell and return its stdout; ``BackendError`` on failure or timeout.
+    """Run ``argv`` (``process.run``) and return its stdout; ``BackendError`` on failure or timeout.
 
     Missing programs and ``permanent_exit_codes`` are not retryable; other failures and timeouts are.
     ``helpers`` records the process group while it runs, for a restarted webhook to kill.
     """
     what = " ".join(argv)
-    try:  # the record is made before the program starts: recording it then needs no new space
-        slot = helpers.reserve() if helpers is not None else None
-    except OSError as exc:
-        raise BackendError(f"{what}: not run, its process cannot be recorded: {exc}") from None
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=dict(env) if env is not None else None, cwd=cwd,
-            start_new_session=True)
-    except OSError as exc:
-        if helpers is not None and slot is not None:
-            helpers.release(slot)
-        raise BackendError(f"{what}: cannot run {argv[0]!r}: {exc.strerror}", retryable=False) from None
-    try:
-        if helpers is not None and slot is not None:
-            helpers.started(slot, proc.pid)
-        stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout)
-    except (OSError, asyncio.CancelledError) as exc:  # TimeoutError is an OSError
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
-        if isinstance(exc, TimeoutError):
-            raise BackendError(f"{what}: timed out after {timeout:g}s") from None
-        if isinstance(exc, OSError):  # a helper that could not be recorded must not run unrecorded
-            raise BackendError(f"{what}: cannot record the helper process: {exc}") from None
-        raise
-    finally:
-        if helpers is not None:
-            helpers.finished(proc.pid)
-    if proc.returncode != 0:
-        detail = _tail(stderr) or _tail(stdout) or "no output"
-        raise BackendError(f"{what}: exit {proc.returncode}: {detail}",
-                           retryable=proc.returncode not in permanent_exit_codes)
-    return stdout.decode(errors="replace")
+        done = await process.run(argv, timeout=timeout, env=env, cwd=cwd, helpers=helpers)
+    except process.NotStarted as exc:
+        raise BackendError(f"{what}: {exc}", retryable=not exc.permanent) from None
+    except process.TimedOut as exc:
+        raise BackendError(f"{what}: {exc}") from None
+    if done.returncode != 0:
+        detail = _tail(done.stderr) or _tail(done.stdout) or "no output"
+        raise BackendError(f"{what}: exit {done.returncode}: {detail}",
+                           retryable=done.returncode not in permanent_exit_codes)
+    return done.stdout.decode(errors="replace")
 
 
 class _Template(string.Formatter):
@@ -172,14 +145,20 @@ def check_gpu(gpu: str) -> str:
     return gpu
 
 
-def alert_fields(node: str, reason: str, gpu: str | None = None) -> dict[str, str]:
-    """The fields of an alert-driven operation; the alert name is read back from our reason format.
+def check_alertname(alertname: str) -> str:
+    """``alertname`` if empty or a Prometheus alert name; a non-retryable ``BackendError`` otherwise."""
+    if alertname and not ALERT_NAME.fullmatch(alertname):
+        raise BackendError(f"{shown(alertname)} is not a Prometheus alert name", retryable=False)
+    return alertname
+
+
+def alert_fields(node: str, reason: str, gpu: str | None = None, *, alertname: str = "") -> dict[str, str]:
+    """The fields of an alert-driven operation, each as the engine passed it.
 
     The engine checked every value already; checking again here keeps a backend safe on its own.
     """
-    reason = clean_text(reason)
-    match = REASON_ALERTNAME.match(reason)
-    fields = {"node": check_node(node), "reason": reason, "alertname": match["alertname"] if match else ""}
+    fields = {"node": check_node(node), "reason": clean_text(reason),
+              "alertname": check_alertname(alertname) or UNNAMED_ALERT}
     if gpu is not None:
         fields["gpu"] = check_gpu(gpu)
     return fields
@@ -282,8 +261,8 @@ class CommandBackend(TracksHelpers):
             raise BackendError(f"fleet_size command must print an integer; got {out[:200]!r}",
                                retryable=False) from None
 
-    async def drain(self, node: str, reason: str) -> None:
-        await self._run("drain", alert_fields(node, reason))
+    async def drain(self, node: str, reason: str, *, alertname: str = "") -> None:
+        await self._run("drain", alert_fields(node, reason, alertname=alertname))
 
     async def resume(self, node: str) -> None:
         await self._run("resume", {"node": check_node(node)})
@@ -297,8 +276,8 @@ class CommandBackend(TracksHelpers):
         excluded = ",".join(check_node(n) for n in exclude_nodes)
         await self._run("requeue", {"job_id": job_id, "exclude_nodes": excluded})
 
-    async def reset_gpu(self, node: str, gpu: str | None, reason: str) -> None:
-        await self._run("reset_gpu", alert_fields(node, reason, gpu or ""))
+    async def reset_gpu(self, node: str, gpu: str | None, reason: str, *, alertname: str = "") -> None:
+        await self._run("reset_gpu", alert_fields(node, reason, gpu or "", alertname=alertname))
 
-    async def reboot(self, node: str, reason: str) -> None:
-        await self._run("reboot", alert_fields(node, reason))
+    async def reboot(self, node: str, reason: str, *, alertname: str = "") -> None:
+        await self._run("reboot", alert_fields(node, reason, alertname=alertname))

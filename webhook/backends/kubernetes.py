@@ -116,7 +116,7 @@ class KubernetesBackend(TracksHelpers):
         async with self._client.session() as api:
             return len(await api.list_all("/api/v1/nodes", params))
 
-    async def drain(self, node: str, reason: str) -> None:
+    async def drain(self, node: str, reason: str, *, alertname: str = "") -> None:
         def patch(obj: Mapping[str, Any]) -> dict[str, Any] | None:
             spec, annotations = obj.get("spec") or {}, _annotations(obj)
             body: dict[str, Any] = {}
@@ -186,16 +186,17 @@ class KubernetesBackend(TracksHelpers):
             else:
                 await self._restart_job(api, namespace, job, exclude_nodes)
 
-    async def reset_gpu(self, node: str, gpu: str | None, reason: str) -> None:
+    async def reset_gpu(self, node: str, gpu: str | None, reason: str, *, alertname: str = "") -> None:
         if self.settings.node_actions == "command":
-            await self._run_node_command("reset_gpu", alert_fields(node, reason, gpu or ""))
+            fields = alert_fields(node, reason, gpu or "", alertname=alertname)
+            await self._run_node_command("reset_gpu", fields)
         else:
             await self._request_node_action(check_node(node), "reset-gpu", check_gpu(gpu or "") or "all",
                                             clean_text(reason))
 
-    async def reboot(self, node: str, reason: str) -> None:
+    async def reboot(self, node: str, reason: str, *, alertname: str = "") -> None:
         if self.settings.node_actions == "command":
-            await self._run_node_command("reboot", alert_fields(node, reason))
+            await self._run_node_command("reboot", alert_fields(node, reason, alertname=alertname))
         else:
             await self._request_node_action(check_node(node), "reboot", None, clean_text(reason))
 

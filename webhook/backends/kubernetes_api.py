@@ -115,8 +115,8 @@ def _api_error(where: str, code: int, text: str, retry_after: str | None) -> Kub
         status = json.loads(text)
         reason, message = status.get("reason") or "", status.get("message") or message
     delay = None
-    with contextlib.suppress(TypeError, ValueError):
-        delay = float(retry_after)  # type: ignore[arg-type]
+    with contextlib.suppress(ValueError):
+        delay = None if retry_after is None else float(retry_after)
     return KubeAPIError(where, code, reason or _REASONS.get(code, "Error"), message, delay)
 
 

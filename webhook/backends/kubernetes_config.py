@@ -133,7 +133,8 @@ def _named(doc: Mapping[str, Any], section: str, field: str, name: Any, where: s
            errors: list[str]) -> Mapping[str, Any] | None:
     for entry in doc.get(section) or []:
         if isinstance(entry, dict) and entry.get("name") == name and isinstance(entry.get(field), dict):
-            return entry[field]
+            found: Mapping[str, Any] = entry[field]
+            return found
     errors.append(f"{where}: no {field} named {name!r} in {section}")
     return None
 

@@ -96,11 +96,13 @@ class SimulatedBackend:
     def _node(self, node: str) -> dict[str, Any]:
         if node not in self.state["nodes"]:
             raise BackendError(f"node {node} not found", retryable=False)
-        return self.state["nodes"][node]
+        entry: dict[str, Any] = self.state["nodes"][node]
+        return entry
 
     @property
     def history(self) -> list[list[Any]]:
-        return self.state["history"]
+        history: list[list[Any]] = self.state["history"]
+        return history
 
     async def node_state(self, node: str) -> NodeState:
         entry = self.state["nodes"].get(node)
@@ -111,7 +113,7 @@ class SimulatedBackend:
     async def fleet_size(self) -> int:
         return len(self.state["nodes"])
 
-    async def drain(self, node: str, reason: str) -> None:
+    async def drain(self, node: str, reason: str, *, alertname: str = "") -> None:
         await self._latency()
         entry = self._node(node)
         if entry["drained"]:
@@ -142,11 +144,11 @@ class SimulatedBackend:
                    excluded=sorted(set(job["excluded"]) | set(exclude_nodes)))
         self._record("requeue", job_id, sorted(exclude_nodes))
 
-    async def reset_gpu(self, node: str, gpu: str | None, reason: str) -> None:
+    async def reset_gpu(self, node: str, gpu: str | None, reason: str, *, alertname: str = "") -> None:
         await self._latency()
         self._request(node, f"reset_gpu:{gpu}", "reset_gpu", node, gpu, reason)
 
-    async def reboot(self, node: str, reason: str) -> None:
+    async def reboot(self, node: str, reason: str, *, alertname: str = "") -> None:
         await self._latency()
         self._request(node, "reboot", "reboot", node, reason)
 

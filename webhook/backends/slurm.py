@@ -31,6 +31,7 @@ from gpuhealth.webhook.backends.command import (
     template_errors,
 )
 from gpuhealth.webhook.backends.helpers import TracksHelpers
+from gpuhealth.webhook.backends.scontrol import job_fields, parse_node_line
 from gpuhealth.webhook.labels import clean_text, valid_node
 
 log = logging.getLogger(__name__)
@@ -44,10 +45,6 @@ OUR_HOLD = "job_requeued_in_held_state"  # the Reason scontrol requeuehold leave
 # Slurm's answers that a retry cannot change: unknown names or ids, missing rights, refused operations.
 PERMANENT = re.compile(r"Invalid (node name|job id)|not found|Invalid node state|Requested operation is "
                        r"presently disabled|Access/permission denied|Only batch jobs", re.IGNORECASE)
-_STATE = re.compile(r"(?:^|\s)State=(\S+)")
-# The Reason runs up to the " [user@time]" Slurm appends, and up to the Comment/Extra it prints after.
-_REASON = re.compile(r"\sReason=(.*?)(?:\s\[[^\[\]]*@[^\[\]]*\])?(?=\s(?:Comment|Extra)=|$)")
-_JOB_FIELD = re.compile(r"(?:^|\s)(JobState|ExcNodeList|Reason)=(\S*)")
 JOB_ID = re.compile(r"\d+(_\d+)?")  # one job (or array task), never a list
 _KEYS = {"scontrol", "squeue", "slurm_conf", "timeout_seconds", "partition", "reset_gpu_command",
          "reset_gpu_fallback", "reboot_next_state"}
@@ -111,14 +108,8 @@ def slurm_reason(reason: str) -> str:
 
 def parse_node(node: str, line: str) -> NodeState:
     """``scontrol show node -o``: ``State=IDLE+DRAIN`` flags, and the Reason without Slurm's additions."""
-    flags = _flags(line)
-    reason = _REASON.search(line)
-    return NodeState(node, exists=True, drained=bool(flags & DRAIN_FLAGS), reason=reason[1] if reason else "")
-
-
-def _flags(line: str) -> set[str]:
-    state = _STATE.search(line)
-    return set(state[1].split("+")) if state else set()
+    parsed = parse_node_line(line)
+    return NodeState(node, exists=True, drained=bool(parsed.flags & DRAIN_FLAGS), reason=parsed.reason)
 
 
 class SlurmBackend(TracksHelpers):
@@ -173,7 +164,7 @@ class SlurmBackend(TracksHelpers):
         out = await self._scontrol("show", "node", "-o")
         return sum(1 for line in out.splitlines() if line.startswith("NodeName="))
 
-    async def drain(self, node: str, reason: str) -> None:
+    async def drain(self, node: str, reason: str, *, alertname: str = "") -> None:
         text = slurm_reason(reason)
         if (await self.node_state(node)).drained:  # the first reason stays: ours, or an operator's
             return
@@ -195,12 +186,8 @@ class SlurmBackend(TracksHelpers):
         return out.split()
 
     async def _job(self, job_id: str) -> dict[str, str]:
-        """The job's own fields: the first of each, as a Comment or Command printed later may hold text
-        that looks like one."""
-        fields: dict[str, str] = {}
-        for key, value in _JOB_FIELD.findall(await self._scontrol("show", "job", job_id, "-o")):
-            fields.setdefault(key, value)
-        return fields
+        text = await self._scontrol("show", "job", job_id, "-o")
+        return job_fields(text, ("JobState", "ExcNodeList", "Reason"))
 
     async def _hostnames(self, hostlist: str) -> list[str]:
         if hostlist in ("", "(null)"):
@@ -237,26 +224,26 @@ class SlurmBackend(TracksHelpers):
             await self._scontrol("release", job_id)
         log.info("event=slurm_requeue job=%s excluded=%s", job_id, ",".join(sorted({*excluded, *missing})))
 
-    async def reset_gpu(self, node: str, gpu: str | None, reason: str) -> None:
+    async def reset_gpu(self, node: str, gpu: str | None, reason: str, *, alertname: str = "") -> None:
         check_node(node)
         command = self.settings.reset_gpu_command
         if command is None:
             if self.settings.reset_gpu_fallback == "reboot":
-                await self.reboot(node, reason)
+                await self.reboot(node, reason, alertname=alertname)
                 return
             raise BackendError("slurm backend: no reset_gpu_command configured (a site command that "
                                "resets one GPU, e.g. through ssh and nvidia-smi -r), and "
                                "reset_gpu_fallback is 'error'", retryable=False)
-        fields = alert_fields(node, reason, gpu or "")
+        fields = alert_fields(node, reason, gpu or "", alertname=alertname)
         await run_argv(fill(command, fields), env=environment("reset_gpu", fields, self._env),
                        timeout=self.settings.timeout_seconds, helpers=self.helpers)
         log.info("event=slurm_reset_gpu node=%s gpu=%s", node, gpu)
 
-    async def reboot(self, node: str, reason: str) -> None:
+    async def reboot(self, node: str, reason: str, *, alertname: str = "") -> None:
         line = await self._show_node(node)
         if line is None:
             raise BackendError(f"node {node} not found", retryable=False)
-        if _flags(line) & REBOOT_FLAGS:
+        if parse_node_line(line).flags & REBOOT_FLAGS:
             return
         await self._scontrol("reboot", "ASAP", f"nextstate={self.settings.reboot_next_state}",
                              f"reason={slurm_reason(reason)}", node)

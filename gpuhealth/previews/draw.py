@@ -15,12 +15,12 @@ from typing import Any
 
 import matplotlib.dates as mdates
 import numpy as np
-from gpuhealth.dashboards.queries import PanelQuery, Window, legend, panel_queries, panels, run
 from matplotlib.axes import Axes
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from gpuhealth.dashboards.queries import PanelQuery, Window, legend, panel_queries, panels, run
 from gpuhealth.local.prometheus import PrometheusAPI
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,11 @@ def _mapped(panel: dict[str, Any], value: float) -> tuple[str, str] | None:
     return None
 
 
+def _day_number(t: float) -> float:
+    """A Unix time as matplotlib places dates on an axis (days since its epoch)."""
+    return float(mdates.date2num(datetime.fromtimestamp(t, UTC)))
+
+
 def _overrides(panel: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Display name -> {property id: value} from the panel's by-name overrides."""
     out: dict[str, dict[str, Any]] = {}
@@ -119,7 +124,7 @@ class Previewer:
                  va="center")
         fig.text(0.995, 1 - 0.25 / height, f"{start} to {end}    {chosen}", color=MUTED, fontsize=9,
                  ha="right", va="center")
-        queries = {}
+        queries: dict[int, list[PanelQuery]] = {}
         for query in panel_queries(model):
             queries.setdefault(query.panel_id, []).append(query)
         for panel in all_panels:
@@ -164,8 +169,8 @@ class Previewer:
         draw(fig, panel, results, inner)
 
     def _time_axis(self, ax: Axes) -> None:
-        ax.set_xlim(datetime.fromtimestamp(self.window.start, UTC),
-                    datetime.fromtimestamp(self.window.end, UTC))
+        ax.xaxis_date(UTC)
+        ax.set_xlim(_day_number(self.window.start), _day_number(self.window.end))
         span = self.window.end - self.window.start
         fmt = "%H:%M:%S" if span <= 600 else "%H:%M" if span <= 86400 else "%m-%d %H:%M"
         ax.xaxis.set_major_formatter(mdates.DateFormatter(fmt, tz=UTC))
@@ -188,12 +193,12 @@ class Previewer:
         custom = _defaults(panel).get("custom", {})
         bars = custom.get("drawStyle") == "bars"
         stacked = custom.get("stacking", {}).get("mode") == "normal"
-        drawn: dict[str, tuple[list[datetime], list[float]]] = {}
+        drawn: dict[str, tuple[list[float], list[float]]] = {}
         bottoms: dict[float, float] = {}
         index = 0
         for _query, series in results:
             for name, _labels, points in series:
-                times = [datetime.fromtimestamp(t, UTC) for t, _ in points]
+                times = [_day_number(t) for t, _ in points]
                 values = [v for _, v in points]
                 props = overrides.get(name, {})
                 fixed = props.get("color", {}).get("fixedColor")
@@ -264,7 +269,8 @@ class Previewer:
 
     def _table(self, fig: Figure, panel: dict[str, Any], results, rect) -> None:
         height = rect[3]
-        organise = next((t["options"] for t in panel.get("transformations", []) if t["id"] == "organize"), {})
+        organise: dict[str, Any] = next(
+            (t["options"] for t in panel.get("transformations", []) if t["id"] == "organize"), {})
         hidden = {name for name, hide in organise.get("excludeByName", {}).items() if hide}
         value_name = organise.get("renameByName", {}).get("Value", "Value")
         unit = _defaults(panel).get("unit", "")
@@ -275,7 +281,8 @@ class Previewer:
                 if "Value" not in hidden:
                     row[value_name] = pts[-1][1]
                 rows.append(row)
-        sort_by = next(iter(panel.get("options", {}).get("sortBy", [])), {}).get("displayName")
+        sort_spec: dict[str, Any] = next(iter(panel.get("options", {}).get("sortBy", [])), {})
+        sort_by = sort_spec.get("displayName")
         if sort_by:
             rows.sort(key=lambda r: -r.get(sort_by, -math.inf))
         columns = list(dict.fromkeys(k for r in rows for k in r if k != value_name))
@@ -289,8 +296,8 @@ class Previewer:
         for j, name in enumerate(columns):
             ax.text(j / len(columns), 1 - step / 2, name, color=MUTED, fontsize=7, weight="bold", va="center",
                     transform=ax.transAxes)
-            for i, row in enumerate(cells):
-                ax.text(j / len(columns), 1 - step * (i + 1.5), row[j][:40], color=TEXT, fontsize=7,
+            for i, cell_row in enumerate(cells):
+                ax.text(j / len(columns), 1 - step * (i + 1.5), cell_row[j][:40], color=TEXT, fontsize=7,
                         va="center", transform=ax.transAxes)
 
     def _timeline(self, fig: Figure, panel: dict[str, Any], results, rect) -> None:
@@ -309,10 +316,8 @@ class Previewer:
         ax = fig.add_axes((left + label_w, bottom + 0.1 * height, width - label_w, height * 0.88))
         self._style(ax)
         ax.grid(False)
-        start = mdates.date2num(datetime.fromtimestamp(self.window.start, UTC))
-        end = mdates.date2num(datetime.fromtimestamp(self.window.end, UTC))
+        start, end = _day_number(self.window.start), _day_number(self.window.end)
         ax.imshow(grid, aspect="auto", interpolation="nearest", extent=(start, end, len(series) - 0.5, -0.5))
-        ax.xaxis_date(UTC)
         self._time_axis(ax)
         points_per_row = 72 * height * fig.get_figheight() * 0.88 / len(series)
         size = max(4.0, min(7.0, points_per_row * 0.75))

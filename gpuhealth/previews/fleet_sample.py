@@ -16,7 +16,9 @@ from typing import Any
 
 import yaml
 
-RULES_DIR = Path(__file__).resolve().parents[1] / "rules" / "generated" / "gpuhealth"
+from gpuhealth.rules.cli import DEFAULT_OUT
+
+RULES_DIR = DEFAULT_OUT / "gpuhealth"
 METRIC = re.compile(r"gpuhealth_[a-z0-9_]+")
 
 

@@ -1,0 +1,181 @@
+"""What the webhook keeps, and the interface of the store that keeps it.
+
+The store holds records and answers questions about them; it decides nothing. What a resolution
+does is the intake's (``intake.py``), whether an action may start the guardrails' (``guardrails.py``),
+which steps run the action table's (``actions.py``). ``Store`` is the asynchronous interface the
+rest of the webhook uses, so that a second implementation (another database) only has to answer
+the same calls: SQLite's is ``journal.AsyncJournal``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gpuhealth.webhook.models import Notification
+
+PENDING, AWAITING_APPROVAL, RUNNING = "pending", "awaiting_approval", "running"
+DONE, SKIPPED, FAILED, CANCELLED = "done", "skipped", "failed", "cancelled"
+ACTIVE_STATES = (PENDING, AWAITING_APPROVAL, RUNNING)
+FINISHED_STATES = (DONE, SKIPPED, FAILED, CANCELLED)
+STATES = (*ACTIVE_STATES, *FINISHED_STATES)
+
+
+class JournalUnwritable(Exception):
+    """The store refused a write; whatever depends on it must wait, never run twice."""
+
+
+@dataclass
+class Action:
+    id: int
+    fingerprint: str
+    starts_at: str
+    kind: str
+    node: str
+    gpu: str
+    alertname: str
+    summary: str
+    state: str
+    outcome: str
+    reason: str
+    detail: str
+    attempts: int
+    next_at: float
+    progress: dict[str, Any]
+    received_at: float
+    started_at: float | None
+    finished_at: float | None
+    updated_at: float
+
+    @property
+    def alert(self) -> tuple[str, str]:
+        """The identity of the alert that asked for this action."""
+        return self.fingerprint, self.starts_at
+
+    def as_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Decision:
+    """What the policy chose for one firing alert, before any guardrail looked at it.
+
+    ``problem`` (reason, detail): a value the action would use is outside its grammar, or the action
+    is unknown, so the action is journaled already skipped, with that value quoted, never passed on.
+    """
+
+    kind: str
+    needs_approval: bool
+    problem: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What a resolved alert does to its own actions: the intake decides, the store carries it out."""
+
+    cancel: tuple[int, ...] = ()  # not started yet: moot now
+    follow_up: str | None = None  # the kind of action the resolution calls for (the undrain), if any
+
+
+Resolver = Callable[[Sequence[Action]], Resolution]
+
+
+@dataclass
+class RecordResult:
+    notification_id: int
+    new_actions: list[int] = field(default_factory=list)
+    duplicates: int = 0
+    resolved: int = 0
+    cancelled: list[str] = field(default_factory=list)  # kinds of actions the resolution made moot
+    refused: list[tuple[int, str, str, str]] = field(default_factory=list)  # skipped at intake:
+    # (action id, kind, reason, detail)
+
+
+@dataclass
+class JobRecord:
+    job_id: str
+    attempts: int
+    last_at: float
+    excluded: list[str]
+    exhausted: bool
+    last_node: str
+
+
+@dataclass(frozen=True)
+class DrainedNode:
+    """A node drained by us: reserved when its draining action started, dropped by its undrain."""
+
+    node: str
+    action_id: int
+    since: float
+    reason: str
+    keep: bool  # left drained for a human: no automatic undrain touches it
+
+
+class Store(Protocol):
+    """The webhook's durable state. Writes raise ``JournalUnwritable`` when refused."""
+
+    @property
+    def write_error(self) -> str | None:
+        """Why writes fail now, or None while they succeed."""
+
+    async def record(self, notification: Notification, decisions: dict[tuple[str, str], Decision]
+                     ) -> RecordResult: ...
+
+    async def get(self, action_id: int) -> Action | None: ...
+
+    async def transitions(self, action_id: int) -> list[dict[str, Any]]: ...
+
+    async def list_actions(self, node: str | None = None, state: str | None = None,
+                           since: float | None = None, limit: int = 500) -> list[Action]: ...
+
+    async def counts(self) -> dict[str, int]: ...
+
+    async def due(self, now: float, busy_nodes: Iterable[str], limit: int,
+                  yield_reasons: Iterable[str] = ()) -> list[Action]: ...
+
+    async def next_due_at(self) -> float | None: ...
+
+    async def start(self, action_id: int, reserve: DrainedNode | None) -> bool: ...
+
+    async def update(self, action_id: int, state: str, *, expect: str, outcome: str = "", reason: str = "",
+                     detail: str = "", drop_drained: str | None = None, next_at: float | None = None,
+                     attempts: int | None = None) -> bool: ...
+
+    async def try_move(self, action_id: int, from_states: Iterable[str], state: str, reason: str,
+                       detail: str, outcome: str = "") -> Action | None: ...
+
+    async def save_progress(self, action_id: int, progress: dict[str, Any]) -> None: ...
+
+    async def rearm(self, kind: str, reason: str, detail: str, meta: tuple[str, Any]) -> list[int]: ...
+
+    async def last_started(self, node: str, exclude_id: int, kinds: Iterable[str]) -> float | None: ...
+
+    async def last_finished(self, node: str, kind: str, state: str, reason: str) -> float | None: ...
+
+    async def nodes_started(self, kind: str, since: float, exclude_node: str) -> int: ...
+
+    async def nth_latest_start(self, since: float, kinds: Iterable[str], n: int) -> float | None: ...
+
+    async def firing_actions(self, node: str, exclude: tuple[str, str]) -> list[Action]: ...
+
+    async def drained(self) -> dict[str, DrainedNode]: ...
+
+    async def keep_drained(self, node: str) -> None: ...
+
+    async def job(self, job_id: str) -> JobRecord | None: ...
+
+    async def job_requeued(self, action_id: int, progress: dict[str, Any], job: JobRecord) -> None: ...
+
+    async def exhausted_jobs(self) -> list[JobRecord]: ...
+
+    async def get_meta(self, key: str) -> Any: ...
+
+    async def set_meta(self, key: str, value: Any) -> None: ...
+
+    async def prune(self, before: float) -> dict[str, int]: ...
+
+    async def probe(self) -> None: ...
+
+    async def close(self) -> None: ...
