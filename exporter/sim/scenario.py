@@ -1,8 +1,8 @@
 """Scenario files for the simulator: GPUs, a workload pattern and timed faults.
 
-The fault vocabulary is the one in docs/contract.md, shared with the detection benchmark. Times are
-seconds from exporter start (or from the SIGHUP that reloaded the file), so a precursor can last a
-minute in a demo or days in a soak test.
+The fault vocabulary is ``gpuhealth.contract.faults`` (docs/contract.md), shared with the detection
+benchmark; noise that needs a fleet is left out. Times are seconds from exporter start (or from the
+SIGHUP that reloaded the file), so a precursor can last a minute in a demo or days in a soak test.
 """
 
 from __future__ import annotations
@@ -12,13 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from gpuhealth.contract.faults import APP_XIDS, FAULT_KINDS, FAULT_XIDS
+from gpuhealth.contract.faults import NODE_NOISE_KINDS as NOISE_KINDS
 
-FAULT_KINDS = ("hbm_degradation", "thermal_runaway", "pcie_degradation", "nvlink_errors", "gsp_timeout",
-               "fell_off_bus", "sram_uncorrectable")
-NOISE_KINDS = ("sbe_burst", "hot_aisle", "boot_replay_burst", "power_cap", "idle_node", "sbe_chatter",
-               "benign_remap", "contained_xid94", "app_xid", "xid63", "nvlink_flap", "pcie_replay_steady",
-               "warm_gpu", "slow_nvml", "power_brake")
-HBM_XIDS = (48, 64, 94, 95)
+HBM_XIDS = tuple(sorted(FAULT_XIDS["hbm_degradation"]))
 
 # kind -> (default precursor or duration seconds, extra keys it accepts)
 _KIND_KEYS: dict[str, tuple[float, dict[str, type]]] = {
@@ -46,7 +43,6 @@ _KIND_KEYS: dict[str, tuple[float, dict[str, type]]] = {
     "power_brake": (60.0, {}),
 }
 _NODE_WIDE = ("hot_aisle", "idle_node", "app_xid", "slow_nvml", "power_brake")
-APP_XIDS = (13, 31, 43, 45)
 
 
 class ScenarioError(ValueError):

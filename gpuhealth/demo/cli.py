@@ -12,8 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+from gpuhealth.contract.faults import FAULT_KINDS, NODE_NOISE_KINDS
 from gpuhealth.demo.observe import Observer, Snapshot
-from gpuhealth.demo.stack import FAULT_KINDS, NOISE_KINDS, ClosedLoopStack, Fault, StackOptions
+from gpuhealth.demo.stack import ClosedLoopStack, Fault, StackOptions
 from gpuhealth.local.process import ProcessError
 
 #: binary -> Debian package, for the one message that says what to install.
@@ -31,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--headless", action="store_true",
                         help="no live screen: print the timeline, then the summary; exit 0 only if the loop "
                              "closed (faulty node drained, job requeued elsewhere, no healthy node touched)")
-    parser.add_argument("--fault", default="hbm_degradation", choices=[*FAULT_KINDS, *NOISE_KINDS],
+    parser.add_argument("--fault", default="hbm_degradation", choices=[*FAULT_KINDS, *NODE_NOISE_KINDS],
                         help="what to inject (default: hbm_degradation, a slow HBM precursor)")
     parser.add_argument("--precursor", type=float, default=120.0, metavar="SECONDS",
                         help="precursor length before the hard failure (default 120; 0 for a sudden failure)")

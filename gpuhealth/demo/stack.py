@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from gpuhealth.contract.faults import NODE_NOISE_KINDS as NOISE_KINDS
 from gpuhealth.demo import deployment
 from gpuhealth.local.process import ManagedProcess, ProcessError, free_port, http_ok
 from gpuhealth.local.prometheus import AlertmanagerServer, PrometheusServer
@@ -35,12 +36,6 @@ log = logging.getLogger(__name__)
 
 #: The rule catalogue's demo overlay: 5 s intervals, windows short enough for a precursor of minutes.
 OVERLAY = deployment.REPO / "rules" / "overlays" / "demo.yaml"
-#: The vocabulary of docs/contract.md: faults end in a hard failure, noise must not raise an action.
-FAULT_KINDS = ("hbm_degradation", "thermal_runaway", "pcie_degradation", "nvlink_errors", "gsp_timeout",
-               "fell_off_bus", "sram_uncorrectable")
-NOISE_KINDS = ("sbe_burst", "hot_aisle", "boot_replay_burst", "power_cap", "idle_node", "sbe_chatter",
-               "benign_remap", "contained_xid94", "app_xid", "xid63", "nvlink_flap", "pcie_replay_steady",
-               "warm_gpu", "slow_nvml", "power_brake")
 NODE_WIDE_KINDS = ("hot_aisle", "idle_node", "app_xid", "slow_nvml", "power_brake")
 
 

@@ -17,52 +17,11 @@ from typing import Any
 import yaml
 
 from gpuhealth.contract.duration import parse_duration as prometheus_duration
+# The fault vocabulary (kinds, their XIDs) is docs/contract.md's, shared with the exporter's simulator.
+from gpuhealth.contract.faults import FAULT_KINDS, FAULT_XIDS, NOISE_KINDS, SUDDEN_KINDS
 
-FAULT_KINDS = (
-    "hbm_degradation",
-    "thermal_runaway",
-    "pcie_degradation",
-    "nvlink_errors",
-    "gsp_timeout",
-    "fell_off_bus",
-    "sram_uncorrectable",
-)
-NOISE_KINDS = (
-    "sbe_burst",
-    "hot_aisle",
-    "boot_replay_burst",
-    "power_cap",
-    "idle_node",
-    "checkpoint_burst",
-    "sbe_chatter",
-    "benign_remap",
-    "contained_xid94",
-    "app_xid",
-    "xid63",
-    "nvlink_flap",
-    "pcie_replay_steady",
-    "load_imbalance",
-    "warm_gpu",
-    "slow_nvml",
-    "power_brake",
-    "rack_cooling",
-    "reboot_loop",
-    "checkpoint_storm",
-)
-# Faults that never give warning: their precursor onset is the hard failure itself.
-SUDDEN_KINDS = ("gsp_timeout", "fell_off_bus", "sram_uncorrectable")
 # How a precursor evolves between onset and the first XID (``none``: no precursor at all).
 PRECURSOR_SHAPES = ("ramp", "plateau", "step", "intermittent", "none")
-# XIDs the kernel logs at the hard failure (docs/contract.md, fault vocabulary).
-FAULT_XIDS = {
-    "hbm_degradation": (64, 94, 95, 48),
-    "thermal_runaway": (79,),
-    "pcie_degradation": (79,),
-    "nvlink_errors": (74,),
-    "gsp_timeout": (119, 120),
-    "fell_off_bus": (79,),
-    "sram_uncorrectable": (95, 94, 48),
-}
 # ``mix: field``: shares of GPU-attributable interruptions (bench/scenarios/README.md cites each one;
 # Llama 3 on 16,384 H100 for 54 days; its 30.1 % "faulty GPU" is split between three kinds by assumption).
 FIELD_SHARES = {

@@ -1,10 +1,10 @@
 """The fleet's time series, under the exporter's metric names, with faults and benign noise applied.
 
-Shapes follow ../shared/DOMAIN.md. A fault's precursor (ramp, plateau, steps or intermittent bursts,
-with its own strength) moves only signals physics ties to the fault, and each event draws which of
-them it moves; sudden faults show nothing until the XID. After a hard failure the node's job hangs
-for a while (interrupts and runnable processes collapse), then the node is drained until repaired.
-Benign events move the very signals faults move, so a naive rule is fooled by them. Values are
+Shapes follow ../shared/DOMAIN.md. What each fault and benign kind does lives in its own class
+(``faults.py``, ``noise.py``); this module holds what they share (timeline, workload, the fleet's
+layout, the precursor shapes, repairs and reboots) and builds each metric family, folding every
+event's effects into the signals it moves. After a hard failure the node's job hangs for a while
+(interrupts and runnable processes collapse), then the node is drained until repaired. Values are
 ``float64`` arrays over the timeline, ``NaN`` where the exporter would publish no sample (a GPU lost
 from the bus, a rebooting node).
 """
@@ -18,32 +18,26 @@ from functools import cached_property
 
 import numpy as np
 
+from gpuhealth.contract.metrics import CLOCK_EVENT_REASONS, COLLECTORS, LEGACY_NVLINK_ERROR_TYPES, SPECS
+from gpuhealth.evaluation.effects import FOLD_ORDER, Effects
+from gpuhealth.evaluation.faults import FAULTS, FaultEffects
+from gpuhealth.evaluation.hardware import (
+    HOST_CPUS,
+    HOST_MEMORY_BYTES,
+    IDLE_POWER_W,
+    MEMORY_TOTAL_BYTES,
+    POWER_LIMIT_W,
+    SHUTDOWN_C,
+    SLOWDOWN_C,
+    SM_CLOCK_IDLE_HZ,
+    SM_CLOCK_MAX_HZ,
+)
+from gpuhealth.evaluation.noise import NOISE, NoiseEffects
 from gpuhealth.evaluation.scenario import HANG_MAX, Failure, Noise, Scenario
 from gpuhealth.evaluation.workload import Timeline, Workload, schedule
 
-SLOWDOWN_C, SHUTDOWN_C = 87.0, 92.0
-POWER_LIMIT_W, IDLE_POWER_W = 700.0, 70.0
-SM_CLOCK_MAX_HZ, SM_CLOCK_IDLE_HZ = 1980e6, 345e6
-MEMORY_TOTAL_BYTES = 80 * 1024**3
-HOST_MEMORY_BYTES = 2 * 1024**4
-HOST_CPUS = 96
-CLOCK_REASONS = (
-    "gpu_idle",
-    "applications_clocks_setting",
-    "sw_power_cap",
-    "hw_slowdown",
-    "sync_boost",
-    "sw_thermal_slowdown",
-    "hw_thermal_slowdown",
-    "hw_power_brake_slowdown",
-    "display_clock_setting",
-)
-NVLINK_ERROR_TYPES = ("crc_flit", "crc_data", "replay", "recovery")
 NFS_OPS = ("READ", "WRITE", "GETATTR")
 NFS_MOUNT = "/checkpoints"
-COLLECTORS = ("nvml", "kmsg", "host", "nfs")
-# Kinds after which NVML no longer answers for the GPU.
-LOST_KINDS = ("thermal_runaway", "pcie_degradation", "gsp_timeout", "fell_off_bus")
 
 
 @dataclass
@@ -164,13 +158,13 @@ class FleetSignals:
     def _rows(self, values: np.ndarray, labels: list[str], extra: str = "") -> list[tuple[str, np.ndarray]]:
         return [(f"{extra}{label}" if extra else label, values[i]) for i, label in enumerate(labels)]
 
-    def _gauge(self, name: str, values: np.ndarray, extra: str = "", node: bool = False) -> Family:
-        return Family(name, "gauge", self._rows(values, self.node_labels if node else self.gpu_labels, extra))
+    def _family(self, name: str, rows: list[tuple[str, np.ndarray]]) -> Family:
+        """A family of the exporter's metric table, of the type it has there (``up`` is Prometheus's)."""
+        return Family(name, "gauge" if name == "up" else SPECS[name].kind, rows)
 
-    def _count(self, name: str, values: np.ndarray, extra: str = "", node: bool = False) -> Family:
-        return Family(
-            name, "counter", self._rows(values, self.node_labels if node else self.gpu_labels, extra)
-        )
+    def _series(self, name: str, values: np.ndarray, extra: str = "", node: bool = False) -> Family:
+        """One series per GPU (or per node), labels ``extra`` first."""
+        return self._family(name, self._rows(values, self.node_labels if node else self.gpu_labels, extra))
 
     # ---- shared state -------------------------------------------------------------------------------
     def rng(self, purpose: str) -> np.random.Generator:
@@ -188,18 +182,25 @@ class FleetSignals:
     def node_index(self, node: str) -> int:
         return self.fleet.node_names.index(node)
 
-    def noise_of(self, *kinds: str) -> list[Noise]:
-        return [n for n in self.scenario.noise if n.kind in kinds]
+    @cached_property
+    def events(self) -> list[Effects]:
+        """Every fault and benign event, in the order they fold into the signals they share."""
+        rank = {kind: r for r, kinds in enumerate(FOLD_ORDER) for kind in kinds}
+        ranked: list[tuple[int, int, Effects]] = [
+            *((rank[e.event.kind], i, e) for i, e in enumerate(self.faults)),
+            *((rank[e.event.kind], i, e) for i, e in enumerate(self.noise)),
+        ]
+        return [effects for _, _, effects in sorted(ranked, key=lambda item: item[:2])]
 
-    def noise_draws(self, *kinds: str) -> Iterator[tuple[Noise, np.random.Generator]]:
-        """Benign events of ``kinds``, each with its own random stream (its draws never depend on
-        which other events the scenario holds)."""
-        for i, noise in enumerate(self.scenario.noise):
-            if noise.kind in kinds:
-                yield noise, self.rng(f"noise-{i}-{noise.kind}")
+    @cached_property
+    def faults(self) -> list[FaultEffects]:
+        """The scenario's faults, in scenario order."""
+        return [FAULTS[f.kind](self, f) for f in self.scenario.failures]
 
-    def faults_of(self, *kinds: str) -> list[Failure]:
-        return [f for f in self.scenario.failures if f.kind in kinds]
+    @cached_property
+    def noise(self) -> list[NoiseEffects]:
+        """The scenario's benign events, in scenario order."""
+        return [NOISE[n.kind](self, n, i) for i, n in enumerate(self.scenario.noise)]
 
     def span(self, rel: float, length: float) -> slice:
         """Sample indices of [rel, rel + length), at least one sample."""
@@ -230,7 +231,7 @@ class FleetSignals:
                 "aer": rng.random() < 0.5,
                 "downgrade": rng.random() < 0.35,
                 "generation": rng.random() < 0.4,
-                "remaps": rng.random(),  # how many rows the wear hits again and again (see ``hbm``)
+                "remaps": rng.random(),  # how many rows the wear hits again and again (``MemoryFault``)
                 "quiet": rng.random() < 0.35,
                 "rise": rng.uniform(0.03, 0.3),
                 "steps": int(rng.integers(1, 4)),
@@ -272,22 +273,15 @@ class FleetSignals:
     def down(self) -> np.ndarray:
         """(nodes, T): the node is rebooting, its exporter does not answer."""
         out = np.zeros((self.fleet.nodes, self.timeline.count), dtype=bool)
-        for noise, rng in self.noise_draws("reboot_loop"):
-            for boot in self.reboots(noise, rng):
-                out[self.node_index(noise.node), self.span(boot - rng.uniform(180, 600), 0)] = True
+        for event in self.events:
+            event.offline(out)
         return out
-
-    def reboots(self, noise: Noise, rng: np.random.Generator) -> np.ndarray:
-        """Boot instants of a reboot loop (offsets from the start), two to eight in its duration."""
-        return np.sort(noise.at + rng.uniform(0, noise.duration, int(rng.integers(2, 9))))
 
     @cached_property
     def workload(self) -> Workload:
         work = schedule(self.scenario, self.timeline, self.rng("workload"))
-        for noise in self.noise_of("idle_node", "reboot_loop"):
-            work.job[self.node_index(noise.node), self.span(noise.at, noise.duration)] = -1
-        for noise in self.noise_of("boot_replay_burst"):  # the node reboots, then the burst
-            work.job[self.node_index(noise.node), self.at(noise.at - 600) : self.at(noise.at)] = -1
+        for event in self.events:
+            event.no_job(work.job)
         for failure in self.scenario.failures:  # drained until repaired
             hang_end = failure.failure + self.failure_params[failure]["hang"]
             back = self.timeline.count if failure.repaired is None else self.at(failure.repaired)
@@ -297,18 +291,7 @@ class FleetSignals:
 
     def reach(self, noise: Noise) -> list[str]:
         """The nodes a benign event touches: its job's nodes, its rack, or its own node."""
-        if noise.kind in ("app_xid", "checkpoint_storm"):
-            nodes = self.job_nodes(noise)
-            if noise.kind == "checkpoint_storm":
-                nodes = np.flatnonzero(
-                    self.checkpoint_load[:, self.span(noise.at, noise.duration)].max(axis=1) > 2
-                ).tolist()
-            return [self.fleet.node(int(n)) for n in nodes]
-        if noise.kind in ("rack_cooling", "power_brake"):
-            return [self.fleet.node(n) for n in self.rack(noise.node)]
-        if noise.kind == "hot_aisle" and noise.strength > 0.6:
-            return [noise.node, self.fleet.node(min(self.node_index(noise.node) + 1, self.fleet.nodes - 1))]
-        return [noise.node]
+        return self.noise[self.scenario.noise.index(noise)].reach()
 
     def job_nodes(self, noise: Noise) -> list[int]:
         """Nodes running the job that runs on the event's node when it starts (the node alone if idle)."""
@@ -323,13 +306,8 @@ class FleetSignals:
         """(nodes, T) checkpoint write intensity: 1 for a regular checkpoint, more for a burst or a
         storm (several jobs writing at once)."""
         load = self.workload.checkpoint.astype(float)
-        for noise in self.noise_of("checkpoint_burst"):
-            load[self.node_index(noise.node), self.span(noise.at, noise.duration)] = 1.5 + 2 * noise.strength
-        for noise, rng in self.noise_draws("checkpoint_storm"):
-            others = np.flatnonzero(rng.random(self.fleet.nodes) < 0.2 + 0.5 * noise.strength)
-            for node in set(self.job_nodes(noise)) | set(others.tolist()):
-                where = self.span(noise.at, noise.duration)
-                load[node, where] = np.where(self.workload.busy[node, where], 2.5 + 3 * noise.strength, 0)
+        for event in self.events:
+            event.checkpoint(load)
         return load
 
     @cached_property
@@ -353,8 +331,9 @@ class FleetSignals:
     def lost(self) -> np.ndarray:
         """(GPUs, T): NVML no longer answers for the GPU (until it is replaced), or the node reboots."""
         out = self.per_gpu(self.down).copy()
-        for failure in self.faults_of(*LOST_KINDS):
-            out[self.gpu_index(failure.node, failure.gpu), self.out_of_service(failure)] = True
+        for fault in self.faults:
+            if fault.lost_error:
+                out[fault.row, self.out_of_service(fault.event)] = True
         return out
 
     def replaced(self, counter: np.ndarray, row: int | None = None) -> np.ndarray:
@@ -392,44 +371,24 @@ class FleetSignals:
         rng = self.rng("utilization")
         util = np.clip(rng.normal(0.94, 0.025, self.shape), 0.6, 1.0) * self.busy
         util *= self.per_gpu(self.job_intensity)
-        for noise, draw in self.noise_draws("load_imbalance"):  # one rank carries more work
-            node = self.node_index(noise.node)
-            heavy = noise.gpu if noise.gpu is not None else int(draw.integers(self.fleet.gpus_per_node))
-            light = [
-                i
-                for i in range(self.node_gpus(node).start, self.node_gpus(node).stop)
-                if i != self.gpu_index(noise.node, heavy)
-            ]
-            util[light, self.span(noise.at, noise.duration)] *= 1 - 0.1 - 0.35 * noise.strength
+        for event in self.events:
+            event.utilization(util)
         util = np.where(self.per_gpu(self.checkpoint_load > 0), 0.12 * self.busy, util)
         return np.where(self.per_gpu(self.hung), 1.0, util)
 
     @cached_property
     def power_limit(self) -> np.ndarray:
         limit = np.full(self.shape, POWER_LIMIT_W)
-        for noise, rng in self.noise_draws("power_cap"):
-            cap = POWER_LIMIT_W - 250 - 150 * noise.strength
-            node = self.node_index(noise.node)
-            gpus = (
-                [noise.gpu]
-                if noise.gpu is not None
-                else rng.choice(
-                    self.fleet.gpus_per_node,
-                    int(rng.integers(2, self.fleet.gpus_per_node + 1)),
-                    replace=False,
-                ).tolist()
-            )
-            for gpu in gpus:
-                limit[node * self.fleet.gpus_per_node + gpu, self.span(noise.at, noise.duration)] = cap
+        for event in self.events:
+            event.power_limit(limit)
         return limit
 
     @cached_property
     def power_brake(self) -> np.ndarray:
-        """(GPUs, T): the facility asserts power brake over a rack (HW slowdown on every GPU)."""
+        """(GPUs, T): the facility asserts power brake (HW slowdown)."""
         out = np.zeros(self.shape, dtype=bool)
-        for noise in self.noise_of("power_brake"):
-            for node in self.rack(noise.node):
-                out[self.node_gpus(node), self.span(noise.at, noise.duration)] = True
+        for event in self.events:
+            event.power_brake(out)
         return out
 
     @cached_property
@@ -440,40 +399,13 @@ class FleetSignals:
         draw = np.where(self.power_brake, np.minimum(draw, 0.45 * POWER_LIMIT_W), draw)
         return np.clip(draw, IDLE_POWER_W - 15, self.power_limit)
 
-    def _envelope(self, noise: Noise, rise: float = 900.0) -> tuple[slice, np.ndarray]:
-        """The event's span and a 0..1 envelope rising and falling over ``rise`` seconds."""
-        where = self.span(noise.at, noise.duration)
-        n = where.stop - where.start
-        ramp = np.minimum(np.arange(n) + 1, np.arange(n)[::-1] + 1) * self.timeline.step / rise
-        return where, np.minimum(1, ramp)
-
     @cached_property
     def thermal_offset(self) -> np.ndarray:
-        """Extra heat at the same load: hot aisles and rack cooling incidents (unevenly over the GPUs
-        of a node: position in the airflow matters), chronically warm GPUs, and thermal faults."""
+        """Extra heat at the same load: hot aisles and rack cooling incidents, chronically warm GPUs,
+        and thermal faults."""
         offset = np.zeros(self.shape)
-        g = self.fleet.gpus_per_node
-        for noise, rng in self.noise_draws("hot_aisle", "rack_cooling"):
-            where, shape = self._envelope(noise)
-            first = self.node_index(noise.node)
-            if noise.kind == "rack_cooling":
-                nodes, heat = list(self.rack(noise.node)), 4 + 10 * noise.strength
-            else:
-                nodes, heat = (
-                    list(range(first, min(first + (2 if noise.strength > 0.6 else 1), self.fleet.nodes))),
-                    (3 + 6 * noise.strength),
-                )
-            for node in nodes:
-                position = rng.uniform(0.4, 1.5, g)[:, None]
-                offset[node * g : (node + 1) * g, where] += heat * position * shape
-        for noise in self.noise_of("warm_gpu"):
-            offset[self.gpu_index(noise.node, noise.gpu), self.span(noise.at, noise.duration)] += (
-                2 + 8 * noise.strength
-            )
-        for failure in self.faults_of("thermal_runaway"):
-            offset[self.gpu_index(failure.node, failure.gpu)] += (6 + 12 * failure.strength) * self.precursor(
-                failure
-            )
+        for event in self.events:
+            event.heat(offset)
         return offset
 
     @cached_property
@@ -518,23 +450,23 @@ class FleetSignals:
 
     # ---- GPU families -------------------------------------------------------------------------------
     def _up(self) -> Iterator[Family]:
-        yield self._gauge("up", np.where(self.down, 0.0, 1.0), node=True)
+        yield self._series("up", np.where(self.down, 0.0, 1.0), node=True)
 
     def _collectors(self) -> Iterator[Family]:
         ones = np.ones((self.fleet.nodes, self.timeline.count))
-        yield Family(
+        yield self._family(
             "gpuhealth_collector_success",
-            "gauge",
             [row for c in COLLECTORS for row in self._rows(ones, self.node_labels, f'collector="{c}",')],
         )
 
     def _gpu_counts(self) -> Iterator[Family]:
         expected = np.full((self.fleet.nodes, self.timeline.count), float(self.fleet.gpus_per_node))
         visible = expected.copy()
-        for failure in self.faults_of("thermal_runaway", "pcie_degradation", "fell_off_bus"):
-            visible[self.node_index(failure.node), self.out_of_service(failure)] -= 1
-        yield self._gauge("gpuhealth_gpus_expected", expected, node=True)
-        yield self._gauge("gpuhealth_gpus_visible", visible, node=True)
+        for fault in self.faults:
+            if fault.falls_off_bus:
+                visible[self.node_index(fault.event.node), self.out_of_service(fault.event)] -= 1
+        yield self._series("gpuhealth_gpus_expected", expected, node=True)
+        yield self._series("gpuhealth_gpus_visible", visible, node=True)
 
     def _info(self) -> Iterator[Family]:
         ones = np.ones(self.timeline.count)
@@ -551,61 +483,53 @@ class FleetSignals:
                     ones,
                 )
             )
-        yield Family("gpuhealth_gpu_info", "gauge", rows)
+        yield self._family("gpuhealth_gpu_info", rows)
 
     def _gpu_up(self) -> Iterator[Family]:
-        yield self._gauge("gpuhealth_gpu_up", np.where(self.lost, 0.0, 1.0))
+        yield self._series("gpuhealth_gpu_up", np.where(self.lost, 0.0, 1.0))
 
     def _nvml_errors(self) -> Iterator[Family]:
         rows = []
-        for failure in self.faults_of(*LOST_KINDS):
-            error = "timeout" if failure.kind == "gsp_timeout" else "gpu_is_lost"
-            i = self.gpu_index(failure.node, failure.gpu)
+        for fault in self.faults:
+            if not fault.lost_error:
+                continue
             lost = np.zeros(self.timeline.count)
-            lost[self.out_of_service(failure)] = 1
+            lost[self.out_of_service(fault.event)] = 1
             values = _first_event_on(np.cumsum(lost))
-            rows.append((f'error="{error}",{self.gpu_labels[i]}', values))
-        yield Family("gpuhealth_gpu_nvml_errors_total", "counter", rows)
+            rows.append((f'error="{fault.lost_error}",query="sample",{self.gpu_labels[fault.row]}', values))
+        yield self._family("gpuhealth_gpu_nvml_errors_total", rows)
 
     def _nvml_latency(self) -> Iterator[Family]:
         rng = self.rng("nvml-latency")
         latency = 0.003 + 0.002 * rng.lognormal(0, 0.4, self.shape)
-        for failure in self.faults_of("gsp_timeout"):
-            if self.failure_params[failure]["extra"] < 0.4:  # slow answers before some GSP timeouts,
-                a = self.at(failure.failure - 300 - 600 * failure.strength)  # for every GPU of the node
-                b = self.at(failure.failure)
-                latency[self.node_gpus(self.node_index(failure.node)), a:b] += np.linspace(0.05, 1.5, b - a)
-        for noise, draw in self.noise_draws("slow_nvml"):  # a busy node answers slowly, then recovers
-            where = self.span(noise.at, noise.duration)
-            latency[self.node_gpus(self.node_index(noise.node)), where] += draw.uniform(
-                0.1, 0.3 + 2.5 * noise.strength, (self.fleet.gpus_per_node, where.stop - where.start)
-            )
-        yield self._gauge("gpuhealth_gpu_nvml_latency_seconds", self.readable(np.round(latency, 4)))
+        for event in self.events:
+            event.nvml_latency(latency)
+        yield self._series("gpuhealth_gpu_nvml_latency_seconds", self.readable(np.round(latency, 4)))
 
     def _temperatures(self) -> Iterator[Family]:
         rng = self.rng("memory-temperature")
         memory = np.round(self.temperature + 5 + 0.3 * self.thermal_offset + rng.normal(0, 0.6, self.shape))
-        yield self._gauge("gpuhealth_gpu_temperature_celsius", self.readable(self.temperature))
-        yield self._gauge("gpuhealth_gpu_temperature_max_celsius", self.readable(self.temperature_max))
-        yield self._gauge("gpuhealth_gpu_memory_temperature_celsius", self.readable(memory))
-        yield self._gauge(
+        yield self._series("gpuhealth_gpu_temperature_celsius", self.readable(self.temperature))
+        yield self._series("gpuhealth_gpu_temperature_max_celsius", self.readable(self.temperature_max))
+        yield self._series("gpuhealth_gpu_memory_temperature_celsius", self.readable(memory))
+        yield self._series(
             "gpuhealth_gpu_temperature_slowdown_margin_celsius",
             self.readable(SLOWDOWN_C - self.temperature_max),
         )
 
     def _thresholds(self) -> Iterator[Family]:
-        yield self._gauge(
+        yield self._series(
             "gpuhealth_gpu_temperature_slowdown_threshold_celsius",
             self.readable(np.full(self.shape, SLOWDOWN_C)),
         )
-        yield self._gauge(
+        yield self._series(
             "gpuhealth_gpu_temperature_shutdown_threshold_celsius",
             self.readable(np.full(self.shape, SHUTDOWN_C)),
         )
 
     def _power(self) -> Iterator[Family]:
-        yield self._gauge("gpuhealth_gpu_power_watts", self.readable(np.round(self.power, 1)))
-        yield self._gauge("gpuhealth_gpu_power_limit_watts", self.readable(self.power_limit))
+        yield self._series("gpuhealth_gpu_power_watts", self.readable(np.round(self.power, 1)))
+        yield self._series("gpuhealth_gpu_power_limit_watts", self.readable(self.power_limit))
 
     def _clocks(self) -> Iterator[Family]:
         events = self.clock_events
@@ -616,30 +540,28 @@ class FleetSignals:
             * (1 - 0.5 * events["hw_slowdown"])
         )
         clock = np.where(self.busy, np.round(SM_CLOCK_MAX_HZ * factor / 15e6) * 15e6, SM_CLOCK_IDLE_HZ)
-        yield self._gauge("gpuhealth_gpu_sm_clock_hertz", self.readable(clock))
-        yield self._gauge(
+        yield self._series("gpuhealth_gpu_sm_clock_hertz", self.readable(clock))
+        yield self._series(
             "gpuhealth_gpu_sm_clock_max_hertz", self.readable(np.full(self.shape, SM_CLOCK_MAX_HZ))
         )
 
     def _clock_events(self) -> Iterator[Family]:
         events = self.clock_events
-        yield Family(
+        yield self._family(
             "gpuhealth_gpu_clock_event_active",
-            "gauge",
             [
                 row
-                for reason in CLOCK_REASONS
+                for reason in CLOCK_EVENT_REASONS
                 for row in self._rows(
                     self.readable(np.round(events[reason])), self.gpu_labels, f'reason="{reason}",'
                 )
             ],
         )
-        yield Family(
+        yield self._family(
             "gpuhealth_gpu_clock_event_seconds_total",
-            "counter",
             [
                 row
-                for reason in CLOCK_REASONS
+                for reason in CLOCK_EVENT_REASONS
                 for row in self._rows(
                     self.readable(np.round(_counter(events[reason] * self.timeline.step), 3)),
                     self.gpu_labels,
@@ -650,13 +572,13 @@ class FleetSignals:
 
     def _utilization(self) -> Iterator[Family]:
         util = np.round(self.utilization, 2)
-        yield self._gauge("gpuhealth_gpu_utilization_ratio", self.readable(util))
-        yield self._gauge("gpuhealth_gpu_memory_utilization_ratio", self.readable(np.round(util * 0.55, 2)))
+        yield self._series("gpuhealth_gpu_utilization_ratio", self.readable(util))
+        yield self._series("gpuhealth_gpu_memory_utilization_ratio", self.readable(np.round(util * 0.55, 2)))
 
     def _memory(self) -> Iterator[Family]:
         used = np.where(self.busy, 0.9 * MEMORY_TOTAL_BYTES, 0.6e9)
-        yield self._gauge("gpuhealth_gpu_memory_used_bytes", self.readable(used))
-        yield self._gauge(
+        yield self._series("gpuhealth_gpu_memory_used_bytes", self.readable(used))
+        yield self._series(
             "gpuhealth_gpu_memory_total_bytes", self.readable(np.full(self.shape, float(MEMORY_TOTAL_BYTES)))
         )
 
@@ -665,65 +587,16 @@ class FleetSignals:
         """ECC and row-remap increments: background SBEs, SBE bursts and chatter, benign remaps and
         contained errors, HBM degradations and sudden uncorrectable errors."""
         rng = self.rng("hbm")
-        minutes = self.timeline.step / 60
-        corrected = np.zeros(self.shape)
+        kinds = ("corrected", "uncorrected", "remapped", "uncorrectable")
+        hbm = {kind: np.zeros(self.shape) for kind in kinds}
         background = rng.random(self.gpus) < 0.04  # a few GPUs log the odd corrected error
-        corrected[background] = rng.poisson(
+        hbm["corrected"][background] = rng.poisson(
             self.timeline.step / 86400, (int(background.sum()), self.timeline.count)
         )
-        remapped = np.zeros(self.shape)
-        uncorrectable = np.zeros(self.shape)
-        uncorrected = np.zeros(self.shape)
-        pending = np.zeros(self.shape)
-        failed = np.zeros(self.shape)
-        for noise, draw in self.noise_draws("sbe_burst", "sbe_chatter"):
-            i, where = self.gpu_index(noise.node, noise.gpu), self.span(noise.at, noise.duration)
-            n = where.stop - where.start
-            if noise.kind == "sbe_burst":
-                corrected[i, where] += draw.poisson((20 + 280 * noise.strength) / n, n)
-            else:  # a low steady rate for hours to days: 1 to 30 an hour
-                corrected[i, where] += draw.poisson((1 + 29 * noise.strength) / 60 * minutes, n)
-        for noise in self.noise_of("benign_remap", "contained_xid94", "xid63"):
-            i, at = self.gpu_index(noise.node, noise.gpu), self.at(noise.at)
-            if at >= self.timeline.count:
-                continue
-            if noise.kind == "contained_xid94":  # one uncorrectable error, contained, its row remapped
-                uncorrected[i, at] += 1
-                uncorrectable[i, at] += 1
-            else:
-                remapped[i, at] += 1
-            if noise.kind != "xid63":  # the remap takes effect at the next GPU reset
-                pending[i, self.span(noise.at, noise.duration)] = 1
-        for failure in self.faults_of("hbm_degradation", "sram_uncorrectable"):
-            i, level = self.gpu_index(failure.node, failure.gpu), self.precursor(failure)
-            params = self.failure_params[failure]
-            corrected[i] += rng.poisson((2 + 40 * failure.strength) * minutes * level)
-            # rows whose errors recur get remapped: one to many, some wear hits few rows again
-            remaps = params["remaps"] > 0.3
-            rows = 1 + 40 * failure.strength * params["remaps"]
-            remapped[i] += rng.poisson(rows * level / max(level.sum(), 1))
-            a, b = self.at(failure.onset), self.at(failure.instant)
-            if failure.first_xid is not None and b < self.timeline.count:  # a contained error first
-                uncorrected[i, b] += 1
-                uncorrectable[i, b] += 1
-                pending[i, b : self.at(failure.failure)] = 1
-            elif failure.kind == "hbm_degradation" and failure.strength > 0.5 and b - a > 2 and remaps:
-                k = a + int((b - a) * 0.9)  # strong degradations run out of spare rows first
-                uncorrectable[i, k] += 1
-                pending[i, k:b] = 1
-            end = self.at(failure.failure)
-            if end < self.timeline.count:
-                uncorrected[i, end] += 1 + int(failure.strength * 3)
-            if failure.xid == 64:
-                failed[i, self.out_of_service(failure)] = 1
-        return {
-            "corrected": corrected,
-            "uncorrected": uncorrected,
-            "remapped": remapped,
-            "uncorrectable": uncorrectable,
-            "pending": pending,
-            "failure": failed,
-        }
+        hbm["pending"], hbm["failure"] = np.zeros(self.shape), np.zeros(self.shape)
+        for event in self.events:
+            event.memory_errors(hbm, rng)
+        return hbm
 
     def _ecc(self) -> Iterator[Family]:
         rng = self.rng("ecc-lifetime")
@@ -737,14 +610,13 @@ class FleetSignals:
         ):
             values = self.readable(self.replaced(_counter(self.hbm[kind], offset)))
             rows += self._rows(values, self.gpu_labels, f'type="{kind}",counter="{counter_kind}",')
-        yield Family("gpuhealth_gpu_ecc_errors_total", "counter", rows)
+        yield self._family("gpuhealth_gpu_ecc_errors_total", rows)
 
     def _remaps(self) -> Iterator[Family]:
         rng = self.rng("remap-lifetime")
         lifetime = np.where(rng.random(self.gpus) < 0.05, rng.integers(1, 3, self.gpus), 0).astype(float)
-        yield Family(
+        yield self._family(
             "gpuhealth_gpu_remapped_rows",
-            "gauge",
             [
                 *self._rows(
                     self.readable(self.replaced(_counter(self.hbm["remapped"], lifetime))),
@@ -758,38 +630,16 @@ class FleetSignals:
                 ),
             ],
         )
-        yield self._gauge("gpuhealth_gpu_remap_pending", self.readable(self.hbm["pending"]))
-        yield self._gauge("gpuhealth_gpu_remap_failure", self.readable(self.hbm["failure"]))
+        yield self._series("gpuhealth_gpu_remap_pending", self.readable(self.hbm["pending"]))
+        yield self._series("gpuhealth_gpu_remap_failure", self.readable(self.hbm["failure"]))
 
     @cached_property
     def replays(self) -> np.ndarray:
+        """(GPUs, T) PCIe replay increments: boots, healthy links that replay, failing links."""
         rng = self.rng("pcie")
         replays = np.zeros(self.shape)
-        for noise, draw in self.noise_draws("boot_replay_burst"):  # spread over the first minutes
-            gpus = [noise.gpu] if noise.gpu is not None else range(self.fleet.gpus_per_node)
-            where = self.span(noise.at, noise.duration)
-            n = where.stop - where.start
-            for gpu in gpus:
-                replays[self.gpu_index(noise.node, gpu), where] += draw.poisson(
-                    (50 + 450 * noise.strength) / n, n
-                )
-        for noise, draw in self.noise_draws("reboot_loop"):  # every boot retrains the links
-            for boot in self.reboots(noise, draw):
-                gpu = int(draw.integers(self.fleet.gpus_per_node))
-                at = self.at(boot)
-                if at < self.timeline.count:
-                    replays[self.gpu_index(noise.node, gpu), at] += int(draw.integers(20, 400))
-        for noise, draw in self.noise_draws("pcie_replay_steady"):  # a healthy link that replays steadily
-            where = self.span(noise.at, noise.duration)
-            rate = (0.05 + 3 * noise.strength) * self.timeline.step / 60
-            replays[self.gpu_index(noise.node, noise.gpu), where] += draw.poisson(
-                rate, where.stop - where.start
-            )
-        for failure in self.faults_of("pcie_degradation"):
-            per_step = (1 + 40 * failure.strength) * self.timeline.step / 60
-            replays[self.gpu_index(failure.node, failure.gpu)] += rng.poisson(
-                per_step * self.precursor(failure)
-            )
+        for event in self.events:
+            event.replays(replays, rng)
         return replays
 
     @cached_property
@@ -798,15 +648,8 @@ class FleetSignals:
         them, at their own rate."""
         rng = self.rng("aer")
         out: dict[int, np.ndarray] = {}
-        for failure in self.faults_of("pcie_degradation"):
-            if self.failure_params[failure]["aer"]:
-                i = self.gpu_index(failure.node, failure.gpu)
-                per_step = (0.2 + 10 * failure.strength) * self.timeline.step / 60
-                out[i] = out.get(i, 0) + rng.poisson(per_step * self.precursor(failure))
-        for noise, draw in self.noise_draws("pcie_replay_steady"):
-            if draw.random() < 0.5:
-                i = self.gpu_index(noise.node, noise.gpu)
-                out[i] = out.get(i, 0) + np.floor(self.replays[i] / 3)
+        for event in self.events:
+            event.aer(out, rng)
         return out
 
     def _pcie(self) -> Iterator[Family]:
@@ -814,23 +657,18 @@ class FleetSignals:
         lifetime = np.where(rng.random(self.gpus) < 0.1, rng.integers(1, 200, self.gpus), 0).astype(float)
         width = np.full(self.shape, 16.0)
         generation = np.full(self.shape, 5.0)
-        for failure in self.faults_of("pcie_degradation"):
-            params = self.failure_params[failure]
-            if params["downgrade"] and failure.has_precursor:  # the link retrains lower late in the decay
-                a, b = self.at(failure.onset), self.at(failure.instant)
-                where = slice(
-                    a + int((b - a) * (0.4 + 0.55 * params["extra"])), self.out_of_service(failure).stop
-                )
-                target = generation if params["generation"] else width
-                target[self.gpu_index(failure.node, failure.gpu), where] = 4 if params["generation"] else 8
-        yield self._count(
+        for event in self.events:
+            event.pcie_link(width, generation)
+        yield self._series(
             "gpuhealth_gpu_pcie_replays_total", self.readable(self.replaced(_counter(self.replays, lifetime)))
         )
-        yield self._gauge("gpuhealth_gpu_pcie_link_generation", self.readable(generation))
-        yield self._gauge("gpuhealth_gpu_pcie_link_generation_max", self.readable(np.full(self.shape, 5.0)))
-        yield self._gauge("gpuhealth_gpu_pcie_link_width_lanes", self.readable(width))
-        yield self._gauge("gpuhealth_gpu_pcie_link_width_max_lanes", self.readable(np.full(self.shape, 16.0)))
-        yield self._gauge(
+        yield self._series("gpuhealth_gpu_pcie_link_generation", self.readable(generation))
+        yield self._series("gpuhealth_gpu_pcie_link_generation_max", self.readable(np.full(self.shape, 5.0)))
+        yield self._series("gpuhealth_gpu_pcie_link_width_lanes", self.readable(width))
+        yield self._series(
+            "gpuhealth_gpu_pcie_link_width_max_lanes", self.readable(np.full(self.shape, 16.0))
+        )
+        yield self._series(
             "gpuhealth_gpu_pcie_link_downgraded",
             self.readable(((width < 16) | (generation < 5)).astype(float)),
         )
@@ -846,7 +684,7 @@ class FleetSignals:
                     _counter(increments),
                 )
             )
-        yield Family("gpuhealth_pcie_aer_errors_total", "counter", rows)
+        yield self._family("gpuhealth_pcie_aer_errors_total", rows)
 
     @cached_property
     def nvlink_errors(self) -> tuple[dict[tuple[int, int], np.ndarray], dict[tuple[int, int], np.ndarray]]:
@@ -855,27 +693,8 @@ class FleetSignals:
         rng = self.rng("nvlink")
         flits: dict[tuple[int, int], np.ndarray] = {}
         down: dict[tuple[int, int], np.ndarray] = {}
-        per_minute = self.timeline.step / 60
-        for failure in self.faults_of("nvlink_errors"):
-            i, level = self.gpu_index(failure.node, failure.gpu), self.precursor(failure)
-            params = self.failure_params[failure]
-            rate = 0.01 + 0.05 * failure.strength if params["quiet"] else 2 + 200 * failure.strength
-            key = (i, int(params["link"]))
-            flits[key] = flits.get(key, 0) + rng.poisson(rate * per_minute * level)
-            down.setdefault(key, np.zeros(self.timeline.count, dtype=bool))[self.out_of_service(failure)] = (
-                True
-            )
-        for noise, draw in self.noise_draws("nvlink_flap"):
-            key = (self.gpu_index(noise.node, noise.gpu), int(draw.integers(max(self.fleet.nvlinks, 1))))
-            where = self.span(noise.at, noise.duration)
-            n = where.stop - where.start
-            bursty = draw.random(n) < 0.3
-            increments = np.zeros(self.timeline.count)
-            increments[where] = draw.poisson((5 + 400 * noise.strength) * per_minute * bursty)
-            flits[key] = flits.get(key, 0) + increments
-            if noise.strength > 0.4:  # the link drops and retrains within a couple of minutes
-                mask = down.setdefault(key, np.zeros(self.timeline.count, dtype=bool))
-                mask[self.span(noise.at + noise.duration / 2, 120)] = True
+        for event in self.events:
+            event.nvlink(flits, down, rng)
         return flits, down
 
     def _nvlink(self) -> Iterator[Family]:
@@ -901,23 +720,22 @@ class FleetSignals:
                 if (i, link) in down:
                     state = np.where(down[(i, link)] & ~np.isnan(state), 0.0, state)
                 up_rows.append((f'link="{link}",{labels}', state))
-                for kind in NVLINK_ERROR_TYPES:
+                for kind in LEGACY_NVLINK_ERROR_TYPES:
                     values = zeros[i]
                     if (i, link) in moving:
                         counter = self.replaced(_counter(moving[(i, link)][kind]), i)
                         values = np.where(self.lost[i], np.nan, counter)
                         totals[i] = totals[i] + values
                     error_rows.append((f'link="{link}",type="{kind}",{labels}', values))
-        yield Family("gpuhealth_gpu_nvlink_up", "gauge", up_rows)
-        yield Family("gpuhealth_gpu_nvlink_errors_total", "counter", error_rows)
-        yield Family(
+        yield self._family("gpuhealth_gpu_nvlink_up", up_rows)
+        yield self._family("gpuhealth_gpu_nvlink_errors_total", error_rows)
+        yield self._family(
             "gpuhealth_gpu_nvlink_errors_all_links_total",
-            "counter",
             [(self.gpu_labels[i], values) for i, values in totals.items()],
         )
 
     def _processes(self) -> Iterator[Family]:
-        yield self._gauge("gpuhealth_gpu_processes", self.readable(self.busy.astype(float)))
+        yield self._series("gpuhealth_gpu_processes", self.readable(self.busy.astype(float)))
 
     def _jobs(self) -> Iterator[Family]:
         rows = []
@@ -928,7 +746,7 @@ class FleetSignals:
                 rows += [
                     (f'gpu="{g}",job_id="{job_id}",{labels}', values) for g in range(self.fleet.gpus_per_node)
                 ]
-        yield Family("gpuhealth_gpu_job_info", "gauge", rows)
+        yield self._family("gpuhealth_gpu_job_info", rows)
 
     @cached_property
     def boots(self) -> dict[int, list[int]]:
@@ -938,10 +756,8 @@ class FleetSignals:
         for failure in self.scenario.failures:
             if failure.repaired is not None:
                 out.setdefault(self.node_index(failure.node), []).append(self.at(failure.repaired))
-        for noise, rng in self.noise_draws("reboot_loop"):
-            out.setdefault(self.node_index(noise.node), []).extend(
-                self.at(b) for b in self.reboots(noise, rng)
-            )
+        for noise in self.noise:
+            out.setdefault(noise.node, []).extend(self.at(b) for b in noise.restarts())
         return {node: sorted(i for i in set(boots) if i < self.timeline.count) for node, boots in out.items()}
 
     def events_counter(self, i: int, increments: np.ndarray) -> np.ndarray:
@@ -954,8 +770,7 @@ class FleetSignals:
 
     @cached_property
     def xid_events(self) -> dict[tuple[int, int], np.ndarray]:
-        """Increments per (GPU, XID): remaps (63), contained errors (94), buggy jobs (13/31/43/45),
-        NVLink flaps (74), and every fault's XIDs from its first one on."""
+        """Increments per (GPU, XID): remapped rows (63), and what each event logs."""
         events: dict[tuple[int, int], np.ndarray] = {}
 
         def add(i: int, xid: int, at: int, count: float = 1.0) -> None:
@@ -965,29 +780,8 @@ class FleetSignals:
         remaps = self.hbm["remapped"] + self.hbm["uncorrectable"]
         for i, k in zip(*np.nonzero(remaps), strict=True):
             add(int(i), 63, int(k), remaps[i, k])
-        for noise in self.noise_of("contained_xid94"):
-            add(self.gpu_index(noise.node, noise.gpu), 94, self.at(noise.at))
-        for noise, rng in self.noise_draws("app_xid"):  # every node of the buggy job, again and again
-            xid = int(rng.choice([13, 31, 43, 45], p=[0.35, 0.35, 0.15, 0.15]))
-            for node in self.job_nodes(noise):
-                t = noise.at + rng.uniform(0, 600)
-                while t < noise.at + noise.duration:
-                    for gpu in rng.choice(self.fleet.gpus_per_node, int(rng.integers(1, 9)), replace=False):
-                        add(node * self.fleet.gpus_per_node + int(gpu), xid, self.at(t))
-                        if xid == 13 and rng.random() < 0.5:
-                            add(node * self.fleet.gpus_per_node + int(gpu), 43, self.at(t))
-                    t += np.exp(rng.uniform(np.log(300), np.log(2 * 3600)))
-        for noise in self.noise_of("nvlink_flap"):
-            if noise.strength > 0.5:
-                add(self.gpu_index(noise.node, noise.gpu), 74, self.at(noise.at + noise.duration / 2))
-        for failure in self.scenario.failures:
-            i = self.gpu_index(failure.node, failure.gpu)
-            if failure.first_xid is not None:  # logged before the GPU dies
-                first = 94 if failure.kind == "hbm_degradation" else failure.xid
-                every = max(int(120 / self.timeline.step), 1)
-                for k in range(self.at(failure.instant), self.at(failure.failure), every):
-                    add(i, first, k)
-            add(i, failure.xid, self.at(failure.failure))
+        for event in self.events:
+            event.xids(add)
         return events
 
     def _xids(self) -> Iterator[Family]:
@@ -996,18 +790,17 @@ class FleetSignals:
             (f'xid="{xid}",{self.gpu_labels[i]}', self.events_counter(i, increments))
             for (i, xid), increments in sorted(self.xid_events.items())
         ]
-        yield Family("gpuhealth_xid_events_total", "counter", rows)
+        yield self._family("gpuhealth_xid_events_total", rows)
 
     def _fallen(self) -> Iterator[Family]:
         """Only a GPU that fell off the bus has the counter, from then on, as the exporter publishes it."""
         falls: dict[int, np.ndarray] = {}
-        for failure in self.faults_of("thermal_runaway", "pcie_degradation", "fell_off_bus"):
-            i = self.gpu_index(failure.node, failure.gpu)
-            at = self.at(failure.failure)
-            if at < self.timeline.count:
-                falls.setdefault(i, np.zeros(self.timeline.count))[at] += 1
+        for fault in self.faults:
+            at = self.at(fault.event.failure)
+            if fault.falls_off_bus and at < self.timeline.count:
+                falls.setdefault(fault.row, np.zeros(self.timeline.count))[at] += 1
         rows = [(self.gpu_labels[i], self.events_counter(i, f)) for i, f in sorted(falls.items())]
-        yield Family("gpuhealth_gpu_fallen_off_bus_total", "counter", rows)
+        yield self._family("gpuhealth_gpu_fallen_off_bus_total", rows)
 
     # ---- host families ------------------------------------------------------------------------------
     def node_rate(
@@ -1034,17 +827,17 @@ class FleetSignals:
         rows = []
         for mode, rate in (("user", user), ("system", system), ("iowait", iowait), ("idle", idle)):
             rows += self._rows(np.round(_counter(rate * step), 2), self.node_labels, f'mode="{mode}",')
-        yield Family("gpuhealth_host_cpu_seconds_total", "counter", rows)
+        yield self._family("gpuhealth_host_cpu_seconds_total", rows)
 
     def _host_memory(self) -> Iterator[Family]:
         shape = (self.fleet.nodes, self.timeline.count)
-        yield self._gauge(
+        yield self._series(
             "gpuhealth_host_memory_total_bytes", np.full(shape, float(HOST_MEMORY_BYTES)), node=True
         )
         available = (
             HOST_MEMORY_BYTES - self.node_rate("memory", 0.45, 0.05, 0.45, checkpoint=0.1) * HOST_MEMORY_BYTES
         )
-        yield self._gauge("gpuhealth_host_memory_available_bytes", np.round(available, -6), node=True)
+        yield self._series("gpuhealth_host_memory_available_bytes", np.round(available, -6), node=True)
 
     def _load(self) -> Iterator[Family]:
         procs = np.round(self.node_rate("procs", 12, 1, 0.3, checkpoint=2, spread=0.2))
@@ -1053,17 +846,17 @@ class FleetSignals:
         load[:, 0] = procs[:, 0]
         for i in range(1, procs.shape[1]):
             load[:, i] = load[:, i - 1] + alpha * (procs[:, i] - load[:, i - 1])
-        yield self._gauge("gpuhealth_host_procs_running", procs, node=True)
-        yield self._gauge("gpuhealth_host_load1", np.round(load, 2), node=True)
+        yield self._series("gpuhealth_host_procs_running", procs, node=True)
+        yield self._series("gpuhealth_host_load1", np.round(load, 2), node=True)
 
     def _interrupts(self) -> Iterator[Family]:
         step = self.timeline.step
-        yield self._count(
+        yield self._series(
             "gpuhealth_host_interrupts_total",
             np.round(_counter(self.node_rate("interrupts", 10000, 1500, 2600, 2000) * step)),
             node=True,
         )
-        yield self._count(
+        yield self._series(
             "gpuhealth_host_context_switches_total",
             np.round(_counter(self.node_rate("ctxt", 50000, 4000, 7000, 8000) * step)),
             node=True,
@@ -1074,18 +867,16 @@ class FleetSignals:
         """(nodes, T) 0..1: some HBM failures stall the host before the XID (paging, slow NFS metadata),
         and so do checkpoint storms."""
         stress = np.zeros((self.fleet.nodes, self.timeline.count))
-        for failure in self.faults_of("hbm_degradation"):
-            if self.failure_params[failure]["extra"] < 0.3:
-                a, b = self.at(failure.instant - 1800), self.at(failure.instant)
-                stress[self.node_index(failure.node), a:b] = failure.strength
+        for event in self.events:
+            event.storage_stress(stress)
         # a checkpoint storm saturates the client's RPC slots: metadata calls queue and pages go out
         return np.maximum(stress, np.clip((self.checkpoint_load - 1.5) / 4, 0, 0.8))
 
     def _paging(self) -> Iterator[Family]:
         step = self.timeline.step
         rate = self.node_rate("page-outs", 300, 50, 100, 2500, spread=0.3) + 40000 * self.storage_stress
-        yield self._count("gpuhealth_host_page_outs_total", np.round(_counter(rate * step)), node=True)
-        yield self._count("gpuhealth_host_swap_outs_total", np.zeros(rate.shape), node=True)
+        yield self._series("gpuhealth_host_page_outs_total", np.round(_counter(rate * step)), node=True)
+        yield self._series("gpuhealth_host_swap_outs_total", np.zeros(rate.shape), node=True)
 
     def _io(self) -> Iterator[Family]:
         step = self.timeline.step
@@ -1096,7 +887,7 @@ class FleetSignals:
             ("gpuhealth_host_network_transmit_bytes_total", "ib0", 9e9, 1e6, 3e9),
         ):
             values = np.round(_counter(self.node_rate(name, busy, idle, idle, ckpt, spread=0.1) * step))
-            yield self._count(name, values, extra=f'device="{device}",', node=True)
+            yield self._series(name, values, extra=f'device="{device}",', node=True)
 
     def _nfs(self) -> Iterator[Family]:
         """Per-op RPC counters; checkpoints queue WRITEs on the client (slot table exhaustion)."""
@@ -1128,11 +919,11 @@ class FleetSignals:
             ):
                 families.setdefault(name, []).extend(self._rows(values, self.node_labels, extra))
         for name, rows in families.items():
-            yield Family(name, "counter", rows)
+            yield self._family(name, rows)
         sends = np.asarray(sum(ops.values()) * step)
         extra = f'mount="{NFS_MOUNT}",'
-        yield self._count("gpuhealth_nfs_transport_sends_total", np.round(_counter(sends)), extra, node=True)
-        yield self._count(
+        yield self._series("gpuhealth_nfs_transport_sends_total", np.round(_counter(sends)), extra, node=True)
+        yield self._series(
             "gpuhealth_nfs_transport_backlog_queue_total",
             np.round(_counter(sends * (0.1 + 60 * load))),
             extra,

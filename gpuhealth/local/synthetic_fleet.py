@@ -69,7 +69,7 @@ def _node_series(collapsed: bool) -> list[Series]:
     return [
         Series("gpuhealth_gpus_expected", 8),
         Series("gpuhealth_gpus_visible", 8),
-        Series('gpuhealth_collector_success{collector="nvml"}', 1),
+        Series('gpuhealth_collector_success{collector="gpu"}', 1),
         Series("gpuhealth_host_interrupts_total", 0, 1500 if collapsed else 10_000),
         Series("gpuhealth_host_procs_running", 2 if collapsed else 40),
         Series("gpuhealth_host_page_outs_total", 0, 100),

@@ -1,4 +1,5 @@
-"""The exporter's metric table matches docs/contract.md, and every golden file passes promtool."""
+"""The exporter's metric table matches docs/contract.md, its collectors and its simulator's faults
+match the shared vocabulary (gpuhealth.contract), and every golden file passes promtool."""
 
 from __future__ import annotations
 
@@ -7,7 +8,20 @@ from pathlib import Path
 
 import pytest
 from exporter_helpers import GOLDEN, promtool_check
+from gpuhealth.contract.faults import (
+    FALLS_OFF_BUS_KINDS,
+    FAULT_KINDS,
+    FAULT_XIDS,
+    NODE_NOISE_KINDS,
+    RECOVERY_ACTION_KINDS,
+    RECOVERY_ACTION_XID,
+)
+from gpuhealth.contract.metrics import CLOCK_EVENT_REASONS, COLLECTORS
+from gpuhealth.exporter import nvml_reader
+from gpuhealth.exporter.collector import load_collectors
 from gpuhealth.exporter.metrics import SPECS
+from gpuhealth.exporter.sim.gpu import FaultRun, Node
+from gpuhealth.exporter.sim.scenario import parse_scenario
 
 CONTRACT = Path(__file__).parents[2] / "docs" / "contract.md"
 
@@ -50,3 +64,42 @@ def test_help_texts_are_sentences() -> None:
 @pytest.mark.parametrize("path", sorted(GOLDEN.glob("*.prom")), ids=lambda p: p.name)
 def test_golden_file_passes_promtool(path: Path) -> None:
     promtool_check(path.read_text())
+
+
+def test_the_shared_collector_names_are_the_exporters_collectors() -> None:
+    assert tuple(load_collectors()) == COLLECTORS
+
+
+def test_the_shared_clock_event_reasons_are_the_ones_the_exporter_reads() -> None:
+    assert tuple(nvml_reader.CLOCK_EVENT_REASONS) == CLOCK_EVENT_REASONS
+
+
+def test_the_simulator_implements_every_fault_and_node_noise_kind() -> None:
+    for kind in (*FAULT_KINDS, *NODE_NOISE_KINDS):
+        assert callable(getattr(FaultRun, f"_{kind}", None)), kind
+    for kind in FAULT_KINDS:
+        assert callable(getattr(FaultRun, f"_fail_{kind}", None)), kind
+
+
+def _logged(kind: str) -> tuple[set[int], bool]:
+    """XIDs the simulator logs for one fault run to its hard failure, and whether the GPU is lost."""
+    xids: set[int] = set()
+
+    def emit(gpu: int, text: str, event: int | None) -> None:
+        if found := re.search(r"Xid \([^)]*\): (\d+),", text):
+            xids.add(int(found[1]))
+
+    node = Node(parse_scenario({"gpus": 1, "faults": [{"kind": kind, "gpu": 0, "start": 1}]}), emit)
+    for t in (0.0, 1.0, 200.0, 400.0):
+        node.advance(t)
+    return xids, node.gpus[0].lost
+
+
+@pytest.mark.parametrize("kind", FAULT_KINDS)
+def test_the_simulators_faults_log_the_shared_xids(kind: str) -> None:
+    xids, lost = _logged(kind)
+    wear = {63} if kind == "hbm_degradation" else set()  # rows remapped while HBM wears out
+    recovery = {RECOVERY_ACTION_XID} if kind in RECOVERY_ACTION_KINDS else set()
+    assert xids - wear - recovery <= set(FAULT_XIDS[kind]) and xids & set(FAULT_XIDS[kind])
+    assert (RECOVERY_ACTION_XID in xids) == (kind in RECOVERY_ACTION_KINDS)
+    assert lost == (kind in FALLS_OFF_BUS_KINDS)

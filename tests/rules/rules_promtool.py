@@ -50,7 +50,7 @@ INPUTS: dict[str, dict[str, tuple[str, dict[str, str], float]]] = {
         "interrupts": ("gpuhealth_host_interrupts_total", {}, 1),
         "procs_running": ("gpuhealth_host_procs_running", {}, 1),
         "page_outs": ("gpuhealth_host_page_outs_total", {}, 1),
-        "collector_success": ("gpuhealth_collector_success", {"collector": "nvml"}, 1),
+        "collector_success": ("gpuhealth_collector_success", {"collector": "gpu"}, 1),
         "gpus_expected": ("gpuhealth_gpus_expected", {}, 1),
         "gpus_visible": ("gpuhealth_gpus_visible", {}, 1),
     },

@@ -96,9 +96,9 @@ def test_monitoring_of_monitoring(tmp_path, source):
     ]
     if fleet.supports("collector_success"):
         failing = alert("GPUHealthCollectorFailing",
-                        {"alertname": "GPUHealthCollectorFailing", "node": "n2", "collector": "nvml"},
-                        "Collector nvml failing on n2",
-                        "The nvml collector of gpuhealth-exporter on n2 has failed every run; the signals it "
+                        {"alertname": "GPUHealthCollectorFailing", "node": "n2", "collector": "gpu"},
+                        "Collector gpu failing on n2",
+                        "The gpu collector of gpuhealth-exporter on n2 has failed every run; the signals it "
                         "feeds are missing and fusion treats them as 0.", "warning", "none")
         checks += [
             {"eval_time": "4m", "alertname": "GPUHealthCollectorFailing", "exp_alerts": []},

@@ -1,0 +1,66 @@
+"""The fault vocabulary: what the exporter's simulator injects and what ``gpuhealth eval`` measures.
+
+One list, so that a fault modelled live on one node is the fault the benchmark scores on a fleet
+(docs/contract.md describes each kind). Both simulators read it; neither imports the other.
+"""
+
+from __future__ import annotations
+
+# Faults end in a hard failure.
+FAULT_KINDS = (
+    "hbm_degradation",
+    "thermal_runaway",
+    "pcie_degradation",
+    "nvlink_errors",
+    "gsp_timeout",
+    "fell_off_bus",
+    "sram_uncorrectable",
+)
+# Benign noise: must not raise a predictive alert, and each kind can fool a naive rule.
+NOISE_KINDS = (
+    "sbe_burst",
+    "hot_aisle",
+    "boot_replay_burst",
+    "power_cap",
+    "idle_node",
+    "checkpoint_burst",
+    "sbe_chatter",
+    "benign_remap",
+    "contained_xid94",
+    "app_xid",
+    "xid63",
+    "nvlink_flap",
+    "pcie_replay_steady",
+    "load_imbalance",
+    "warm_gpu",
+    "slow_nvml",
+    "power_brake",
+    "rack_cooling",
+    "reboot_loop",
+    "checkpoint_storm",
+)
+# Noise that needs a fleet (racks, jobs over nodes, a shared filesystem, reboots): the exporter's
+# simulator of one node implements the others, ``NODE_NOISE_KINDS``.
+FLEET_NOISE_KINDS = ("checkpoint_burst", "load_imbalance", "rack_cooling", "reboot_loop", "checkpoint_storm")
+NODE_NOISE_KINDS = tuple(kind for kind in NOISE_KINDS if kind not in FLEET_NOISE_KINDS)
+# Faults that never give warning: no precursor before the hard failure.
+SUDDEN_KINDS = ("gsp_timeout", "fell_off_bus", "sram_uncorrectable")
+# XIDs the kernel logs at the hard failure; the first is the default.
+FAULT_XIDS = {
+    "hbm_degradation": (64, 94, 95, 48),
+    "thermal_runaway": (79,),
+    "pcie_degradation": (79,),
+    "nvlink_errors": (74,),
+    "gsp_timeout": (119, 120),
+    "fell_off_bus": (79,),
+    "sram_uncorrectable": (95, 94, 48),
+}
+# Faults whose GPU falls off the bus at the hard failure: NVML loses it, the kernel logs the fall.
+FALLS_OFF_BUS_KINDS = ("thermal_runaway", "pcie_degradation", "fell_off_bus")
+# XID 154: the driver announces the recovery action it now requires (here a GPU reset).
+RECOVERY_ACTION_XID = 154
+# Faults after whose hard failure the driver asks for a GPU reset through XID 154.
+RECOVERY_ACTION_KINDS = ("hbm_degradation", "sram_uncorrectable")
+# What a buggy job makes the driver log (``app_xid``): graphics exception, page fault, channel reset,
+# preemptive cleanup.
+APP_XIDS = (13, 31, 43, 45)
