@@ -73,9 +73,9 @@ def _default_xid_classes() -> tuple[XidClass, ...]:
                                  82, 83, 84, 85, 86, 88, 89, 94, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105,
                                  126, 127, 128, 129, 130, 131, 132, 133, 134, 135, 139)),
         XidClass("drain", (54, 165)),
-        XidClass("nvlink", (74, 144, 145, 146, 147, 148, 149, 150)),  # restart the job; drain if the link fails
-        XidClass("drain_reset_gpu", (46, 48, 62, 64, 95, 109, 110, 119, 120, 136, 140, 143, 155, 156, 158, 168,
-                                     169)),
+        XidClass("nvlink", (74, 144, 145, 146, 147, 148, 149, 150)),  # restart; drain if the link fails
+        XidClass("drain_reset_gpu", (46, 48, 62, 64, 95, 109, 110, 119, 120, 136, 140, 143, 155, 156, 158,
+                                     168, 169)),
         XidClass("drain_reboot", (79, 151, 167)),
     )
 

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from gpuhealth.contract.duration import parse_duration as prometheus_duration
+
 # The fault vocabulary (kinds, their XIDs) is docs/contract.md's, shared with the exporter's simulator.
 from gpuhealth.contract.faults import FAULT_KINDS, FAULT_XIDS, NOISE_KINDS, SUDDEN_KINDS
 
