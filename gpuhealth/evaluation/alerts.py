@@ -83,6 +83,10 @@ def fires(present: np.ndarray, for_seconds: float, step: float) -> np.ndarray:
     return present & (held > math.ceil(for_seconds / step - 1e-9))
 
 
+def _step(times: np.ndarray) -> float | None:
+    return float(times[1] - times[0]) if times.size > 1 else None
+
+
 def alert_labels(rule: Rule, labels: Labels) -> Labels:
     merged = {k: v for k, v in labels if k != "__name__"}
     merged.update(dict(rule.labels))
@@ -134,7 +138,7 @@ class AlertEvaluator:
                 continue
             self._probed.add(name)
             try:
-                range_matrix(self.api, self.expander.definition(name), times)
+                range_matrix(self.api, self.expander.definition(name, (), _step(times)), times)
             except RuntimeError as exc:
                 log.warning("recording rule fails name=%s error=%r", name, str(exc))
                 self.expander.mark_broken(name, str(exc))
@@ -145,7 +149,7 @@ class AlertEvaluator:
     def _query(self, rule: Rule, times: np.ndarray) -> Matrix | None:
         """The alert's expression at ``times``; None (and the error noted) when Prometheus rejects it."""
         try:
-            return range_matrix(self.api, self.expander.expand(rule.expr), times)
+            return range_matrix(self.api, self.expander.expand(rule.expr, _step(times)), times)
         except RuntimeError as exc:
             if self._find_broken_records(rule, times):
                 return self._query(rule, times)
