@@ -101,10 +101,11 @@ def reads_alerts(rule: Rule) -> bool:
 class AlertEvaluator:
     """Evaluates alert rules against one Prometheus over [start, end].
 
-    Alerts are evaluated every ``step`` (the rules' interval). Alerts that read recording rules make
-    Prometheus compute the whole chain of records at every instant, which dominates the cost on big
-    fleets; ``fused_step`` (default ``step``) evaluates those less often, their state holding between
-    evaluations as it does in Prometheus.
+    Alerts are evaluated every ``step`` (the rules' interval). Alerts that read recording rules need
+    the whole chain of records at every instant (folded in, or computed once and stored on the grid of
+    ``fused_step``: see ``expand``), which dominates the cost on big fleets; ``fused_step`` (default
+    ``step``) evaluates those less often, their state holding between evaluations as it does in
+    Prometheus.
     """
 
     def __init__(

@@ -25,7 +25,7 @@ from gpuhealth.evaluation.expand import Expander
 from gpuhealth.evaluation.openmetrics import BlockFiles, Thinning, write_blocks
 from gpuhealth.evaluation.progress import Progress
 from gpuhealth.evaluation.ranges import grid, label_text, range_matrix
-from gpuhealth.evaluation.rulefiles import RuleSet, load_rules, selectors
+from gpuhealth.evaluation.rulefiles import RuleSet, load_rules, selectors, subqueries
 from gpuhealth.evaluation.scenario import Scenario, load_scenario
 from gpuhealth.evaluation.selection import Selection
 from gpuhealth.evaluation.signals import Family, FleetSignals
@@ -228,13 +228,18 @@ def record_levels(expander: Expander, names: list[str]) -> list[list[str]]:
 
 def records_to_store(expander: Expander, expr: str) -> list[str]:
     """The records ``expr`` reads that are worth storing, dependencies first: those read under a
-    range selector and those read more than once (by ``expr`` and the records it reads). A record
-    read once is computed once either way, folded into its reader, which saves a level of storing."""
+    range selector or in a subquery, and those read more than once (by ``expr`` and the records it
+    reads). A record read once is computed once either way, folded into its reader, which saves a
+    level of storing."""
     used = expander.records_used(expr)
-    texts = [expr, *(rule.expr for name in used for rule in expander.definitions[name])]
-    reads = Counter(name for text in texts for s in selectors(text) for name in expander.names_read(s))
-    ranged = set(expander.ranged_records(expr))
-    return [name for name in used if name in ranged or reads[name] > 1]
+    reads: Counter[str] = Counter()
+    for text in [expr, *(rule.expr for name in used for rule in expander.definitions[name])]:
+        spans = subqueries(text)
+        for selector in selectors(text):
+            many = selector.range_seconds is not None or any(a <= selector.start < b for a, b, _ in spans)
+            for name in expander.names_read(selector):
+                reads[name] += 2 if many else 1
+    return [name for name in used if reads[name] > 1]
 
 
 def store_records(

@@ -84,6 +84,7 @@ def test_records_read_once_are_folded_into_their_reader() -> None:
     # each contribution is read once, by the score, which the alert reads once
     assert RISK not in stored and "gpuhealth:gpu_failure_risk:contribution" not in stored
     assert RISK in records_to_store(expander, f"{RISK} > 0.6 or {RISK} < 0")
+    assert RISK in records_to_store(expander, f"max_over_time(({RISK} > 0.6)[1h:5m])")  # read 12 times
 
 
 @pytest.mark.slow
