@@ -83,6 +83,10 @@ def fires(present: np.ndarray, for_seconds: float, step: float) -> np.ndarray:
     return present & (held > math.ceil(for_seconds / step - 1e-9))
 
 
+def _step(times: np.ndarray) -> float | None:
+    return float(times[1] - times[0]) if times.size > 1 else None
+
+
 def alert_labels(rule: Rule, labels: Labels) -> Labels:
     merged = {k: v for k, v in labels if k != "__name__"}
     merged.update(dict(rule.labels))
@@ -97,10 +101,11 @@ def reads_alerts(rule: Rule) -> bool:
 class AlertEvaluator:
     """Evaluates alert rules against one Prometheus over [start, end].
 
-    Alerts are evaluated every ``step`` (the rules' interval). Alerts that read recording rules make
-    Prometheus compute the whole chain of records at every instant, which dominates the cost on big
-    fleets; ``fused_step`` (default ``step``) evaluates those less often, their state holding between
-    evaluations as it does in Prometheus.
+    Alerts are evaluated every ``step`` (the rules' interval). Alerts that read recording rules need
+    the whole chain of records at every instant (folded in, or computed once and stored on the grid of
+    ``fused_step``: see ``expand``), which dominates the cost on big fleets; ``fused_step`` (default
+    ``step``) evaluates those less often, their state holding between evaluations as it does in
+    Prometheus.
     """
 
     def __init__(
@@ -134,7 +139,7 @@ class AlertEvaluator:
                 continue
             self._probed.add(name)
             try:
-                range_matrix(self.api, self.expander.definition(name), times)
+                range_matrix(self.api, self.expander.definition(name, (), _step(times)), times)
             except RuntimeError as exc:
                 log.warning("recording rule fails name=%s error=%r", name, str(exc))
                 self.expander.mark_broken(name, str(exc))
@@ -145,7 +150,7 @@ class AlertEvaluator:
     def _query(self, rule: Rule, times: np.ndarray) -> Matrix | None:
         """The alert's expression at ``times``; None (and the error noted) when Prometheus rejects it."""
         try:
-            return range_matrix(self.api, self.expander.expand(rule.expr), times)
+            return range_matrix(self.api, self.expander.expand(rule.expr, _step(times)), times)
         except RuntimeError as exc:
             if self._find_broken_records(rule, times):
                 return self._query(rule, times)

@@ -16,7 +16,7 @@ from gpuhealth.evaluation.fleet import (
     BackfilledFleet,
     add_series,
     backfilled_prometheus,
-    store_ranged_records,
+    store_records,
 )
 from gpuhealth.evaluation.matching import LEMON_ALERTS, score
 from gpuhealth.evaluation.progress import Progress
@@ -38,7 +38,7 @@ class Options:
     plot_false_alarm: bool = False  # plot a false-alarm episode instead of a failure
     lemon_alerts: str = LEMON_ALERTS
     progress: bool = True
-    store_ranged: bool = True  # store records read under a range selector instead of subqueries
+    fold_records: bool = False  # fold records into the alerts instead of storing them (slow; exact)
 
 
 def alerts_family(run: AlertRun) -> Family:
@@ -74,13 +74,14 @@ def evaluate_fleet(fleet: BackfilledFleet, options: Options, began: float) -> di
     evaluator = AlertEvaluator(
         fleet.server.api, rules, max(fleet.data_start, fleet.start - longest_for), fleet.end, step, fused_step
     )
-    if options.store_ranged:
-        store_ranged_records(
+    if not options.fold_records:
+        store_records(
             fleet.server,
             evaluator.expander,
             " or ".join(r.expr for r in rules.alerts),
             fleet.data_start,
             fleet.end,
+            fused_step,
             options.workdir,
             progress=options.progress,
         )
@@ -91,8 +92,7 @@ def evaluate_fleet(fleet: BackfilledFleet, options: Options, began: float) -> di
     if second:
         add_series(
             fleet.server,
-            [alerts_family(evaluator.run)],
-            evaluator.times,
+            [([alerts_family(evaluator.run)], evaluator.times)],
             options.workdir,
             "backfilling ALERTS",
             progress=options.progress,

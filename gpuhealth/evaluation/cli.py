@@ -93,6 +93,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default: the scenario's fused_step, else --step)",
     )
     parser.add_argument(
+        "--fold-records",
+        action="store_true",
+        help="fold the recording rules into the alerts that read them, as one PromQL expression each, "
+        "instead of computing every record once and storing it (the same alerts, many times slower; "
+        "the reference the stored form is tested against)",
+    )
+    parser.add_argument(
         "--keep",
         type=Path,
         metavar="DIR",
@@ -129,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
                     plot=args.plot,
                     plot_false_alarm=args.plot_false_alarm,
                     lemon_alerts=args.lemon_alerts,
+                    fold_records=args.fold_records,
                     progress=True,
                 )
             )

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from gpuhealth.evaluation.expand import Expander
 from gpuhealth.evaluation.openmetrics import BlockFiles, Thinning, write_blocks
 from gpuhealth.evaluation.progress import Progress
 from gpuhealth.evaluation.ranges import grid, label_text, range_matrix
-from gpuhealth.evaluation.rulefiles import RuleSet, load_rules
+from gpuhealth.evaluation.rulefiles import RuleSet, load_rules, selectors, subqueries
 from gpuhealth.evaluation.scenario import Scenario, load_scenario
 from gpuhealth.evaluation.selection import Selection
 from gpuhealth.evaluation.signals import Family, FleetSignals
@@ -149,23 +150,24 @@ def promtool_blocks(paths: list[Path], out: Path, label: str, *, progress: bool,
 
 def add_series(
     server: PrometheusServer,
-    families: list[Family],
-    times: np.ndarray,
+    batches: list[tuple[list[Family], np.ndarray]],
     workdir: Path,
     label: str,
     *,
     progress: bool,
 ) -> None:
-    """Add series sampled at ``times`` to a running Prometheus: backfill them beside the TSDB, then
-    restart Prometheus on its data directory with the new blocks in place."""
+    """Add series to a running Prometheus, each batch's families sampled at its ``times``: backfill
+    them beside the TSDB, then restart Prometheus on its data directory with the new blocks in place."""
     staging = workdir / "staging"
-    step = float(times[1] - times[0]) if times.size > 1 else 60.0
-    files = BlockFiles(staging, Timeline(float(times[0]), step, times.size))
-    try:
-        for family in families:
-            files.write(family, Thinning(0, 0))
-    finally:
-        paths = files.close()
+    paths: list[Path] = []
+    for index, (families, times) in enumerate(batches):
+        step = float(times[1] - times[0]) if times.size > 1 else 60.0
+        files = BlockFiles(staging / str(index), Timeline(float(times[0]), step, times.size))
+        try:
+            for family in families:
+                files.write(family, Thinning(0, 0))
+        finally:
+            paths += files.close()
     blocks = staging / "blocks"
     promtool_blocks(paths, blocks, label, progress=progress, workdir=workdir)
     server.stop()
@@ -176,14 +178,21 @@ def add_series(
 
 
 def _recorded(
-    server: PrometheusServer, expander: Expander, names: list[str], times: np.ndarray, *, progress: bool
+    server: PrometheusServer,
+    expander: Expander,
+    names: list[str],
+    times: np.ndarray,
+    *,
+    progress: bool,
 ) -> list[Family]:
-    """What each recording rule in ``names`` records at ``times``, by its expanded expression."""
+    """What each recording rule in ``names`` records at ``times`` (a regular grid), by its expanded
+    expression."""
+    step = float(times[1] - times[0]) if times.size > 1 else None
     families = []
     with Progress("recording rules", len(names), enabled=progress) as bar:
         for name in names:
             try:
-                matrix = range_matrix(server.api, expander.definition(name), times)
+                matrix = range_matrix(server.api, expander.definition(name, (), step), times)
             except RuntimeError as exc:  # Prometheus rejects the rule: it would record nothing either
                 log.warning("recording rule fails name=%s error=%r", name, str(exc))
                 expander.mark_broken(name, str(exc))
@@ -205,33 +214,74 @@ def backfill_records(
     names = expander.records_used(every)  # dependencies first
     times = grid(start, end, rules.interval)
     families = _recorded(server, expander, names, times, progress=progress)
-    add_series(server, families, times, workdir, "backfilling records", progress=progress)
+    add_series(server, [(families, times)], workdir, "backfilling records", progress=progress)
 
 
-def store_ranged_records(
+def record_levels(expander: Expander, names: list[str]) -> list[list[str]]:
+    """``names`` (dependencies first) in levels: each reads only those of ``names`` in levels before it."""
+    level: dict[str, int] = {}
+    for name in names:
+        reads = expander.records_used(" or ".join(rule.expr for rule in expander.definitions[name]))
+        level[name] = 1 + max((level[read] for read in reads if read in level), default=-1)
+    return [[n for n in names if level[n] == k] for k in range(max(level.values(), default=-1) + 1)]
+
+
+def records_to_store(expander: Expander, expr: str) -> list[str]:
+    """The records ``expr`` reads that are worth storing, dependencies first: those read under a
+    range selector or in a subquery, and those read more than once (by ``expr`` and the records it
+    reads). A record read once is computed once either way, folded into its reader, which saves a
+    level of storing."""
+    used = expander.records_used(expr)
+    reads: Counter[str] = Counter()
+    for text in [expr, *(rule.expr for name in used for rule in expander.definitions[name])]:
+        spans = subqueries(text)
+        for selector in selectors(text):
+            many = selector.range_seconds is not None or any(a <= selector.start < b for a, b, _ in spans)
+            for name in expander.names_read(selector):
+                reads[name] += 2 if many else 1
+    return [name for name in used if reads[name] > 1]
+
+
+def store_records(
     server: PrometheusServer,
     expander: Expander,
     expr: str,
     start: float,
     end: float,
+    step: float,
     workdir: Path,
     *,
     progress: bool,
 ) -> list[str]:
-    """Write the records ``expr`` reads under a range selector into the TSDB, each at its group's
-    interval over [start, end], and have ``expander`` read them there (see ``expand``); return them.
-    A record stored later may read an earlier one, stored already: dependencies come first."""
-    names = expander.ranged_records(expr)
-    for name in names:
-        interval = expander.interval(name)
-        times = grid(start, end, interval)
+    """Compute the records ``expr`` reads once each (see ``records_to_store``), over [start, end],
+    write them into the TSDB and have ``expander`` read them there (see ``expand``); return those
+    stored. Records read under a range selector are stored at their group's interval, the others at
+    the multiples of ``step``, the instants ``expr`` is evaluated at. They are computed level by
+    level, each level reading the ones before it from the TSDB: one Prometheus restart per level."""
+    ranged = set(expander.ranged_records(expr))
+    stored: list[str] = []
+    for number, level in enumerate(record_levels(expander, records_to_store(expander, expr))):
         began = time.monotonic()
-        families = _recorded(server, expander, [name], times, progress=progress)
-        if families:
-            add_series(server, families, times, workdir, f"storing {name}", progress=progress)
-            expander.store(name)
-        log.info("record stored name=%s step=%gs seconds=%.1f", name, interval, time.monotonic() - began)
-    return names
+        by_grid: dict[float, list[Family]] = {}
+        for name in level:
+            every = expander.interval(name) if name in ranged else step
+            queried = time.monotonic()
+            by_grid.setdefault(every, []).extend(
+                _recorded(server, expander, [name], grid(start, end, every), progress=False)
+            )
+            log.info("record computed name=%s step=%gs seconds=%.1f", name, every, time.monotonic() - queried)
+        batches = [(families, grid(start, end, every)) for every, families in by_grid.items() if families]
+        if batches:
+            add_series(server, batches, workdir, f"storing records, level {number}", progress=progress)
+        for families, _ in batches:
+            for family in families:
+                if family.name in ranged:
+                    expander.store(family.name)
+                else:
+                    expander.store_on_grid(family.name, step)
+                stored.append(family.name)
+        log.info("records stored level=%d seconds=%.1f", number, time.monotonic() - began)
+    return stored
 
 
 def start_prometheus(workdir: Path, data_dir: Path, interval: float) -> PrometheusServer:

@@ -168,7 +168,9 @@ def timeline(
     if case is None:
         return None
     first, last = max(data_start, case.first), min(scenario.end, case.last)
-    times = grid(first, last, max(60.0, (last - first) // 240 // 60 * 60))  # a few hundred points
+    every = max(60.0, (last - first) // 240 // 60 * 60)  # a few hundred points...
+    every = -(-every // evaluator.fused_step) * evaluator.fused_step  # ...where stored records are kept
+    times = grid(first, last, every)
     node_sel = f'node="{case.node}"'
     selector = node_sel + (f',gpu="{case.gpu}"' if case.gpu is not None else "")
     label, raw_expr = RAW.get(case.kind, TEMPERATURE)
@@ -181,7 +183,7 @@ def timeline(
     ]:
         if name in evaluator.expander.broken:
             continue
-        series = range_matrix(evaluator.api, evaluator.expander.definition(name), times).series
+        series = range_matrix(evaluator.api, evaluator.expander.definition(name, (), every), times).series
         for labels, values in series.items():
             tags = dict(labels)
             if (

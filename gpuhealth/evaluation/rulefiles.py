@@ -115,6 +115,7 @@ _TOKEN = re.compile(
 _MATCHER = re.compile(
     r"""\s*([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*("(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|`[^`]*`)\s*,?"""
 )
+SUBQUERY = re.compile(r"\s*\[[^\]:]*:\s*([0-9a-z]*)\s*\]")  # [range:step] text; group 1 the step
 _LABEL_LISTS = ("by", "without", "on", "ignoring", "group_left", "group_right")
 _KEYWORDS = {
     "by",
@@ -244,6 +245,33 @@ def selectors(expr: str) -> Iterator[Selector]:
             yield selector
         elif kind != "comment" and not text.isspace():
             history.append(text)
+
+
+def subqueries(expr: str) -> list[tuple[int, int, float | None]]:
+    """(start, end, step) of each parenthesised subquery ``(...)[range:step]`` in ``expr``; step None
+    where it is left to the global evaluation interval. Subqueries directly on a selector are found by
+    ``selectors`` (as a selector without range)."""
+    spans = []
+    opened: list[int] = []
+    closed: tuple[int, int] | None = None  # the group just closed, while nothing else followed it
+    pos = 0
+    while pos < len(expr):
+        match = _TOKEN.match(expr, pos)
+        assert match is not None
+        kind, text = match.lastgroup, match.group()
+        if text == "(":
+            opened.append(pos)
+        elif text == ")" and opened:
+            closed = (opened.pop(), match.end())
+            pos = match.end()
+            continue
+        elif kind == "bracket" and closed is not None and (sub := SUBQUERY.fullmatch(text)):
+            step = parse_duration(sub.group(1)) if sub.group(1) else None
+            spans.append((closed[0], match.end(), step))
+        if kind != "comment" and not text.isspace():
+            closed = None
+        pos = match.end()
+    return spans
 
 
 def _inside_label_list(history: list[str]) -> bool:
