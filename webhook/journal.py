@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from gpuhealth.webhook.labels import clean_text, journaled
 from gpuhealth.webhook.models import Alert, Notification
+from gpuhealth.webhook.schema import pending
 from gpuhealth.webhook.store import (
     AWAITING_APPROVAL,
     CANCELLED,
@@ -44,39 +45,6 @@ from gpuhealth.webhook.store import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 JOURNAL_ERRORS = (sqlite3.Error, OSError)  # what a full, read-only or failing disk raises
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS notifications (
-    id INTEGER PRIMARY KEY, received_at REAL NOT NULL, receiver TEXT, group_key TEXT, status TEXT,
-    alerts INTEGER NOT NULL, new_alerts INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS alerts (
-    fingerprint TEXT NOT NULL, starts_at TEXT NOT NULL, status TEXT NOT NULL, node TEXT, gpu TEXT,
-    alertname TEXT, labels TEXT NOT NULL, annotations TEXT NOT NULL, received_at REAL NOT NULL,
-    resolved_at REAL, notification_id INTEGER NOT NULL, PRIMARY KEY (fingerprint, starts_at));
-CREATE INDEX IF NOT EXISTS alerts_node ON alerts (node, status);
-CREATE TABLE IF NOT EXISTS actions (
-    id INTEGER PRIMARY KEY, fingerprint TEXT NOT NULL, starts_at TEXT NOT NULL, kind TEXT NOT NULL,
-    node TEXT NOT NULL, gpu TEXT NOT NULL, alertname TEXT NOT NULL, summary TEXT NOT NULL,
-    state TEXT NOT NULL, outcome TEXT NOT NULL DEFAULT '', reason TEXT NOT NULL DEFAULT '',
-    detail TEXT NOT NULL DEFAULT '', attempts INTEGER NOT NULL DEFAULT 0, next_at REAL NOT NULL,
-    progress TEXT NOT NULL DEFAULT '{}', received_at REAL NOT NULL, started_at REAL, finished_at REAL,
-    updated_at REAL NOT NULL, UNIQUE (fingerprint, starts_at, kind));
-CREATE INDEX IF NOT EXISTS actions_state ON actions (state, next_at);
-CREATE INDEX IF NOT EXISTS actions_active ON actions (id) WHERE state IN ('pending', 'running');
-CREATE INDEX IF NOT EXISTS actions_started ON actions (started_at);
-CREATE INDEX IF NOT EXISTS actions_node ON actions (node, state);
-CREATE TABLE IF NOT EXISTS transitions (
-    id INTEGER PRIMARY KEY, action_id INTEGER NOT NULL, at REAL NOT NULL, state TEXT NOT NULL,
-    reason TEXT NOT NULL, detail TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS transitions_action ON transitions (action_id);
-CREATE TABLE IF NOT EXISTS drained (
-    node TEXT PRIMARY KEY, action_id INTEGER NOT NULL, since REAL NOT NULL, reason TEXT NOT NULL,
-    keep INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id TEXT PRIMARY KEY, attempts INTEGER NOT NULL, last_at REAL NOT NULL, excluded TEXT NOT NULL,
-    exhausted INTEGER NOT NULL DEFAULT 0, last_node TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
 
 _ACTIVE = "state IN ('pending', 'running')"  # the worker's queue; matches the partial index
 
@@ -108,7 +76,26 @@ class Journal:
         # the next FULL commit makes it power-safe too, since the WAL is synced in order.
         self.db.execute(f"PRAGMA synchronous={'FULL' if power_safe else 'NORMAL'}")
         self.db.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
-        self.db.executescript(SCHEMA)
+        try:
+            self._migrate()
+        except BaseException:
+            self.db.close()
+            raise
+
+    def _migrate(self) -> None:
+        """Bring the file to the latest layout, in one transaction (``schema.MIGRATIONS``)."""
+        def run() -> None:
+            version = int(self.db.execute("PRAGMA user_version").fetchone()[0])
+            if version == 0 and self.db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND "
+                                                 "name = 'actions'").fetchone():
+                version = 1  # written before the journal recorded its version
+            for migration in pending(version):
+                for statement in filter(str.strip, migration.sqlite.split(";")):
+                    self.db.execute(statement)
+                self.db.execute(f"PRAGMA user_version = {migration.version}")
+                log.info("event=journal_migrated version=%d why=%r", migration.version, migration.why)
+
+        self._tx(run)
 
     def close(self) -> None:
         self.db.close()

@@ -22,6 +22,7 @@ from gpuhealth.webhook.backends import Backend, create_backend
 from gpuhealth.webhook.config import Config, ConfigError, TLSConfig, load_config, parse_listen
 from gpuhealth.webhook.connections import LimitedRunner, effective_limit
 from gpuhealth.webhook.journal import Journal
+from gpuhealth.webhook.schema import SchemaTooNew
 
 log = logging.getLogger("gpuhealth.webhook")
 
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         Authenticator.from_config(config)  # creates the default token on first start
         Journal(config.journal_path, config.journal_busy_timeout_seconds).close()
-    except (ConfigError, AuthSetupError, OSError, ssl.SSLError, sqlite3.Error) as exc:
+    except (ConfigError, AuthSetupError, OSError, ssl.SSLError, sqlite3.Error, SchemaTooNew) as exc:
         print(f"gpuhealth-webhook: {exc}", file=sys.stderr)
         return 2
     files = _raise_file_limit()

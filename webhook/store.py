@@ -47,6 +47,8 @@ class Action:
     started_at: float | None
     finished_at: float | None
     updated_at: float
+    claimed_by: str = ""  # the replica that runs (or ran) the action
+    lease_until: float | None = None  # until when that replica's claim holds without renewal
 
     @property
     def alert(self) -> tuple[str, str]:
