@@ -145,7 +145,7 @@ async def post_alerts(request: web.Request) -> web.Response:
     decisions = decide(notification, request.app[CONFIG])
     try:
         result = await journal.record(notification, decisions)
-    except JOURNAL_ERRORS as exc:
+    except (JournalUnwritable, *JOURNAL_ERRORS) as exc:
         metrics.notifications.labels("journal_error").inc()
         log.error("event=journal_write_failed error=%r", exc)
         raise _json_error(web.HTTPServiceUnavailable, f"journal cannot be written: {exc}") from None

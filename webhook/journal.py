@@ -552,9 +552,11 @@ class AsyncJournal:
         try:
             results = self._intake.record([(n, d) for n, d, _ in batch], self._resolve)
         except Exception as exc:
+            refused: Exception = exc
             if isinstance(exc, self.ERRORS):
                 self._failed(exc)
-            results = [exc] * len(batch)
+                refused = JournalUnwritable(str(exc) or type(exc).__name__)
+            results = [refused] * len(batch)
         else:
             self._recovered()
         for (_, _, done), waiting, result in zip(batch, live, results, strict=True):

@@ -7,9 +7,11 @@ pytest folder under /tmp/pytest-of-root is not reachable by that account).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -73,6 +75,12 @@ class LocalPostgres:
         return done.returncode == 0
 
     def stop(self) -> None:
+        """Fast shutdown (SIGINT): sessions are cut, as clients see when the server goes away."""
+        proc = self.process.proc if self.process is not None else None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
         if self.process is not None:
             self.process.stop(grace=10)
 

@@ -32,7 +32,7 @@ def test_an_unversioned_file_is_version_1_and_migrates_in_place_keeping_its_reco
     assert _version(path) == LATEST
     [action] = journal.list_actions()
     assert (action.kind, action.node, action.state, action.claimed_by) == ("drain", "gpu01", "pending", "")
-    again = parse_notification(notification(alert("gpu01", action="drain")))
+    again = parse_notification(notification(alert("gpu01", action="drain", fingerprint="0000000000000001")))
     [result] = journal.record([(again, decide(again, CONFIG))], resolve)
     assert result.new_actions == [] and result.duplicates == 1  # the migrated alert still deduplicates
     journal.close()
