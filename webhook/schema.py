@@ -64,7 +64,9 @@ _V1_POSTGRES = (_V1_SQLITE
                 .replace("INTEGER", "BIGINT"))
 
 _CLAIMS = ("ALTER TABLE actions ADD COLUMN claimed_by TEXT NOT NULL DEFAULT '';\n"
-           "ALTER TABLE actions ADD COLUMN lease_until {real};\n")
+           "ALTER TABLE actions ADD COLUMN lease_until {real};\n"
+           "CREATE INDEX actions_claimed ON actions (claimed_by) "
+           "WHERE state IN ('pending', 'awaiting_approval', 'running');\n")
 
 MIGRATIONS = (
     Migration(1, "notifications, alerts, actions, transitions, drained nodes, jobs, meta",

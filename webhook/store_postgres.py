@@ -18,7 +18,9 @@ what sharing one journal between replicas needs:
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -45,6 +47,7 @@ def _rows(cursor: psycopg.Cursor[Any]) -> Callable[[Sequence[Any]], _Row]:
     return lambda values: _Row(zip(names, values, strict=True))
 
 
+@functools.lru_cache(maxsize=512)
 def _translate(sql: str) -> str:
     """SQLite's statement in PostgreSQL's words: placeholders, upserts, no index hints."""
     sql = sql.replace("?", "%s").replace(" INDEXED BY actions_active", "").replace("BEGIN IMMEDIATE", "BEGIN")
@@ -112,6 +115,7 @@ class PostgresJournal(Journal):
 
     def __init__(self, url: str, replica: str, lease_seconds: float) -> None:
         self.replica, self.lease_seconds = replica, lease_seconds
+        self._renewed_at = float("-inf")  # when this replica last renewed its claims
         self.db = _Connection(url)  # type: ignore[assignment]
         try:
             self._migrate()
@@ -146,8 +150,7 @@ class PostgresJournal(Journal):
         whose claim lapsed. A node whose oldest active action another replica holds is left to it."""
         def run() -> list[Action]:
             lease = now + self.lease_seconds
-            self.db.execute("UPDATE actions SET lease_until = ? WHERE claimed_by = ? AND state IN (?, ?, ?)",
-                            (lease, self.replica, *ACTIVE_STATES))
+            self._renew(now)
             rows = self.db.execute("SELECT * FROM actions WHERE state IN (?, ?) ORDER BY id "
                                    "FOR UPDATE SKIP LOCKED", (PENDING, RUNNING)).fetchall()
             seen, yielding, chosen = set(busy_nodes), frozenset(yield_reasons), []
@@ -171,6 +174,18 @@ class PostgresJournal(Journal):
 
         result: list[Action] = self._tx(run)
         return result
+
+    def _renew(self, now: float) -> None:
+        """The heartbeat: extend this replica's claims, a few times per lease rather than per wake-up."""
+        if now - self._renewed_at > self.lease_seconds / 4:
+            self.db.execute("UPDATE actions SET lease_until = ? WHERE claimed_by = ? AND state IN (?, ?, ?)",
+                            (now + self.lease_seconds, self.replica, *ACTIVE_STATES))
+            self._renewed_at = now
+
+    def next_due_at(self) -> float | None:
+        """Asked on every pass of the worker, even when all its slots are busy: the heartbeat rides on it."""
+        self._renew(time.time())
+        return super().next_due_at()
 
     def start(self, action_id: int, reserve: Any) -> bool:
         """Pending -> running, only while this replica holds the claim."""
