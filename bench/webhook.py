@@ -175,6 +175,7 @@ async def replicas(workdir: Path, notifications: int, concurrency: int) -> int:
     from gpuhealth.local.postgres import LocalPostgres
 
     workdir.mkdir()
+    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
     with LocalPostgres(workdir / "postgres.log") as pg, contextlib.ExitStack() as stack:
         pair = [stack.enter_context(_webhook(workdir / name, True, {"url": pg.url, "replica": name}))
                 for name in ("a", "b")]
