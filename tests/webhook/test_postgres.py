@@ -97,7 +97,7 @@ class Replica:
                                      headers={"Authorization": f"Bearer {TOKEN}",
                                               "Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=20) as resp:
-            return json.load(resp) if path != "/metrics" else resp.read().decode()
+            return json.load(resp) if path not in ("/metrics", "/") else resp.read().decode()
 
     def actions(self) -> list[dict[str, Any]]:
         actions: list[dict[str, Any]] = self.request("/actions")["actions"]
@@ -155,6 +155,8 @@ def test_duplicate_delivery_to_both_replicas_yields_one_action_and_any_replica_a
     status = b.request("/status")
     assert status["replica"] == "b" and status["claims"] == {}
     assert 'gpuhealth_webhook_claimed_actions{replica="b"} 0.0' in b.request("/metrics")
+    page = b.request("/")
+    assert "replica b," in page and f"<td>{done['claimed_by']}</td></tr>" in page
 
 
 @pytest.mark.parametrize("replicas", [{"latency": 0.6}], indirect=True)
