@@ -27,7 +27,15 @@ from typing import Any
 import psycopg
 from gpuhealth.webhook.journal import AsyncJournal, Journal, _action
 from gpuhealth.webhook.schema import pending
-from gpuhealth.webhook.store import ACTIVE_STATES, PENDING, RUNNING, Action, JournalUnwritable, Resolver
+from gpuhealth.webhook.store import (
+    ACTIVE_STATES,
+    PENDING,
+    RUNNING,
+    Action,
+    DrainedNode,
+    JournalUnwritable,
+    Resolver,
+)
 
 INTAKE_LOCK = 0x67707568_0001  # advisory lock keys: "gpuh" and what they guard
 ADMISSION_LOCK = 0x67707568_0002
@@ -116,6 +124,7 @@ class PostgresJournal(Journal):
     def __init__(self, url: str, replica: str, lease_seconds: float) -> None:
         self.replica, self.lease_seconds = replica, lease_seconds
         self._renewed_at = float("-inf")  # when this replica last renewed its claims
+        self._fenced = False  # set while the worker's own transitions run: they need the claim
         self.db = _Connection(url)  # type: ignore[assignment]
         try:
             self._migrate()
@@ -140,9 +149,34 @@ class PostgresJournal(Journal):
         self.db.execute("SELECT pg_advisory_xact_lock(?)", (INTAKE_LOCK,))
 
     def _state_of(self, action_id: int) -> str | None:
-        """The state, with the row locked until commit: replicas change one action one at a time."""
-        row = self.db.execute("SELECT state FROM actions WHERE id = ? FOR UPDATE", (action_id,)).fetchone()
-        return None if row is None else str(row["state"])
+        """The state, with the row locked until commit: replicas change one action one at a time.
+
+        While fenced, an action another replica has claimed reads as claimed by it, which no caller
+        expects: a replica whose lease ran out (paused, cut off) cannot start or end an action
+        another has taken over. Operators' moves (approve, cancel) are not fenced."""
+        row = self.db.execute("SELECT state, claimed_by FROM actions WHERE id = ? FOR UPDATE",
+                              (action_id,)).fetchone()
+        if row is None:
+            return None
+        if self._fenced and row["claimed_by"] not in ("", self.replica):
+            return f"claimed by {row['claimed_by']}"
+        return str(row["state"])
+
+    @contextlib.contextmanager
+    def _fence(self) -> Iterator[None]:
+        self._fenced = True
+        try:
+            yield
+        finally:
+            self._fenced = False
+
+    def update(self, action_id: int, state: str, *, expect: str, outcome: str = "", reason: str = "",
+               detail: str = "", drop_drained: str | None = None, next_at: float | None = None,
+               attempts: int | None = None) -> bool:
+        with self._fence():
+            return super().update(action_id, state, expect=expect, outcome=outcome, reason=reason,
+                                  detail=detail, drop_drained=drop_drained, next_at=next_at,
+                                  attempts=attempts)
 
     def due(self, now: float, busy_nodes: Iterable[str], limit: int,
             yield_reasons: Iterable[str] = ()) -> list[Action]:
@@ -187,12 +221,10 @@ class PostgresJournal(Journal):
         self._renew(time.time())
         return super().next_due_at()
 
-    def start(self, action_id: int, reserve: Any) -> bool:
+    def start(self, action_id: int, reserve: DrainedNode | None) -> bool:
         """Pending -> running, only while this replica holds the claim."""
-        row = self.db.execute("SELECT claimed_by FROM actions WHERE id = ?", (action_id,)).fetchone()
-        if row is not None and row["claimed_by"] not in ("", self.replica):
-            return False
-        return super().start(action_id, reserve)
+        with self._fence():
+            return super().start(action_id, reserve)
 
 
 class AsyncPostgresJournal(AsyncJournal):

@@ -138,6 +138,11 @@ def test_two_stores_record_one_alert_once_and_claim_each_action_once(database):
     assert b.claims() == {"a": sorted(x.id for x in mine), "b": sorted(x.id for x in theirs)}
     taken = b.due(now + LEASE + 1, (), 10)  # a went silent: its lease ran out
     assert {x.id for x in taken} >= {x.id for x in mine} and {x.claimed_by for x in taken} == {"b"}
+    # a, back from its pause, is fenced off what b took over; an operator's move still works anywhere
+    assert a.start(mine[0].id, None) is False
+    assert a.update(mine[0].id, "done", expect="pending", outcome="done", reason="ok") is False
+    assert b.start(mine[0].id, None) is True and b.get(mine[0].id).state == "running"
+    assert a.try_move(mine[1].id, ("pending",), "cancelled", "operator", "by a") is not None
     a.close()
     b.close()
 
