@@ -9,7 +9,13 @@ and drives it with concurrent Alertmanager-style POSTs:
      one journaled action, and the worker must finish them all.
 Targets (issue 4): >= 1,000 alerts/s and p99 < 50 ms on 2 cores.
 
-    .venv/bin/python bench/webhook.py [--notifications 3000] [--concurrency 8]
+With ``--journal postgres`` it runs instead, in one run on one PostgreSQL started for it, two
+replicas sharing the journal (each sender alternates between them, as an Alertmanager HA pair
+delivers to both) beside one replica on SQLite, under the same load; and checks that the shared
+journal holds exactly one action per alert sent. Targets (issue 16): >= 1,000 alerts/s in total,
+p99 < 50 ms, no loss.
+
+    .venv/bin/python bench/webhook.py [--notifications 3000] [--concurrency 8] [--journal postgres]
 """
 
 from __future__ import annotations
@@ -59,9 +65,12 @@ def _notification(size: int) -> dict[str, Any]:
             "externalURL": "http://alertmanager:9093", "alerts": alerts}
 
 
-async def _load(url: str, bodies: list[dict[str, Any]], concurrency: int) -> tuple[float, list[float]]:
-    """POST every body with ``concurrency`` clients; wall time and per-request latencies."""
+async def _load(url: str | list[str], bodies: list[dict[str, Any]], concurrency: int
+                ) -> tuple[float, list[float]]:
+    """POST every body with ``concurrency`` clients, to ``url`` or in turn to each of a list of them;
+    wall time and per-request latencies."""
     queue = list(reversed(bodies))
+    targets = itertools.cycle([url] if isinstance(url, str) else url)
     latencies: list[float] = []
     headers = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -69,7 +78,7 @@ async def _load(url: str, bodies: list[dict[str, Any]], concurrency: int) -> tup
         while queue:
             body = queue.pop()
             started = time.perf_counter()
-            async with session.post(f"{url}/alerts", json=body, headers=headers) as resp:
+            async with session.post(f"{next(targets)}/alerts", json=body, headers=headers) as resp:
                 await resp.read()
                 if resp.status != 200:
                     raise RuntimeError(f"POST /alerts answered {resp.status}: {await resp.text()}")
@@ -99,7 +108,8 @@ def _journal_counts(path: Path) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def _webhook(workdir: Path, approval: bool) -> Iterator[tuple[str, psutil.Process]]:
+def _webhook(workdir: Path, approval: bool, journal: dict[str, Any] | None = None
+             ) -> Iterator[tuple[str, psutil.Process]]:
     """The real service on loopback; with ``approval`` every action waits, so the worker stays idle."""
     workdir.mkdir()
     port = free_port()
@@ -107,7 +117,7 @@ def _webhook(workdir: Path, approval: bool) -> Iterator[tuple[str, psutil.Proces
     (workdir / "token").write_text(TOKEN)
     config.write_text(yaml.safe_dump({
         "listen": f"127.0.0.1:{port}", "state_dir": "state", "auth": {"token_file": "token"},
-        "max_body_bytes": 64 * 1024 * 1024,
+        "max_body_bytes": 64 * 1024 * 1024, **({"journal": journal} if journal else {}),
         "backend": {"type": "simulated", "nodes": [f"gpu[0001-{NODES:04d}]"]},
         "guardrails": {"breaker_max_nodes": NODES, "breaker_max_fraction": 1.0, "node_cooldown_seconds": 0,
                        "rate_limit_actions": 1_000_000, "require_approval": ["drain"] if approval else []},
@@ -158,6 +168,43 @@ async def storm(workdir: Path) -> int:
         return 0 if total == 10_000 else 1
 
 
+async def replicas(workdir: Path, notifications: int, concurrency: int) -> int:
+    """Two replicas on one PostgreSQL journal beside one on SQLite, the same load on each side."""
+    import psycopg  # the postgres extra
+
+    from gpuhealth.local.postgres import LocalPostgres
+
+    workdir.mkdir()
+    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
+    with LocalPostgres(workdir / "postgres.log") as pg, contextlib.ExitStack() as stack:
+        pair = [stack.enter_context(_webhook(workdir / name, True, {"url": pg.url, "replica": name}))
+                for name in ("a", "b")]
+        single = stack.enter_context(_webhook(workdir / "sqlite", True))
+        urls = [url for url, _ in pair]
+        print(f"{'intake, worker idle':<26} {'alerts':>6} {'alerts/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
+              f"{'CPU us/alert':>12} {'alerts/CPU-s':>12}")
+        await _load(urls, [_notification(1) for _ in range(200)], concurrency)  # warm-up
+        await _load(single[0], [_notification(1) for _ in range(200)], concurrency)
+        on_postgres = 200
+        for size in (1, 10):
+            count = notifications // size
+            single_servers = [single[1]]
+            for name, target, servers in (("2 on PostgreSQL", urls, [p for _, p in pair]),
+                                          ("1 on SQLite", single[0], single_servers)):
+                bodies = [_notification(size) for _ in range(count)]
+                cpu = sum(_cpu(p) for p in servers)
+                wall, latencies = await _load(target, bodies, concurrency)
+                _report(f"{name}, {count} x {size}", count * size, wall, latencies,
+                        sum(_cpu(p) for p in servers) - cpu)
+                on_postgres += count * size if servers is not single_servers else 0
+        with psycopg.connect(pg.url) as conn:
+            row = conn.execute("SELECT COUNT(*), COUNT(DISTINCT fingerprint) FROM actions").fetchone()
+        total, distinct = row if row is not None else (0, 0)
+        print(f"PostgreSQL journal: {total} actions for {on_postgres} alerts sent to the pair "
+              f"({'no loss, no double' if total == distinct == on_postgres else 'MISMATCH'})")
+        return 0 if total == distinct == on_postgres else 1
+
+
 async def run(workdir: Path, notifications: int, concurrency: int) -> int:
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
     await intake(workdir / "intake", notifications, concurrency)
@@ -168,8 +215,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--notifications", type=int, default=3000, help="alerts per intake case")
     parser.add_argument("--concurrency", type=int, default=8, help="concurrent senders")
+    parser.add_argument("--journal", choices=("sqlite", "postgres"), default="sqlite",
+                        help="postgres: two replicas on a shared PostgreSQL journal beside one on SQLite")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="gpuhealth-bench-") as tmp:
+        if args.journal == "postgres":
+            return asyncio.run(replicas(Path(tmp) / "replicas", args.notifications, args.concurrency))
         return asyncio.run(run(Path(tmp), args.notifications, args.concurrency))
 
 

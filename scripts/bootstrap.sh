@@ -20,6 +20,7 @@ declare -A NEEDED=(
   [munged]=munge
   [chromium]=chromium
   [systemd-analyze]=systemd
+  [pg_ctlcluster]=postgresql   # the webhook's shared journal (initdb, postgres under /usr/lib/postgresql)
 )
 
 missing_packages() {

@@ -25,8 +25,7 @@ from gpuhealth.webhook.backends import Backend, create_backend
 from gpuhealth.webhook.backends.helpers import TracksHelpers
 from gpuhealth.webhook.config import Config
 from gpuhealth.webhook.engine import Engine
-from gpuhealth.webhook.intake import resolve
-from gpuhealth.webhook.journal import JOURNAL_ERRORS, AsyncJournal
+from gpuhealth.webhook.journal import JOURNAL_ERRORS
 from gpuhealth.webhook.metrics import Metrics
 from gpuhealth.webhook.models import PayloadError, decode_body, parse_notification, rfc3339
 from gpuhealth.webhook.outcomes import Outcome, Reason
@@ -40,6 +39,7 @@ from gpuhealth.webhook.store import (
     JournalUnwritable,
     Store,
 )
+from gpuhealth.webhook.stores import describe, open_store
 from gpuhealth.webhook.worker import Worker
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -145,7 +145,7 @@ async def post_alerts(request: web.Request) -> web.Response:
     decisions = decide(notification, request.app[CONFIG])
     try:
         result = await journal.record(notification, decisions)
-    except JOURNAL_ERRORS as exc:
+    except (JournalUnwritable, *JOURNAL_ERRORS) as exc:
         metrics.notifications.labels("journal_error").inc()
         log.error("event=journal_write_failed error=%r", exc)
         raise _json_error(web.HTTPServiceUnavailable, f"journal cannot be written: {exc}") from None
@@ -264,7 +264,13 @@ async def _status(app: web.Application) -> dict[str, Any]:
     metrics.breaker_open.set(int(breaker["open"]))
     metrics.nodes_drained.set(len(drained))
     jobs = await journal.exhausted_jobs()
+    claims = await journal.claims()
+    metrics.claimed_actions.clear()
+    for replica in {app[CONFIG].replica, *claims}:
+        metrics.claimed_actions.labels(replica).set(len(claims.get(replica, ())))
     return {
+        "replica": app[CONFIG].replica,
+        "claims": claims,
         "dry_run": app[CONFIG].dry_run,
         "undrain_mode": app[CONFIG].undrain.mode,
         "backend": app[BACKEND].name,
@@ -343,8 +349,7 @@ def create_app(config: Config, *, backend: Backend | None = None) -> web.Applica
 async def _runtime(app: web.Application) -> AsyncIterator[None]:
     """Open the journal and start the worker; on shutdown stop the worker before closing the journal."""
     config = app[CONFIG]
-    journal = AsyncJournal(config.journal_path, resolve, config.journal_busy_timeout_seconds,
-                           on_failure=app[METRICS].journal_write_failures.inc)
+    journal = open_store(config, app[METRICS].journal_write_failures.inc)
     engine = Engine(config, app[BACKEND], journal, app[METRICS])
     worker = Worker(engine, journal, config.journal_retention_days * 86400)
     app[JOURNAL], app[ENGINE], app[WORKER] = journal, engine, worker
@@ -353,8 +358,8 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
         await asyncio.to_thread(backend.track_helpers, config.state_dir / "helpers")
     breaker = await engine.breaker()
     app[METRICS].breaker_open.set(int(breaker["open"]))
-    log.info("event=started journal=%s backend=%s dry_run=%s breaker_open=%s", config.journal_path,
-             app[BACKEND].name, config.dry_run, breaker["open"])
+    log.info("event=started journal=%s replica=%s backend=%s dry_run=%s breaker_open=%s",
+             describe(config), config.replica, app[BACKEND].name, config.dry_run, breaker["open"])
     worker.start()
     yield
     await worker.stop()

@@ -7,6 +7,7 @@ global rate limit, and undrain only of nodes this webhook drained.
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -159,6 +160,28 @@ class UndrainConfig(Model):
     health_check_max_attempts: Count = 3
 
 
+def _database_url(value: str) -> str:
+    if not re.fullmatch(r"postgres(ql)?://\S*", value):
+        raise PydanticCustomError("database_url", "expected a postgresql:// URL, got {value}",
+                                  {"value": repr(value[:80])})
+    return value
+
+
+def _replica(value: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}", value):
+        raise PydanticCustomError("replica", "expected a name of letters, digits and ._:- (64 at most), got "
+                                  "{value}", {"value": repr(value[:80])})
+    return value
+
+
+class JournalConfig(Model):
+    """Where the journal lives: SQLite in ``state_dir`` (no ``url``) or PostgreSQL shared by replicas."""
+
+    url: Annotated[str, AfterValidator(_database_url)] | None = None  # libpq URL; none: SQLite
+    replica: Annotated[str, AfterValidator(_replica)] | None = None  # this webhook's name; default hostname
+    lease_seconds: Seconds = 30.0  # a replica silent this long loses its actions to another one
+
+
 class Config(Model):
     """The whole file. ``backend`` stays a mapping: the backend named by its ``type`` validates it."""
 
@@ -170,6 +193,7 @@ class Config(Model):
     max_body_bytes: Count = 8 * 1024 * 1024
     journal_busy_timeout_seconds: Seconds = 5.0  # then answer 503 and let Alertmanager retry
     journal_retention_days: Annotated[float, Field(gt=0)] = 90.0  # finished history older is pruned
+    journal: JournalConfig = JournalConfig()
     connection_idle_timeout_seconds: Seconds = 15.0  # a connection with no request for this long closes
     connection_limit: Count = 512  # open connections at most; at the cap the oldest idle one closes
     auth: AuthConfig = AuthConfig()
@@ -191,6 +215,10 @@ class Config(Model):
     @property
     def journal_path(self) -> Path:
         return self.state_dir / "journal.sqlite3"
+
+    @property
+    def replica(self) -> str:
+        return self.journal.replica or socket.gethostname()
 
     @property
     def token_path(self) -> Path | None:

@@ -95,7 +95,7 @@ class Engine:
                     return
                 action = refreshed
             if action.state == PENDING:
-                async with self._admission:
+                async with self._admission, self.store.admission():
                     verdict = await self._admit(action)
                 if verdict is not None:
                     await self._conclude(replace(action, state=RUNNING) if verdict.started else action,

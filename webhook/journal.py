@@ -12,19 +12,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import copy
 import json
 import logging
 import sqlite3
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 from gpuhealth.webhook.labels import clean_text, journaled
 from gpuhealth.webhook.models import Alert, Notification
+from gpuhealth.webhook.schema import pending
 from gpuhealth.webhook.store import (
+    ACTIVE_STATES,
     AWAITING_APPROVAL,
     CANCELLED,
     FINISHED_STATES,
@@ -45,39 +48,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 JOURNAL_ERRORS = (sqlite3.Error, OSError)  # what a full, read-only or failing disk raises
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS notifications (
-    id INTEGER PRIMARY KEY, received_at REAL NOT NULL, receiver TEXT, group_key TEXT, status TEXT,
-    alerts INTEGER NOT NULL, new_alerts INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS alerts (
-    fingerprint TEXT NOT NULL, starts_at TEXT NOT NULL, status TEXT NOT NULL, node TEXT, gpu TEXT,
-    alertname TEXT, labels TEXT NOT NULL, annotations TEXT NOT NULL, received_at REAL NOT NULL,
-    resolved_at REAL, notification_id INTEGER NOT NULL, PRIMARY KEY (fingerprint, starts_at));
-CREATE INDEX IF NOT EXISTS alerts_node ON alerts (node, status);
-CREATE TABLE IF NOT EXISTS actions (
-    id INTEGER PRIMARY KEY, fingerprint TEXT NOT NULL, starts_at TEXT NOT NULL, kind TEXT NOT NULL,
-    node TEXT NOT NULL, gpu TEXT NOT NULL, alertname TEXT NOT NULL, summary TEXT NOT NULL,
-    state TEXT NOT NULL, outcome TEXT NOT NULL DEFAULT '', reason TEXT NOT NULL DEFAULT '',
-    detail TEXT NOT NULL DEFAULT '', attempts INTEGER NOT NULL DEFAULT 0, next_at REAL NOT NULL,
-    progress TEXT NOT NULL DEFAULT '{}', received_at REAL NOT NULL, started_at REAL, finished_at REAL,
-    updated_at REAL NOT NULL, UNIQUE (fingerprint, starts_at, kind));
-CREATE INDEX IF NOT EXISTS actions_state ON actions (state, next_at);
-CREATE INDEX IF NOT EXISTS actions_active ON actions (id) WHERE state IN ('pending', 'running');
-CREATE INDEX IF NOT EXISTS actions_started ON actions (started_at);
-CREATE INDEX IF NOT EXISTS actions_node ON actions (node, state);
-CREATE TABLE IF NOT EXISTS transitions (
-    id INTEGER PRIMARY KEY, action_id INTEGER NOT NULL, at REAL NOT NULL, state TEXT NOT NULL,
-    reason TEXT NOT NULL, detail TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS transitions_action ON transitions (action_id);
-CREATE TABLE IF NOT EXISTS drained (
-    node TEXT PRIMARY KEY, action_id INTEGER NOT NULL, since REAL NOT NULL, reason TEXT NOT NULL,
-    keep INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id TEXT PRIMARY KEY, attempts INTEGER NOT NULL, last_at REAL NOT NULL, excluded TEXT NOT NULL,
-    exhausted INTEGER NOT NULL DEFAULT 0, last_node TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
-
 _ACTIVE = "state IN ('pending', 'running')"  # the worker's queue; matches the partial index
 
 
@@ -97,9 +67,18 @@ def _action(row: sqlite3.Row) -> Action:
 
 
 class Journal:
-    """Synchronous journal operations; use ``AsyncJournal`` from the event loop."""
+    """Synchronous journal operations; use ``AsyncJournal`` from the event loop.
 
-    def __init__(self, path: Path, busy_timeout: float = 5.0, power_safe: bool = True) -> None:
+    ``replica`` names this webhook in the actions it starts (``claimed_by``). A second database
+    subclasses this one and overrides only what its SQL or its sharing between replicas changes.
+    """
+
+    # What one notification's text can raise when the database refuses it: that one gets a 400.
+    REFUSED: tuple[type[Exception], ...] = (ValueError, sqlite3.DataError, sqlite3.IntegrityError)
+
+    def __init__(self, path: Path, busy_timeout: float = 5.0, power_safe: bool = True,
+                 replica: str = "") -> None:
+        self.replica = replica
         path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.db.row_factory = sqlite3.Row
@@ -108,7 +87,26 @@ class Journal:
         # the next FULL commit makes it power-safe too, since the WAL is synced in order.
         self.db.execute(f"PRAGMA synchronous={'FULL' if power_safe else 'NORMAL'}")
         self.db.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
-        self.db.executescript(SCHEMA)
+        try:
+            self._migrate()
+        except BaseException:
+            self.db.close()
+            raise
+
+    def _migrate(self) -> None:
+        """Bring the file to the latest layout, in one transaction (``schema.MIGRATIONS``)."""
+        def run() -> None:
+            version = int(self.db.execute("PRAGMA user_version").fetchone()[0])
+            if version == 0 and self.db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND "
+                                                 "name = 'actions'").fetchone():
+                version = 1  # written before the journal recorded its version
+            for migration in pending(version):
+                for statement in filter(str.strip, migration.sqlite.split(";")):
+                    self.db.execute(statement)
+                self.db.execute(f"PRAGMA user_version = {migration.version}")
+                log.info("event=journal_migrated version=%d why=%r", migration.version, migration.why)
+
+        self._tx(run)
 
     def close(self) -> None:
         self.db.close()
@@ -152,7 +150,14 @@ class Journal:
         lets a storm be journaled faster than the disk can sync once per request.
         """
         now = time.time()
-        return self._tx(lambda: [self._isolated(n, d, resolve, now) for n, d in batch])
+        def run() -> list[RecordResult | Exception]:
+            self._lock_intake()
+            return [self._isolated(n, d, resolve, now) for n, d in batch]
+
+        return self._tx(run)
+
+    def _lock_intake(self) -> None:
+        """Make this intake transaction the only one until it commits (BEGIN IMMEDIATE already does)."""
 
     def _isolated(self, notification: Notification, decisions: dict[tuple[str, str], Decision],
                   resolve: Resolver, now: float) -> RecordResult | Exception:
@@ -161,7 +166,7 @@ class Journal:
         self.db.execute("SAVEPOINT notification")
         try:
             result: RecordResult | Exception = self._record_one(notification, decisions, resolve, now)
-        except (ValueError, sqlite3.DataError, sqlite3.IntegrityError) as exc:
+        except self.REFUSED as exc:
             self.db.execute("ROLLBACK TO notification")
             result = exc
         self.db.execute("RELEASE notification")
@@ -285,7 +290,8 @@ class Journal:
                 self.db.execute("INSERT OR REPLACE INTO drained (node, action_id, since, reason, keep) "
                                 "VALUES (?,?,?,?,?)", (reserve.node, reserve.action_id, reserve.since,
                                                       reserve.reason, int(reserve.keep)))
-            self._set_state(action_id, RUNNING, "", "", "started", now, started_at=now, next_at=now)
+            self._set_state(action_id, RUNNING, "", "", "started", now, started_at=now, next_at=now,
+                            claimed_by=self.replica)
             return True
 
         return self._tx(run)
@@ -425,6 +431,16 @@ class Journal:
             "AND NOT (al.fingerprint = ? AND al.starts_at = ?) ORDER BY ac.id", (node, *exclude))
         return [_action(r) for r in rows]
 
+    def claims(self) -> dict[str, list[int]]:
+        """The unfinished actions each replica holds, where its claim has not lapsed."""
+        rows = self.db.execute(f"SELECT claimed_by, id FROM actions WHERE claimed_by != '' AND state IN "
+                               f"({_marks(ACTIVE_STATES)}) AND (lease_until IS NULL OR lease_until > ?) "
+                               "ORDER BY id", (*ACTIVE_STATES, time.time()))
+        held: dict[str, list[int]] = {}
+        for row in rows:
+            held.setdefault(row["claimed_by"], []).append(int(row["id"]))
+        return held
+
     def drained(self) -> dict[str, DrainedNode]:
         rows = self.db.execute("SELECT * FROM drained ORDER BY node")
         return {r["node"]: DrainedNode(r["node"], r["action_id"], r["since"], r["reason"], bool(r["keep"]))
@@ -489,17 +505,25 @@ class AsyncJournal:
     sent again, and backends are idempotent).
     """
 
-    def __init__(self, path: Path, resolve: Resolver, busy_timeout: float = 5.0,
-                 on_failure: Callable[[], object] | None = None) -> None:
+    ERRORS: tuple[type[BaseException], ...] = JOURNAL_ERRORS  # a write refused: 503, retried later
+
+    def __init__(self, path: Path | None, resolve: Resolver, busy_timeout: float = 5.0,
+                 on_failure: Callable[[], object] | None = None, replica: str = "") -> None:
+        self._path, self._busy_timeout, self.replica = path, busy_timeout, replica
         self._resolve = resolve  # what a resolved alert does to its actions (the intake's rule)
         self._on_failure = on_failure  # counts refused writes (a metric)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal")
         self._intake_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal-intake")
-        self._intake = self._intake_executor.submit(Journal, path, busy_timeout).result()
-        self._db = self._executor.submit(Journal, path, busy_timeout, False).result()
+        self._intake = self._intake_executor.submit(self._open, True).result()
+        self._db = self._executor.submit(self._open, False).result()
         self._write_error: str | None = None  # set while writes fail: /healthz answers 503
         self._waiting: collections.deque[tuple[Notification, dict[tuple[str, str], Decision],
                                                concurrent.futures.Future[RecordResult]]] = collections.deque()
+
+    def _open(self, power_safe: bool) -> Journal:
+        """One connection; ``power_safe``: commits survive power loss, not only a crash."""
+        assert self._path is not None  # a store without a file opens its own connections
+        return Journal(self._path, self._busy_timeout, power_safe, self.replica)
 
     @property
     def write_error(self) -> str | None:
@@ -528,9 +552,11 @@ class AsyncJournal:
         try:
             results = self._intake.record([(n, d) for n, d, _ in batch], self._resolve)
         except Exception as exc:
-            if isinstance(exc, JOURNAL_ERRORS):
+            refused: Exception = exc
+            if isinstance(exc, self.ERRORS):
                 self._failed(exc)
-            results = [exc] * len(batch)
+                refused = JournalUnwritable(str(exc) or type(exc).__name__)
+            results = [refused] * len(batch)
         else:
             self._recovered()
         for (_, _, done), waiting, result in zip(batch, live, results, strict=True):
@@ -541,6 +567,11 @@ class AsyncJournal:
             else:
                 done.set_result(result)
 
+    @contextlib.asynccontextmanager
+    async def admission(self) -> AsyncIterator[None]:
+        """Held while an action is admitted; one process is the only writer of this file already."""
+        yield
+
     async def _read(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
@@ -549,7 +580,7 @@ class AsyncJournal:
         writable again."""
         try:
             result = await self._read(fn)
-        except JOURNAL_ERRORS as exc:
+        except self.ERRORS as exc:
             self._failed(exc)
             raise JournalUnwritable(str(exc)) from exc
         self._recovered()
@@ -628,6 +659,9 @@ class AsyncJournal:
 
     async def firing_actions(self, node: str, exclude: tuple[str, str]) -> list[Action]:
         return await self._read(lambda: self._db.firing_actions(node, exclude))
+
+    async def claims(self) -> dict[str, list[int]]:
+        return await self._read(self._db.claims)
 
     async def drained(self) -> dict[str, DrainedNode]:
         return await self._read(self._db.drained)

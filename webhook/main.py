@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import resource
-import sqlite3
 import ssl
 import sys
 import time
@@ -16,12 +15,12 @@ from typing import Any
 
 import prometheus_client
 from aiohttp import web
+from gpuhealth.webhook import stores
 from gpuhealth.webhook.app import METRICS, create_app
 from gpuhealth.webhook.auth import Authenticator, AuthSetupError
 from gpuhealth.webhook.backends import Backend, create_backend
 from gpuhealth.webhook.config import Config, ConfigError, TLSConfig, load_config, parse_listen
 from gpuhealth.webhook.connections import LimitedRunner, effective_limit
-from gpuhealth.webhook.journal import Journal
 
 log = logging.getLogger("gpuhealth.webhook")
 
@@ -102,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"configuration OK (backend {backend.name}, dry_run {config.dry_run})")
             return 0
         Authenticator.from_config(config)  # creates the default token on first start
-        Journal(config.journal_path, config.journal_busy_timeout_seconds).close()
-    except (ConfigError, AuthSetupError, OSError, ssl.SSLError, sqlite3.Error) as exc:
+        stores.check(config)
+    except (ConfigError, AuthSetupError, OSError, ssl.SSLError, stores.StoreUnavailable) as exc:
         print(f"gpuhealth-webhook: {exc}", file=sys.stderr)
         return 2
     files = _raise_file_limit()

@@ -32,6 +32,10 @@ class Metrics:
         self.nodes_drained = Gauge(
             "gpuhealth_webhook_nodes_drained", "Nodes currently drained by this webhook.",
             registry=self.registry)
+        self.claimed_actions = Gauge(
+            "gpuhealth_webhook_claimed_actions",
+            "Unfinished actions each webhook replica holds a live claim on (the journal's view, shared by "
+            "all replicas).", ["replica"], registry=self.registry)
         self.journal_write_failures = Counter(
             "gpuhealth_webhook_journal_write_failures",
             "Journal writes refused (disk full, read-only, I/O error); nothing starts while they fail.",

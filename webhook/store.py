@@ -10,6 +10,7 @@ the same calls: SQLite's is ``journal.AsyncJournal``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -47,6 +48,8 @@ class Action:
     started_at: float | None
     finished_at: float | None
     updated_at: float
+    claimed_by: str = ""  # the replica that runs (or ran) the action
+    lease_until: float | None = None  # until when that replica's claim holds without renewal
 
     @property
     def alert(self) -> tuple[str, str]:
@@ -162,6 +165,8 @@ class Store(Protocol):
 
     async def drained(self) -> dict[str, DrainedNode]: ...
 
+    async def claims(self) -> dict[str, list[int]]: ...
+
     async def keep_drained(self, node: str) -> None: ...
 
     async def job(self, job_id: str) -> JobRecord | None: ...
@@ -177,5 +182,9 @@ class Store(Protocol):
     async def prune(self, before: float) -> dict[str, int]: ...
 
     async def probe(self) -> None: ...
+
+    def admission(self) -> AbstractAsyncContextManager[None]:
+        """Held while one action is admitted: no other replica admits meanwhile, so the guardrails
+        read a journal nobody else is changing (the breaker, cooldowns and rate limits are fleet-wide)."""
 
     async def close(self) -> None: ...

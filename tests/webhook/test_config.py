@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import ssl
 import sys
 import urllib.request
@@ -179,3 +180,20 @@ def test_tls_with_client_certificates(tmp_path):
         with pytest.raises(OSError):  # the handshake fails without a client certificate
             post(anonymous)
         assert not http_ok(f"http://127.0.0.1:{port}/healthz")
+
+
+def test_an_unreachable_or_newer_journal_stops_the_start_with_a_clear_error(tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    url = f"postgresql://gpuhealth:secret@127.0.0.1:{free_port()}/gpuhealth"
+    path.write_text(yaml.safe_dump({"backend": {"type": "simulated", "nodes": ["n1"]},
+                                    "journal": {"url": url}}))
+    assert main(["--config", str(path), "--state-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "gpuhealth:***@127.0.0.1" in err and "secret" not in err and "Traceback" not in err
+    sqlite_config = tmp_path / "sqlite.yaml"
+    sqlite_config.write_text(yaml.safe_dump({"backend": {"type": "simulated", "nodes": ["n1"]}}))
+    (tmp_path / "state").mkdir()
+    with sqlite3.connect(tmp_path / "state" / "journal.sqlite3") as db:
+        db.execute("PRAGMA user_version = 999")
+    assert main(["--config", str(sqlite_config), "--state-dir", str(tmp_path / "state")]) == 2
+    assert "schema version 999, newer than this webhook's" in capsys.readouterr().err

@@ -10,9 +10,12 @@ nothing and adds no history.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -79,6 +82,19 @@ class SimulatedBackend:
         return cls(nodes, {node: [str(j) for j in ids] for node, ids in settings.jobs.items()},
                    settings.state_file, settings.latency_seconds)
 
+    @contextlib.contextmanager
+    def _shared(self) -> Iterator[None]:
+        """Read the state file again under a lock for one operation, so that webhook replicas sharing
+        the file act on one cluster and its history counts every call of each of them."""
+        if self.state_file is None:
+            yield
+            return
+        with self.state_file.with_suffix(".lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self.state_file.exists():
+                self.state = json.loads(self.state_file.read_text())
+            yield
+
     async def _latency(self) -> None:
         if self.latency_seconds:
             await asyncio.sleep(self.latency_seconds)
@@ -106,44 +122,49 @@ class SimulatedBackend:
         return history
 
     async def node_state(self, node: str) -> NodeState:
-        entry = self.state["nodes"].get(node)
-        if entry is None:
-            return NodeState(node, exists=False, drained=False)
-        return NodeState(node, exists=True, drained=entry["drained"], reason=entry["reason"])
+        with self._shared():
+            entry = self.state["nodes"].get(node)
+            if entry is None:
+                return NodeState(node, exists=False, drained=False)
+            return NodeState(node, exists=True, drained=entry["drained"], reason=entry["reason"])
 
     async def fleet_size(self) -> int:
         return len(self.state["nodes"])
 
     async def drain(self, node: str, reason: str, *, alertname: str = "") -> None:
         await self._latency()
-        entry = self._node(node)
-        if entry["drained"]:
-            return
-        entry.update(drained=True, reason=reason)
-        self._record("drain", node, reason)
+        with self._shared():
+            entry = self._node(node)
+            if entry["drained"]:
+                return
+            entry.update(drained=True, reason=reason)
+            self._record("drain", node, reason)
 
     async def resume(self, node: str) -> None:
         await self._latency()
-        entry = self._node(node)
-        if not entry["drained"]:
-            return
-        entry.update(drained=False, reason="", pending=[])
-        self._record("resume", node)
+        with self._shared():
+            entry = self._node(node)
+            if not entry["drained"]:
+                return
+            entry.update(drained=False, reason="", pending=[])
+            self._record("resume", node)
 
     async def jobs_on_node(self, node: str) -> list[str]:
-        self._node(node)
-        return sorted(job for job, entry in self.state["jobs"].items() if entry["node"] == node)
+        with self._shared():
+            self._node(node)
+            return sorted(job for job, entry in self.state["jobs"].items() if entry["node"] == node)
 
     async def requeue(self, job_id: str, exclude_nodes: list[str]) -> None:
         await self._latency()
-        job = self.state["jobs"].get(job_id)
-        if job is None:
-            raise BackendError(f"job {job_id} not found", retryable=False)
-        if job["node"] is None:
-            return
-        job.update(node=None, requeues=job["requeues"] + 1,
-                   excluded=sorted(set(job["excluded"]) | set(exclude_nodes)))
-        self._record("requeue", job_id, sorted(exclude_nodes))
+        with self._shared():
+            job = self.state["jobs"].get(job_id)
+            if job is None:
+                raise BackendError(f"job {job_id} not found", retryable=False)
+            if job["node"] is None:
+                return
+            job.update(node=None, requeues=job["requeues"] + 1,
+                       excluded=sorted(set(job["excluded"]) | set(exclude_nodes)))
+            self._record("requeue", job_id, sorted(exclude_nodes))
 
     async def reset_gpu(self, node: str, gpu: str | None, reason: str, *, alertname: str = "") -> None:
         await self._latency()
@@ -154,10 +175,11 @@ class SimulatedBackend:
         self._request(node, "reboot", "reboot", node, reason)
 
     def _request(self, node: str, what: str, *record: Any) -> None:
-        pending = self._node(node).setdefault("pending", [])
-        if what not in pending:
-            pending.append(what)
-            self._record(*record)
+        with self._shared():
+            pending = self._node(node).setdefault("pending", [])
+            if what not in pending:
+                pending.append(what)
+                self._record(*record)
 
     def start_job(self, job_id: str, node: str) -> None:
         """Run ``job_id`` on ``node`` (again): how a requeued job lands on a new node."""
