@@ -20,6 +20,8 @@ declare -A NEEDED=(
   [munged]=munge
   [chromium]=chromium
   [systemd-analyze]=systemd
+  [victoria-metrics]=victoria-metrics
+  [vmalert]=victoria-metrics
 )
 
 missing_packages() {
