@@ -6,15 +6,17 @@ these helpers start the same engines for tests, the local stack and benchmarks.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import subprocess
 import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from gpuhealth.local.process import ManagedProcess, ProcessError, free_port, http_ok
 from gpuhealth.local.prometheus import PrometheusAPI
+from gpuhealth.rules.catalogue import REMOTE_WRITE_SERIES
 
 VM_PACKAGE = "victoria-metrics"  # Debian: victoria-metrics, vmagent, vmalert, vmctl
 
@@ -63,6 +65,48 @@ class VictoriaMetricsServer(ManagedProcess):
 
     def flush(self) -> None:
         urllib.request.urlopen(f"{self.url}/internal/force_flush", timeout=60).close()
+
+
+def shard_config(index: int, shards: int, base: dict[str, Any], remote_write_url: str) -> dict[str, Any]:
+    """``base`` (a Prometheus configuration) as shard ``index`` of ``shards``: every scrape job keeps
+    the targets whose node hashes to ``index`` (every job of a node in one shard: the dcgm source reads
+    two exporters of each node), and the shard remote-writes its records and alerts."""
+    keep = [{"source_labels": ["node"], "modulus": shards, "target_label": "__tmp_shard",
+             "action": "hashmod"},
+            {"source_labels": ["__tmp_shard"], "regex": str(index), "action": "keep"}]
+    config = copy.deepcopy(base)
+    for job in config.get("scrape_configs", []):
+        job["relabel_configs"] = [*keep, *job.get("relabel_configs", [])]
+    config.setdefault("global", {}).setdefault("external_labels", {})["prometheus"] = f"shard-{index}"
+    config["remote_write"] = [{"url": remote_write_url, "write_relabel_configs": [
+        {"source_labels": ["__name__"], "regex": REMOTE_WRITE_SERIES, "action": "keep"}]}]
+    return config
+
+
+class VmalertServer(ManagedProcess):
+    """vmalert evaluating ``rule_files`` over VictoriaMetrics, writing its alerts back and notifying
+    Alertmanager, as the global tier runs it."""
+
+    def __init__(self, workdir: Path, rule_files: Iterable[Path], server: VictoriaMetricsServer,
+                 alertmanager_url: str, interval: str = "1m") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__("vmalert", [
+            _binary("vmalert"),
+            *(f"-rule={path}" for path in rule_files),
+            f"-datasource.url={server.url}",
+            f"-remoteWrite.url={server.url}",
+            f"-remoteRead.url={server.url}",     # alert state survives a restart
+            f"-notifier.url={alertmanager_url}",
+            f"-httpListenAddr=127.0.0.1:{self.port}",
+            f"-evaluationInterval={interval}",
+            "-datasource.queryStep=0s",
+        ], Path(workdir) / "vmalert.log")
+
+    def start(self, timeout: float = 30.0) -> Self:
+        super().start()
+        self.wait_ready(lambda: http_ok(f"{self.url}/health"), timeout)
+        return self
 
 
 def _rfc3339(seconds: float) -> str:
