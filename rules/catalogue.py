@@ -22,6 +22,10 @@ XID_TABLE = Path(__file__).with_name("xid_catalogue.csv")
 ACTIONS = ("none", "restart_job", "drain", "drain_reset_gpu", "drain_reboot", "replace")
 SEVERITIES = ("critical", "warning", "info")
 GROUPS = ("xid", "definitive", "evidence", "fusion", "lemon", "storage", "meta")
+TIERS = ("single", "shard", "global")  # single: one Prometheus runs every group
+# What a shard remote-writes to the global tier (a regex on __name__): its recorded series and its
+# alerts; raw exporter series stay in the shard, so the global tier holds a few series per GPU.
+REMOTE_WRITE_SERIES = "gpuhealth:.+|ALERTS"
 XID_CLASSES = ("restart_job", "drain", "drain_reset_gpu", "drain_reboot")  # what an XID alone can ask
 # NVLink errors: the first restarts the job, a repeat or a link that stays down drains (xid.nvlink).
 NVLINK_CLASS = "nvlink"
@@ -44,6 +48,11 @@ class CatalogueError(Exception):
 class Catalogue:
     defaults: dict[str, Any]
     alerts: dict[str, dict[str, Any]]
+    tiers: dict[str, str]
+
+    def groups(self, tier: str = "single") -> tuple[str, ...]:
+        """The rule files ``tier`` evaluates, in render order."""
+        return tuple(name for name in GROUPS if tier == "single" or self.tiers[name] == tier)
 
     def xid_classes(self) -> dict[str, list[int]]:
         """XIDs per action class (and ``none``): each table XID by its bucket, then the overrides."""
@@ -116,7 +125,7 @@ def resolve(overlay: dict[str, Any]) -> Catalogue:
     errors.extend(check(data))
     if errors:
         raise CatalogueError(errors)
-    return Catalogue(defaults=data["defaults"], alerts=data["alerts"])
+    return Catalogue(defaults=data["defaults"], alerts=data["alerts"], tiers=data["tiers"])
 
 
 def _leaves(node: Any, path: str):
@@ -146,6 +155,7 @@ def check(data: dict[str, Any]) -> list[str]:
     errors: list[str] = []
     d = _get(data, "defaults", errors)
     alerts = _get(data, "alerts", errors)
+    _check_tiers(_get(data, "tiers", errors), errors)
     if not isinstance(d, dict) or not isinstance(alerts, dict):
         return errors
     scrape = _check_durations(d, errors)
@@ -168,6 +178,15 @@ def check(data: dict[str, Any]) -> list[str]:
         if not isinstance(value, str) or value.strip().startswith("{"):
             errors.append(f"{path}: must be label matchers without braces, e.g. 'job=\"x\"', got {value!r}")
     return errors
+
+
+def _check_tiers(tiers: Any, errors: list[str]) -> None:
+    if not isinstance(tiers, dict):
+        errors.append(f"tiers: must map each rule file to shard or global, got {tiers!r}")
+        return
+    for name in GROUPS:
+        if tiers.get(name) not in TIERS[1:]:
+            errors.append(f"tiers.{name}: must be shard or global, got {tiers.get(name)!r}")
 
 
 def _check_definitive(k: dict[str, Any], errors: list[str]) -> None:

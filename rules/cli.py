@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from gpuhealth.rules.catalogue import CatalogueError, load
+from gpuhealth.rules.catalogue import TIERS, CatalogueError, load
 from gpuhealth.rules.render import SOURCES, render_all
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--source", choices=SOURCES, action="append",
                      help="input metrics: gpuhealth-exporter's (gpuhealth) or dcgm-exporter + node_exporter "
                           "(dcgm); repeatable; default both")
+    gen.add_argument("--tier", choices=TIERS, default="single",
+                     help="which rule files: every one (single: one Prometheus; the default), those that "
+                          "read one node's raw series (shard: each Prometheus shard) or those that need the "
+                          "whole fleet (global: vmalert over what the shards remote-write); shard and global "
+                          "need --out")
     gen.add_argument("--out", type=Path, metavar="DIR", help=f"output directory (default {DEFAULT_OUT})")
     gen.add_argument("--check", action="store_true",
                      help="write nothing; exit 1 when the files on disk differ from a fresh render (CI)")
@@ -49,8 +54,12 @@ def _targets(out: Path | None, files: dict[str, str]) -> dict[Path, str]:
 
 def generate(args: argparse.Namespace) -> int:
     sources = tuple(sorted(set(args.source), key=SOURCES.index)) if args.source else SOURCES
+    if args.tier != "single" and args.out is None:
+        print(f"--tier {args.tier} needs --out DIR: {DEFAULT_OUT} holds the single-tier files",
+              file=sys.stderr)
+        return 2
     try:
-        files = render_all(load(args.catalogue), sources)
+        files = render_all(load(args.catalogue), sources, args.tier)
     except CatalogueError as exc:
         print(f"catalogue has {len(exc.errors)} error(s):", file=sys.stderr)
         for error in exc.errors:
@@ -73,6 +82,6 @@ def generate(args: argparse.Namespace) -> int:
         path.write_text(text)
     for path in extra:
         path.unlink()
-    log.info("event=rules_generated files=%d removed=%d sources=%s",
-             len(targets), len(extra), ",".join(sources))
+    log.info("event=rules_generated files=%d removed=%d sources=%s tier=%s",
+             len(targets), len(extra), ",".join(sources), args.tier)
     return 0

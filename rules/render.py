@@ -150,14 +150,17 @@ def _signals(evidence: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     return found["gpu_evidence"], found["node_evidence"]
 
 
-def render_all(catalogue: Catalogue, sources: tuple[str, ...] = SOURCES) -> dict[str, str]:
-    """Relative path -> text of every generated file: ``<source>/<group>.yml`` and ``alertmanager.yml``."""
+def render_all(catalogue: Catalogue, sources: tuple[str, ...] = SOURCES,
+               tier: str = "single") -> dict[str, str]:
+    """Relative path -> text of every generated file: ``<source>/<group>.yml`` of the files ``tier``
+    evaluates (see ``tiers`` in the catalogue) and ``alertmanager.yml``, which every tier notifies."""
     renderer = Renderer(catalogue)
     groups = {source: renderer.groups(source) for source in sources}
     _check_rendered(catalogue, groups)
+    what = "" if tier == "single" else f", {tier} tier"
     files = {
-        f"{source}/{name}.yml": HEADER.format(what=f"source {source}") + dump({"groups": file_groups})
-        for source, by_name in groups.items() for name, file_groups in by_name.items()
+        f"{source}/{name}.yml": HEADER.format(what=f"source {source}{what}") + dump({"groups": by_name[name]})
+        for source, by_name in groups.items() for name in catalogue.groups(tier)
     }
     files["alertmanager.yml"] = renderer.alertmanager()
     return files

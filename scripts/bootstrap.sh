@@ -21,6 +21,8 @@ declare -A NEEDED=(
   [chromium]=chromium
   [systemd-analyze]=systemd
   [pg_ctlcluster]=postgresql   # the webhook's shared journal (initdb, postgres under /usr/lib/postgresql)
+  [victoria-metrics]=victoria-metrics
+  [vmalert]=victoria-metrics
 )
 
 missing_packages() {

@@ -61,6 +61,10 @@ class PrometheusAPI:
             params["time"] = f"{time:.3f}"
         return self._get("/api/v1/query", params)["result"]
 
+    def query_step(self, expr: str, time: float, step: str) -> list[dict[str, Any]]:
+        """An instant query with ``step`` set, as vmalert asks VictoriaMetrics (its lookback)."""
+        return self._get("/api/v1/query", {"query": expr, "time": f"{time:.3f}", "step": step})["result"]
+
     def query_range(self, expr: str, start: float, end: float, step: float,
                     timeout: float = 60.0) -> list[dict[str, Any]]:
         params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}

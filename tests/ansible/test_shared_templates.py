@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import BIN
+from gpuhealth.rules.catalogue import REMOTE_WRITE_SERIES
 from rendering import render, render_to
 from wheelhouse import ROOT
 
@@ -212,3 +213,24 @@ def test_cluster_label_on_every_gpuhealth_target(tmp_path: Path):
     config = yaml.safe_load(render("gpuhealth_prometheus", "prometheus.yml.j2", variables))
     webhook = next(c for c in config["scrape_configs"] if c["job_name"] == "gpuhealth-webhook")
     assert webhook["static_configs"][0]["labels"] == {"cluster": "east"}
+
+
+def test_shard_config_keeps_its_share_and_sends_records_and_alerts(tmp_path: Path):
+    """A shard of the tiered layout: its hashmod share of the exporters by node, its external label,
+    and a remote write of what the global tier reads (the catalogue's REMOTE_WRITE_SERIES)."""
+    variables = {**prometheus_vars(tmp_path, TARGETS), "gpuhealth_prometheus_shards": 4,
+                 "gpuhealth_prometheus_shard_index": 3,
+                 "gpuhealth_prometheus_remote_write_url": "http://127.0.0.1:8428/api/v1/write"}
+    config = render_to(tmp_path / "prometheus.yml", "gpuhealth_prometheus", "prometheus.yml.j2", variables)
+    check = run("promtool", "check", "config", str(config))
+    assert check.returncode == 0, check.stdout + check.stderr
+    parsed = yaml.safe_load(config.read_text())
+    assert parsed["global"]["external_labels"] == {"prometheus": "shard-3"}
+    assert parsed["scrape_configs"][0]["relabel_configs"] == [
+        {"source_labels": ["node"], "modulus": 4, "target_label": "__tmp_shard", "action": "hashmod"},
+        {"source_labels": ["__tmp_shard"], "regex": "3", "action": "keep"}]
+    assert parsed["remote_write"] == [{"url": "http://127.0.0.1:8428/api/v1/write", "write_relabel_configs": [
+        {"source_labels": ["__name__"], "regex": REMOTE_WRITE_SERIES, "action": "keep"}]}]
+    single = yaml.safe_load(render("gpuhealth_prometheus", "prometheus.yml.j2",
+                                   prometheus_vars(tmp_path, TARGETS)))
+    assert "remote_write" not in single and "relabel_configs" not in single["scrape_configs"][0]
