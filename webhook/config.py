@@ -7,6 +7,7 @@ global rate limit, and undrain only of nodes this webhook drained.
 from __future__ import annotations
 
 import re
+import string
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -14,6 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from gpuhealth.contract.validation import Location, Model, problems
 from gpuhealth.webhook.actions import ALERT_ACTIONS as ACTIONS
+from gpuhealth.webhook.labels import SIGNAL
 from pydantic import (
     AfterValidator,
     ConfigDict,
@@ -159,6 +161,39 @@ class UndrainConfig(Model):
     health_check_max_attempts: Count = 3
 
 
+class CheckpointConfig(Model):
+    """How ``checkpoint_drain`` (a predictive alert: the GPU still works) saves the node's jobs first.
+
+    Each job is signalled (Slurm: ``scancel --signal=<signal> --<target> JOB``); the drain waits up to
+    ``grace_seconds`` for every job to confirm, then goes ahead whether or not they all did. A job's own
+    exit always confirms; ``confirm`` adds a checkpoint file newer than the signal (``path``: a file or a
+    folder, ``{job_id}`` filled in) or a job comment matching ``comment``.
+    """
+
+    signal: Annotated[str, Field(pattern=f"^(?:{SIGNAL.pattern})$")] = "USR1"
+    target: Literal["batch", "full"] = "batch"  # batch: the batch script only; full: every step too
+    grace_seconds: SecondsOrZero = 120.0
+    poll_seconds: Seconds = 1.0
+    confirm: Literal["exit", "file", "comment"] = "exit"
+    path: str | None = None  # for confirm: file; e.g. /shared/ckpt/job-{job_id}
+    comment: Regex = re.compile(r".*checkpoint.*")  # for confirm: comment (matched anywhere)
+
+    @classmethod
+    def cross_check(cls, data: dict[str, Any]) -> list[tuple[Location, str]]:
+        found: list[tuple[Location, str]] = []
+        path = data.get("path")
+        if data.get("confirm") == "file" and not path:
+            found.append((("path",), "required with confirm: file (a file or folder; {job_id} is filled in)"))
+        if isinstance(path, str):
+            try:
+                fields = {f for _, f, _, _ in string.Formatter().parse(path) if f is not None}
+            except ValueError:
+                fields = {"?"}
+            if fields - {"job_id"}:
+                found.append((("path",), "the only placeholder is {job_id} (write {{ and }} for braces)"))
+        return found
+
+
 class Config(Model):
     """The whole file. ``backend`` stays a mapping: the backend named by its ``type`` validates it."""
 
@@ -179,6 +214,7 @@ class Config(Model):
     guardrails: GuardrailConfig = GuardrailConfig()
     retry: RetryConfig = RetryConfig()
     undrain: UndrainConfig = UndrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     @property
     def listen_host(self) -> str:

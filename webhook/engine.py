@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from gpuhealth.webhook import guardrails, process
@@ -44,6 +45,19 @@ FINAL_STATE = {Outcome.DONE: DONE, Outcome.DRY_RUN: DONE, Outcome.FAILED: FAILED
                Outcome.CANCELLED: CANCELLED}  # anything else ends SKIPPED
 
 
+def newest_mtime(path: Path) -> float:
+    """When ``path`` (a checkpoint file, or the newest file of a checkpoint folder) last changed; 0 if
+    there is none."""
+    try:
+        if not path.is_dir():
+            return path.stat().st_mtime
+        return max((entry.stat().st_mtime for entry in path.iterdir()
+                    if entry.is_file() and not entry.name.startswith(".")),  # not a partial write
+                   default=0.0)
+    except OSError:
+        return 0.0
+
+
 class Halt(Exception):
     """A step cannot go on now: it must wait (retry interval, failed health check) or end the action."""
 
@@ -61,8 +75,9 @@ class Engine:
         self._admission = asyncio.Lock()  # one admission at a time: the breaker count stays exact
         self._unsaved: dict[int, Callable[[], Awaitable[object]]] = {}
         self._runners: dict[str, Callable[[Action, dict[str, Any]], Awaitable[None]]] = {
-            "drain": self._drain, "requeue": self._requeue, "reset_gpu": self._reset_gpu,
-            "reboot": self._reboot, "resume": self._resume}  # one per step of the action table
+            "checkpoint": self._checkpoint, "drain": self._drain, "requeue": self._requeue,
+            "reset_gpu": self._reset_gpu, "reboot": self._reboot,
+            "resume": self._resume}  # one per step of the action table
 
     async def breaker(self) -> dict[str, Any]:
         return await guardrails.breaker_state(self.store)
@@ -169,12 +184,59 @@ class Engine:
         if verdict is not None:
             raise Halt(verdict)
 
+    async def _checkpoint(self, a: Action, progress: dict[str, Any]) -> None:
+        """Ask the node's jobs to checkpoint, then wait up to the grace for each to confirm.
+
+        The signal time is journaled before the signals go out, so a restarted webhook waits out the
+        same grace instead of signalling again. A job that could not be signalled is not waited for:
+        saving work is worth a short wait, never a drain that does not happen.
+        """
+        cfg = self.config.checkpoint
+        state = progress.setdefault("checkpoint", {})
+        if "signalled_at" not in state:
+            state.update(jobs=sorted(await self.backend.jobs_on_node(a.node)), signalled_at=time.time())
+            await self.store.save_progress(a.id, progress)
+            errors = state.setdefault("errors", {})
+            for job_id in state["jobs"]:
+                try:
+                    await self.backend.signal_job(job_id, cfg.signal, cfg.target)
+                except BackendError as exc:
+                    errors[job_id] = str(exc)[-300:]
+            await self.store.save_progress(a.id, progress)
+        deadline = state["signalled_at"] + cfg.grace_seconds
+        waiting = [job for job in state["jobs"] if job not in state.get("errors", {})]
+        while True:
+            waiting = [job for job in waiting if not await self._checkpointed(job, state["signalled_at"])]
+            if not waiting or time.time() >= deadline:
+                break
+            await asyncio.sleep(min(cfg.poll_seconds, max(0.0, deadline - time.time())))
+        state["unconfirmed"] = waiting
+        errors = state.get("errors", {})
+        state["confirmed"] = [j for j in state["jobs"] if j not in waiting and j not in errors]
+        state["ended_at"] = time.time()
+        log.info("event=checkpoint_waited id=%s node=%s confirmed=%s unconfirmed=%s not_signalled=%s "
+                 "seconds=%.1f", a.id, a.node, ",".join(state["confirmed"]), ",".join(waiting),
+                 ",".join(state.get("errors", {})), state["ended_at"] - state["signalled_at"])
+
+    async def _checkpointed(self, job_id: str, since: float) -> bool:
+        """The job's own exit always confirms; otherwise what ``checkpoint.confirm`` names."""
+        cfg = self.config.checkpoint
+        job = await self.backend.job_state(job_id)
+        if not job.active:
+            return True
+        if cfg.confirm == "comment":
+            return cfg.comment.search(job.comment) is not None
+        if cfg.confirm == "file" and cfg.path:
+            return newest_mtime(Path(cfg.path.format(job_id=job_id))) > since
+        return False
+
     async def _drain(self, a: Action, progress: dict[str, Any]) -> None:
         await self.backend.drain(a.node, self._reason(a), alertname=a.alertname)
 
     async def _requeue(self, a: Action, progress: dict[str, Any]) -> None:
-        if "jobs" not in progress:
-            progress["jobs"] = sorted(await self.backend.jobs_on_node(a.node))
+        if "jobs" not in progress:  # with those asked to checkpoint: one may have ended since
+            signalled = progress.get("checkpoint", {}).get("jobs", [])
+            progress["jobs"] = sorted({*signalled, *await self.backend.jobs_on_node(a.node)})
             await self.store.save_progress(a.id, progress)
         retry = self.config.retry
         handled = progress.setdefault("requeued", []), progress.setdefault("exhausted", [])
@@ -291,6 +353,11 @@ class Engine:
     @staticmethod
     def _summary(progress: dict[str, Any]) -> str:
         parts = [", ".join(progress.get("done", []))]
+        checkpoint = progress.get("checkpoint", {})
+        for key, said in (("confirmed", "checkpoint confirmed by"),
+                          ("unconfirmed", "no checkpoint confirmed by"), ("errors", "could not signal")):
+            if checkpoint.get(key):
+                parts.append(f"{said} jobs {','.join(checkpoint[key])}")
         if progress.get("requeued"):
             parts.append(f"requeued jobs {','.join(progress['requeued'])}")
         if progress.get("exhausted"):

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from gpuhealth.contract.validation import Model, problems
-from gpuhealth.webhook.backends.base import BackendError, NodeState
+from gpuhealth.webhook.backends.base import BackendError, JobState, NodeState
 from gpuhealth.webhook.backends.command import (
     alert_fields,
     check_node,
@@ -32,7 +32,7 @@ from gpuhealth.webhook.backends.command import (
 )
 from gpuhealth.webhook.backends.helpers import TracksHelpers
 from gpuhealth.webhook.backends.scontrol import job_fields, parse_node_line
-from gpuhealth.webhook.labels import clean_text, valid_node
+from gpuhealth.webhook.labels import SIGNAL, clean_text, valid_node
 from pydantic import Field, PlainValidator, ValidationError, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
@@ -48,6 +48,7 @@ OUR_HOLD = "job_requeued_in_held_state"  # the Reason scontrol requeuehold leave
 PERMANENT = re.compile(r"Invalid (node name|job id)|not found|Invalid node state|Requested operation is "
                        r"presently disabled|Access/permission denied|Only batch jobs", re.IGNORECASE)
 JOB_ID = re.compile(r"\d+(_\d+)?")  # one job (or array task), never a list
+SIGNALLED_STATES = {"RUNNING", "CONFIGURING", "SUSPENDED"}  # a job that may still write a checkpoint
 
 
 def _program(value: Any) -> Any:
@@ -80,6 +81,7 @@ class SlurmSettings(Model):
 
     scontrol: Program = ("scontrol",)  # an argv prefix: [sudo, -n, /usr/bin/scontrol] works
     squeue: Program = ("squeue",)
+    scancel: Program = ("scancel",)  # sends the checkpoint signal of checkpoint_drain
     slurm_conf: NonEmpty | None = None
     timeout_seconds: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 30.0
     partition: NonEmpty | None = None
@@ -220,6 +222,26 @@ class SlurmBackend(TracksHelpers):
         if job.get("Reason") == OUR_HOLD:
             await self._scontrol("release", job_id)
         log.info("event=slurm_requeue job=%s excluded=%s", job_id, ",".join(sorted({*excluded, *missing})))
+
+    async def signal_job(self, job_id: str, signal: str, target: str) -> None:
+        """``scancel --signal=USR1 --batch JOB``: only the batch script (which forwards it), or ``--full``."""
+        if not JOB_ID.fullmatch(job_id) or not SIGNAL.fullmatch(signal) or target not in ("batch", "full"):
+            raise BackendError(f"cannot signal job {job_id!r} with {signal!r} ({target!r})", retryable=False)
+        await self._run(self.settings.scancel, f"--signal={signal}", f"--{target}", job_id)
+        log.info("event=slurm_signal job=%s signal=%s target=%s", job_id, signal, target)
+
+    async def job_state(self, job_id: str) -> JobState:
+        """From ``squeue`` (``%k``: the whole comment, spaces included); a job Slurm forgot has ended."""
+        if not JOB_ID.fullmatch(job_id):
+            raise BackendError(f"{job_id!r} is not a single Slurm job id", retryable=False)
+        try:
+            out = await self._run(self.settings.squeue, "-h", "-j", job_id, "-t", "all", "-o", "%T %k")
+        except BackendError as exc:
+            if exc.retryable:
+                raise
+            return JobState(active=False)
+        state, _, comment = out.strip().partition(" ")
+        return JobState(active=state in SIGNALLED_STATES, comment="" if comment == "(null)" else comment)
 
     async def reset_gpu(self, node: str, gpu: str | None, reason: str, *, alertname: str = "") -> None:
         check_node(node)
