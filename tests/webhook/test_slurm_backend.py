@@ -10,9 +10,11 @@ from conftest import alert, recorded, resolved
 from gpuhealth.webhook.backends import create_backend
 from gpuhealth.webhook.backends.base import BackendError, NodeState
 from gpuhealth.webhook.backends.slurm import MAX_REASON_CHARS, SlurmBackend, parse_node
+from waiting import eventually
 
 from gpuhealth.local.process import free_port
 from gpuhealth.local.slurm import SlurmCluster
+from gpuhealth.local.training_job import newest_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -44,15 +46,6 @@ def show_node(cluster: SlurmCluster, node: str) -> str:
 def reason_updates(cluster: SlurmCluster, node: str) -> int:
     log = (cluster.workdir / "slurmctld.log").read_text()
     return log.count(f"update_node: node {node} reason set to")
-
-
-def start_now(cluster: SlurmCluster, job_id: str) -> None:
-    """Skip Slurm's delay before a requeued job may start again, to see where it lands.
-
-    The delay is set once the job's old allocation has finished completing, so wait for that first.
-    """
-    cluster.wait_job(job_id, lambda j: j.state == "PENDING", what=f"job {job_id} to be requeued")
-    cluster.scontrol("update", f"JobId={job_id}", "StartTime=now")
 
 
 async def test_node_state_of_idle_and_unknown_nodes(backend):
@@ -146,12 +139,8 @@ async def test_requeue_moves_a_two_node_job_off_the_excluded_node(slurm, backend
     info = slurm.job(job)
     assert info.restarts == 1
     assert set(info.excluded) == {bad, "gpu04"}, "our exclusion is merged with the job's own"
-    assert info.state in ("COMPLETING", "PENDING"), "the old allocation ends, the job waits to restart"
-    slurm.wait_job(job, lambda j: j.state == "PENDING", what=f"job {job} to be requeued")
-    await backend.requeue(job, [bad])  # a retried requeue restarts nothing
-    assert slurm.job(job).restarts == 1
-    start_now(slurm, job)
-    info = slurm.wait_job(job, lambda j: j.state == "RUNNING", what="the requeued job to run again")
+    # no wait for Slurm's two-minute requeue delay: the job may start at once (within wait_job's 30 s)
+    info = slurm.wait_job(job, lambda j: j.state == "RUNNING", what="the requeued job to run again at once")
     assert len(info.nodes) == 2 and bad not in info.nodes and "gpu04" not in info.nodes
     assert slurm.squeue("-h", "-w", bad, "-o", "%i").split() == []
 
@@ -164,7 +153,6 @@ async def test_requeue_completes_after_a_crash_between_its_steps(slurm, backend)
     info = slurm.job(job)
     assert info.restarts == 1 and bad in info.excluded
     assert info.reason != "job_requeued_in_held_state", "the job was released"
-    start_now(slurm, job)
     info = slurm.wait_job(job, lambda j: j.state == "RUNNING", what="the requeued job to run again")
     assert bad not in info.nodes
 
@@ -326,6 +314,32 @@ async def test_a_drain_notification_drains_the_node_and_requeues_its_job(on_slur
     assert "Reason=" not in slurm.scontrol("show", "node", "gpu02", "-o")
     slurm.wait_node("gpu02", lambda n: n.state == "IDLE", what="gpu02 back in service")
     assert slurm.job(job).excluded == ["gpu02"], "the requeued job still avoids the node"
+
+
+async def test_a_predictive_drain_saves_the_jobs_work_before_draining(on_slurm, slurm):
+    job = slurm.submit_training_job(nodes=2, checkpoint_interval=600)  # no interval checkpoint in the test
+    bad = slurm.job(job).nodes[0]
+
+    async def output() -> str:
+        return (slurm.workdir / f"job-{job}.out").read_text()
+    # until its handler is in place, SIGUSR1 would end the trainer (an exit, which also confirms)
+    await eventually(output, lambda text: "event=start" in text, timeout=30, what="the trainer to start")
+    hook = await on_slurm(checkpoint={"confirm": "file", "grace_seconds": 30, "poll_seconds": 0.1,
+                                      "path": str(slurm.workdir / "checkpoints" / "job-{job_id}")})
+    await hook.post(alert(bad, action="checkpoint_drain", alertname="GPUHealthGpuFailureRisk",
+                          severity="warning", summary="risk 0.8"))
+    [action] = await hook.until(lambda acts: acts[0]["state"] == "done", "the drain to end", timeout=60)
+    saved = newest_checkpoint(slurm.checkpoint_dir(job))
+    assert saved is not None and saved.reason == "signal", "scancel --signal=USR1 --batch reached the job"
+    checkpoint = action["progress"]["checkpoint"]
+    assert checkpoint["confirmed"] == [job]
+    assert checkpoint["signalled_at"] <= saved.written_at <= checkpoint["ended_at"], "saved before the drain"
+    assert slurm.node(bad).reason.startswith("gpuhealth: GPUHealthGpuFailureRisk")
+    info = slurm.wait_job(job, lambda j: j.state == "RUNNING" and j.restarts == 1,
+                          what="the job running again at once, away from the node")
+    assert bad not in info.nodes and bad in info.excluded
+    await eventually(output, lambda text: f"event=resume step={saved.step} " in text, timeout=30,
+                     what="the requeued run to resume from the saved step")
 
 
 async def test_a_node_drained_by_someone_else_is_left_alone(on_slurm, slurm):

@@ -8,15 +8,18 @@ node or job, missing rights).
 
 Requeueing a job away from a node is three steps that Slurm 22.05 accepts in this order: hold the job
 as it is requeued (``requeuehold``, so it cannot start again before the exclusion is in place), merge
-the node into its ``ExcNodeList`` and release it. Each step is checked against ``scontrol show job``
+the node into its ``ExcNodeList`` and release it; then, once the old allocation has ended,
+``StartTime=now`` lifts the two minutes Slurm would otherwise hold it back. Each step is checked against ``scontrol show job``
 first, so a requeue interrupted by a crash and retried completes without a second restart.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
+import time
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -43,6 +46,7 @@ DRAIN_FLAGS = {"DRAIN", "DRAINING", "DRAINED", "FAIL", "FAILING"}
 REBOOT_FLAGS = {"REBOOT_REQUESTED", "REBOOT_ISSUED"}
 ACTIVE_STATES = "RUNNING,CONFIGURING"
 RESTARTABLE = {"RUNNING", "CONFIGURING", "SUSPENDED", "FAILED", "NODE_FAIL", "PREEMPTED"}
+COMPLETING_POLL_SECONDS = 0.2
 OUR_HOLD = "job_requeued_in_held_state"  # the Reason scontrol requeuehold leaves on the job
 # Slurm's answers that a retry cannot change: unknown names or ids, missing rights, refused operations.
 PERMANENT = re.compile(r"Invalid (node name|job id)|not found|Invalid node state|Requested operation is "
@@ -89,6 +93,7 @@ class SlurmSettings(Model):
                                  WithJsonSchema({"type": "array", "items": {"type": "string"}})] | None = None
     # error: fail the action; reboot: no way to reset one GPU, so reboot the node
     reset_gpu_fallback: Literal["error", "reboot"] = "error"
+    start_requeued_now: bool = True  # a requeued job may start at once elsewhere, not after Slurm's delay
     reboot_next_state: Literal["RESUME", "DOWN"] = "RESUME"  # DOWN: a rebooted node waits for a person
 
 
@@ -221,6 +226,8 @@ class SlurmBackend(TracksHelpers):
                 raise BackendError(f"job {job_id}: ExcNodeList is {now} after asking for {merged}")
         if job.get("Reason") == OUR_HOLD:
             await self._scontrol("release", job_id)
+        if self.settings.start_requeued_now:
+            await self._start_now(job_id)
         log.info("event=slurm_requeue job=%s excluded=%s", job_id, ",".join(sorted({*excluded, *missing})))
 
     async def signal_job(self, job_id: str, signal: str, target: str) -> None:
@@ -242,6 +249,18 @@ class SlurmBackend(TracksHelpers):
             return JobState(active=False)
         state, _, comment = out.strip().partition(" ")
         return JobState(active=state in SIGNALLED_STATES, comment="" if comment == "(null)" else comment)
+
+    async def _start_now(self, job_id: str) -> None:
+        """Lift the ~2 minutes Slurm makes a requeued job wait (its BeginTime): ``StartTime=now``, which
+        Slurm 22.05 honours. Slurm sets that delay once the old allocation has finished completing, so
+        the update waits for that; a job that is no longer pending is left alone."""
+        deadline = time.monotonic() + self.settings.timeout_seconds
+        while (state := (await self._job(job_id)).get("JobState")) == "COMPLETING":
+            if time.monotonic() > deadline:
+                raise BackendError(f"job {job_id} still completing after {self.settings.timeout_seconds:.0f}s")
+            await asyncio.sleep(COMPLETING_POLL_SECONDS)
+        if state == "PENDING":
+            await self._scontrol("update", f"JobId={job_id}", "StartTime=now")
 
     async def reset_gpu(self, node: str, gpu: str | None, reason: str, *, alertname: str = "") -> None:
         check_node(node)
