@@ -9,8 +9,9 @@ node or job, missing rights).
 Requeueing a job away from a node is three steps that Slurm 22.05 accepts in this order: hold the job
 as it is requeued (``requeuehold``, so it cannot start again before the exclusion is in place), merge
 the node into its ``ExcNodeList`` and release it; then, once the old allocation has ended,
-``StartTime=now`` lifts the two minutes Slurm would otherwise hold it back. Each step is checked against ``scontrol show job``
-first, so a requeue interrupted by a crash and retried completes without a second restart.
+``StartTime=now`` lifts the two minutes Slurm would otherwise hold it back. Each step is checked
+against ``scontrol show job`` first, so a requeue interrupted by a crash and retried completes
+without a second restart.
 """
 
 from __future__ import annotations
@@ -257,7 +258,8 @@ class SlurmBackend(TracksHelpers):
         deadline = time.monotonic() + self.settings.timeout_seconds
         while (state := (await self._job(job_id)).get("JobState")) == "COMPLETING":
             if time.monotonic() > deadline:
-                raise BackendError(f"job {job_id} still completing after {self.settings.timeout_seconds:.0f}s")
+                raise BackendError(f"job {job_id} still completing after "
+                                   f"{self.settings.timeout_seconds:.0f}s")
             await asyncio.sleep(COMPLETING_POLL_SECONDS)
         if state == "PENDING":
             await self._scontrol("update", f"JobId={job_id}", "StartTime=now")
