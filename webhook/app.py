@@ -20,6 +20,7 @@ from typing import Any
 import jinja2
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from gpuhealth.webhook.announce import Announcer
 from gpuhealth.webhook.auth import Authenticator
 from gpuhealth.webhook.backends import Backend, create_backend
 from gpuhealth.webhook.backends.helpers import TracksHelpers
@@ -36,6 +37,7 @@ from gpuhealth.webhook.store import (
     AWAITING_APPROVAL,
     CANCELLED,
     PENDING,
+    RUNNING,
     STATES,
     JournalUnwritable,
     Store,
@@ -235,6 +237,7 @@ async def _move(request: web.Request, from_states: tuple[str, ...], to: str, ver
     log.warning("event=action_%s id=%s kind=%s node=%s by=%s", verb, action_id, moved.kind, moved.node, who)
     if to == CANCELLED:
         request.app[METRICS].action(moved.kind, Outcome.CANCELLED, Reason.OPERATOR)
+    await request.app[ENGINE].announcer.transition(moved, verb, f"{verb} by {who}", by=who)
     request.app[WORKER].wake()
     return web.json_response(moved.as_json())
 
@@ -244,7 +247,9 @@ async def approve(request: web.Request) -> web.Response:
 
 
 async def cancel(request: web.Request) -> web.Response:
-    return await _move(request, (PENDING, AWAITING_APPROVAL), CANCELLED, "cancelled", Outcome.CANCELLED.value)
+    # a running action stops before its next step (the step under way finishes)
+    return await _move(request, (PENDING, AWAITING_APPROVAL, RUNNING), CANCELLED, "cancelled",
+                       Outcome.CANCELLED.value)
 
 
 async def reset_breaker(request: web.Request) -> web.Response:
@@ -345,7 +350,8 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     journal = AsyncJournal(config.journal_path, resolve, config.journal_busy_timeout_seconds,
                            on_failure=app[METRICS].journal_write_failures.inc)
-    engine = Engine(config, app[BACKEND], journal, app[METRICS])
+    announcer = Announcer(config.announce, config.audit_log_path, app[METRICS])
+    engine = Engine(config, app[BACKEND], journal, app[METRICS], announcer)
     worker = Worker(engine, journal, config.journal_retention_days * 86400)
     app[JOURNAL], app[ENGINE], app[WORKER] = journal, engine, worker
     backend = app[BACKEND]
@@ -358,5 +364,6 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     worker.start()
     yield
     await worker.stop()
+    await announcer.close()
     await journal.close()
     log.info("event=stopped (unfinished actions resume on the next start)")

@@ -194,6 +194,16 @@ class CheckpointConfig(Model):
         return found
 
 
+class AnnounceConfig(Model):
+    """Where action transitions are told: the audit log always, Alertmanager when URLs are given."""
+
+    audit_log: ConfigPath | None = None  # JSON lines; None: <state_dir>/audit.jsonl
+    alertmanager_urls: Annotated[tuple[Annotated[str, Field(pattern=r"^https?://[^\s]+$")], ...],
+                                 Field(strict=False)] = ()  # every member of an HA pair
+    resolve_after_seconds: Seconds = 3600.0  # an outcome alert stands this long, then resolves
+    timeout_seconds: Seconds = 5.0
+
+
 class Config(Model):
     """The whole file. ``backend`` stays a mapping: the backend named by its ``type`` validates it."""
 
@@ -215,6 +225,7 @@ class Config(Model):
     retry: RetryConfig = RetryConfig()
     undrain: UndrainConfig = UndrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    announce: AnnounceConfig = AnnounceConfig()
 
     @property
     def listen_host(self) -> str:
@@ -227,6 +238,10 @@ class Config(Model):
     @property
     def journal_path(self) -> Path:
         return self.state_dir / "journal.sqlite3"
+
+    @property
+    def audit_log_path(self) -> Path:
+        return self.announce.audit_log or self.state_dir / "audit.jsonl"
 
     @property
     def token_path(self) -> Path | None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from gpuhealth.webhook import guardrails, process
 from gpuhealth.webhook.actions import DRAINING, KINDS, NONE, STEPS, UNDRAIN
+from gpuhealth.webhook.announce import FOR_HUMANS, Announcer
 from gpuhealth.webhook.backends.base import Backend, BackendError
 from gpuhealth.webhook.config import Config
 from gpuhealth.webhook.guardrails import BREAKER, Admission, Verdict
@@ -67,8 +68,10 @@ class Halt(Exception):
 
 
 class Engine:
-    def __init__(self, config: Config, backend: Backend, store: Store, metrics: Metrics) -> None:
+    def __init__(self, config: Config, backend: Backend, store: Store, metrics: Metrics,
+                 announcer: Announcer) -> None:
         self.config = config
+        self.announcer = announcer
         self.backend = backend
         self.store = store
         self.metrics = metrics
@@ -158,6 +161,7 @@ class Engine:
         if started:
             log.info("event=action_started id=%s kind=%s node=%s gpu=%s alertname=%s plan=%r", a.id, a.kind,
                      a.node, a.gpu, a.alertname, self._plan(a))
+            await self.announcer.transition(a, "started", self._plan(a))
         return None
 
     # -- steps -------------------------------------------------------------------------------
@@ -168,6 +172,13 @@ class Engine:
         for step in KINDS[a.kind].steps:
             if step in done:
                 continue
+            current = await self.store.get(a.id)
+            if current is None or current.state != RUNNING:  # cancelled through the API meanwhile
+                log.warning("event=action_stopped id=%s kind=%s node=%s state=%s before=%s", a.id, a.kind,
+                            a.node, current.state if current else "pruned", step)
+                await self.announcer.transition(a, "cancelled", f"stopped before {step}",
+                                                done=list(done))
+                return
             if STEPS[step].changes_node:
                 if step == "resume":
                     await self._health_gate(a, progress)  # first: it may take minutes
@@ -175,6 +186,7 @@ class Engine:
             await self._runners[step](a, progress)
             done.append(step)
             await self._after_effect(a, self._progress_write(a.id, progress))
+            await self.announcer.transition(a, "step_done", step, step=step)
         summary = self._summary(progress)
         await self._conclude(a, Verdict(Outcome.DONE, Reason.OK, summary, drop_drained=a.kind == UNDRAIN))
 
@@ -250,6 +262,9 @@ class Engine:
                 await self.store.job_requeued(a.id, progress, job)
                 log.warning("event=job_retry_exhausted job=%s attempts=%d nodes=%s", job_id, job.attempts,
                             ",".join([*job.excluded, a.node]))
+                await self.announcer.transition(
+                    a, "jobs_exhausted", f"job {job_id} failed on {job.attempts + 1} nodes; left alone",
+                    job=job_id, nodes=[*job.excluded, a.node])
                 continue
             wait_until = job.last_at + retry.job_retry_interval_seconds
             if job.attempts and wait_until > time.time():
@@ -338,6 +353,12 @@ class Engine:
         if v.outcome is Outcome.DONE and a.kind != NONE:
             self.metrics.latency.observe(max(0.0, time.time() - a.received_at))
         self.metrics.action(a.kind, v.outcome, v.reason)
+        event = v.outcome.value
+        if v.tripped:
+            event = "breaker_tripped"
+        elif v.outcome is Outcome.SKIPPED and v.reason in FOR_HUMANS:
+            event = "left_for_human"
+        await self.announcer.transition(a, event, v.detail, outcome=v.outcome.value, reason=v.reason.value)
         level = logging.WARNING if v.outcome in (Outcome.FAILED, Outcome.SKIPPED) else logging.INFO
         log.log(level, "event=action_%s id=%s kind=%s node=%s gpu=%s alertname=%s reason=%s detail=%r",
                 v.outcome.value, a.id, a.kind, a.node, a.gpu, a.alertname, v.reason.value, v.detail)
