@@ -254,7 +254,10 @@ async def cancel(request: web.Request) -> web.Response:
 
 async def reset_breaker(request: web.Request) -> web.Response:
     who = request[ACTOR]
-    state = await request.app[ENGINE].reset_breaker(who)
+    held = request.query.get("held", "keep")
+    if held not in ("keep", "replay", "drop"):
+        raise _json_error(web.HTTPBadRequest, "held: keep (default), replay or drop")
+    state = await request.app[ENGINE].reset_breaker(who, held)
     request.app[WORKER].wake()
     return web.json_response({"breaker": state})
 
@@ -269,6 +272,7 @@ async def _status(app: web.Application) -> dict[str, Any]:
     metrics.breaker_open.set(int(breaker["open"]))
     metrics.nodes_drained.set(len(drained))
     jobs = await journal.exhausted_jobs()
+    held = await app[ENGINE].held_by_breaker()
     return {
         "dry_run": app[CONFIG].dry_run,
         "undrain_mode": app[CONFIG].undrain.mode,
@@ -280,6 +284,8 @@ async def _status(app: web.Application) -> dict[str, Any]:
         "queue": counts,
         "jobs_out_of_retries": [{"job_id": j.job_id, "attempts": j.attempts, "nodes": j.excluded,
                                  "last_at": j.last_at} for j in jobs],
+        "held_by_breaker": [{"id": a.id, "kind": a.kind, "node": a.node, "alertname": a.alertname,
+                             "since": a.updated_at} for a in held],
         "worker_alive": app[WORKER].alive,
     }
 

@@ -85,14 +85,38 @@ class Engine:
     async def breaker(self) -> dict[str, Any]:
         return await guardrails.breaker_state(self.store)
 
-    async def reset_breaker(self, by: str) -> dict[str, Any]:
-        """Close the breaker; undrains it skipped run again, since their nodes are still out."""
+    async def held_by_breaker(self) -> list[Action]:
+        """Actions the open breaker skipped that no reset has replayed or dropped yet."""
+        skipped = await self.store.list_actions(state=SKIPPED, limit=10_000)
+        return [a for a in skipped if a.reason == Reason.BREAKER_OPEN.value]
+
+    async def reset_breaker(self, by: str, held: str = "keep") -> dict[str, Any]:
+        """Close the breaker. Undrains it skipped always run again, since their nodes are still out;
+        the other actions it held are replayed (``replay``: through every guardrail again, so a storm
+        that is still on trips it again), dropped with a record (``drop``), or kept listed (``keep``)."""
         state = {"open": False, "since": time.time(), "reason": f"reset by {by}"}
-        rearmed = await self.store.rearm(UNDRAIN, Reason.BREAKER_OPEN,
-                                         f"re-armed by the breaker reset ({by})", (BREAKER, state))
+        waiting = await self.held_by_breaker()
+        replayed = await self.store.rearm(UNDRAIN, Reason.BREAKER_OPEN,
+                                          f"re-armed by the breaker reset ({by})", (BREAKER, state))
+        dropped: list[int] = []
+        if held == "replay":
+            for kind in sorted({a.kind for a in waiting} - {UNDRAIN}):
+                replayed += await self.store.rearm(kind, Reason.BREAKER_OPEN,
+                                                   f"replayed by the breaker reset ({by})", (BREAKER, state))
+        for a in waiting:
+            if held == "drop" and a.kind != UNDRAIN and await self.store.try_move(
+                    a.id, (SKIPPED,), SKIPPED, Reason.DROPPED_AT_RESET.value,
+                    f"held by the breaker, dropped at its reset by {by}", Outcome.SKIPPED.value):
+                dropped.append(a.id)
+                self.metrics.action(a.kind, Outcome.SKIPPED, Reason.DROPPED_AT_RESET)
+        for a in waiting:
+            if a.id in replayed or a.id in dropped:
+                await self.announcer.transition(a, "replayed" if a.id in replayed else "dropped",
+                                                f"breaker reset by {by}", by=by)
         self.metrics.breaker_open.set(0)
-        log.warning("event=breaker_reset by=%s undrains_rearmed=%d", by, len(rearmed))
-        return state
+        log.warning("event=breaker_reset by=%s held=%s replayed=%d dropped=%d kept=%d", by, held,
+                    len(replayed), len(dropped), len(waiting) - len(replayed) - len(dropped))
+        return state | {"replayed": sorted(replayed), "dropped": dropped}
 
     async def run(self, action: Action) -> None:
         """Carry ``action`` forward as far as it can go now; every outcome lands in the journal.
