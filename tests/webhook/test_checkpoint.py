@@ -87,3 +87,16 @@ def test_checkpoint_settings_are_checked_together():
     with pytest.raises(ConfigError, match=r"the only placeholder is \{job_id\}"):
         parse_config({"backend": {"type": "simulated", "nodes": ["a"]},
                       "checkpoint": {"confirm": "file", "path": "/ckpt/{node}"}})
+
+
+async def test_a_hard_fault_after_a_predictive_drain_still_resets_the_gpu(webhook):
+    """The predictive drain is the weaker action: its cooldown never holds back the stronger one."""
+    hook = await webhook(jobs={"gpu06": ["21"]}, guardrails={"node_cooldown_seconds": 3600},
+                         checkpoint={"grace_seconds": 0})
+    await hook.post(alert("gpu06", **PREDICTIVE))
+    await hook.until(lambda acts: acts[0]["state"] == "done", "the predictive drain to end")
+    await hook.post(alert("gpu06", action="drain_reset_gpu", alertname="GPUHealthXidResetGpu", gpu="3"))
+    actions = await hook.until(lambda acts: len(acts) == 2 and acts[1]["state"] == "done", "the reset")
+    assert actions[1]["reason"] == "ok", actions[1]
+    assert [entry[:3] for entry in hook.backend.history if entry[0] == "reset_gpu"] == [["reset_gpu", "gpu06",
+                                                                                        "3"]]

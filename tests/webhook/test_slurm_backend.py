@@ -176,18 +176,29 @@ async def test_requeue_of_an_unknown_job_is_permanent(backend):
     assert not err.value.retryable and "Invalid job id" in str(err.value)
 
 
-async def test_reboot_is_requested_and_the_node_returns(slurm, backend):
+async def test_reboot_is_requested_and_the_node_stays_out_until_resumed(slurm, backend):
     reason = "gpuhealth: GPUHealthGpusMissing: 7 of 8 GPUs visible"
     before = slurm.reboot_requests().count("gpu03")
     await backend.reboot("gpu03", reason)
     info = slurm.wait_node("gpu03", lambda n: "REBOOT_ISSUED" in n.flags, what="the reboot to be issued")
     line = show_node(slurm, "gpu03")
-    assert "NextState=RESUME" in line and f"Reason={reason}" in line and "DRAIN" in info.flags
+    assert "NextState=DOWN" in line and f"Reason={reason}" in line and "DRAIN" in info.flags
     await backend.reboot("gpu03", reason)  # already rebooting: not asked twice
     slurm.complete_reboot("gpu03")
     assert slurm.reboot_requests().count("gpu03") == before + 1, "one reboot, though asked twice"
-    info = slurm.wait_node("gpu03", lambda n: n.state == "IDLE", what="gpu03 back in service")
+    state = await backend.node_state("gpu03")
+    assert state.drained and state.reason.startswith(reason), "down after the reboot, our reason kept"
+    await backend.resume("gpu03")
+    slurm.wait_node("gpu03", lambda n: n.state == "IDLE", what="gpu03 back in service")
     assert await backend.node_state("gpu03") == NodeState("gpu03", exists=True, drained=False)
+
+
+async def test_a_reboot_with_nextstate_resume_returns_the_node_unchecked(slurm):
+    backend = SlurmBackend.from_config({"slurm_conf": str(slurm.conf_path), "reboot_next_state": "RESUME"})
+    await backend.reboot("gpu04", "gpuhealth: GPUHealthGpusMissing: x")
+    assert "NextState=RESUME" in show_node(slurm, "gpu04")
+    slurm.complete_reboot("gpu04")
+    slurm.wait_node("gpu04", lambda n: n.state == "IDLE", what="gpu04 back in service")
 
 
 async def test_reset_gpu_without_a_command(slurm, backend):
@@ -359,9 +370,35 @@ async def test_a_reboot_notification_requests_a_slurm_reboot(on_slurm, slurm):
     info = slurm.node("gpu03")
     assert {"REBOOT_REQUESTED", "REBOOT_ISSUED"} & info.flags and info.reason.startswith(
         "gpuhealth: GPUHealthGpusMissing: gpu03 sees 1 fewer GPUs")
-    assert "NextState=RESUME" in slurm.scontrol("show", "node", "gpu03", "-o")
+    assert "NextState=DOWN" in slurm.scontrol("show", "node", "gpu03", "-o")
     slurm.complete_reboot("gpu03")
-    slurm.wait_node("gpu03", lambda n: n.state == "IDLE", what="gpu03 back after its reboot")
+    info = slurm.wait_node("gpu03", lambda n: "DOWN" in n.flags, what="gpu03 kept out after its reboot")
+    assert info.reason.startswith("gpuhealth: GPUHealthGpusMissing"), "our reason stays: the undrain may act"
+
+
+async def test_a_rebooted_node_returns_only_once_its_health_check_passed(on_slurm, slurm, tmp_path):
+    verdict = tmp_path / "verdict"
+    verdict.write_text("1")
+    runs = tmp_path / "runs"
+    check = tmp_path / "validate"  # stands in for ssh {node} gpuhealth-validate
+    check.write_text(f'#!/bin/sh\necho "$1" >> {runs}\nexit "$(cat {verdict})"\n')
+    check.chmod(0o755)
+    hook = await on_slurm(undrain={"health_check": [str(check), "{node}"], "health_check_retry_seconds": 0.2,
+                                   "health_check_max_attempts": 100})
+    await deliver(hook, "firing_same_node_other_action")
+    await hook.settle(timeout=60)
+    slurm.complete_reboot("gpu03")
+    slurm.wait_node("gpu03", lambda n: "DOWN" in n.flags, what="gpu03 kept out after its reboot")
+    firing = recorded("firing_same_node_other_action")
+    await hook.post(*[resolved(a) for a in firing["alerts"]])
+
+    async def checks() -> list[str]:
+        return runs.read_text().split() if runs.exists() else []
+    await eventually(checks, lambda seen: len(seen) >= 2, timeout=30, what="failing health checks")
+    assert "DOWN" in slurm.node("gpu03").flags, "a failed check leaves the node out"
+    verdict.write_text("0")
+    slurm.wait_node("gpu03", lambda n: n.state == "IDLE", what="gpu03 resumed after its check passed")
+    assert (await checks())[-1] == "gpu03"
 
 
 # --- an operator's drain always wins: races against a real `scontrol update` from the test ---

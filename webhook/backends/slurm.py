@@ -43,7 +43,9 @@ from pydantic_core import PydanticCustomError
 log = logging.getLogger(__name__)
 
 MAX_REASON_CHARS = 200
-DRAIN_FLAGS = {"DRAIN", "DRAINING", "DRAINED", "FAIL", "FAILING"}
+# No new work starts on the node: drained, failing, or down (where a reboot with nextstate=DOWN leaves
+# it, our reason kept, until the undrain's health check passes and resumes it).
+DRAIN_FLAGS = {"DRAIN", "DRAINING", "DRAINED", "FAIL", "FAILING", "DOWN"}
 REBOOT_FLAGS = {"REBOOT_REQUESTED", "REBOOT_ISSUED"}
 ACTIVE_STATES = "RUNNING,CONFIGURING"
 RESTARTABLE = {"RUNNING", "CONFIGURING", "SUSPENDED", "FAILED", "NODE_FAIL", "PREEMPTED"}
@@ -95,7 +97,9 @@ class SlurmSettings(Model):
     # error: fail the action; reboot: no way to reset one GPU, so reboot the node
     reset_gpu_fallback: Literal["error", "reboot"] = "error"
     start_requeued_now: bool = True  # a requeued job may start at once elsewhere, not after Slurm's delay
-    reboot_next_state: Literal["RESUME", "DOWN"] = "RESUME"  # DOWN: a rebooted node waits for a person
+    # DOWN: a rebooted node stays out, with our reason, until its alert resolves and the undrain's
+    # health check (gpuhealth-validate on the node) passes; RESUME returns it unchecked
+    reboot_next_state: Literal["RESUME", "DOWN"] = "DOWN"
 
 
 def _settings(section: Mapping[str, Any]) -> SlurmSettings:
