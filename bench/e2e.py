@@ -90,13 +90,13 @@ def one_run(precursor: float) -> tuple[dict[str, float | None], int]:
         }, len(observer.healthy_nodes_touched())
 
 
-def describe(values: list[float]) -> str:
+def describe(values: list[float], unit: str = "s") -> str:
     if not values:
         return "no value"
     ordered = sorted(values)
     p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
-    return (f"n={len(values)} min={ordered[0]:.1f}s median={statistics.median(ordered):.1f}s "
-            f"p90={p90:.1f}s max={ordered[-1]:.1f}s")
+    return (f"n={len(values)} min={ordered[0]:.2f}{unit} median={statistics.median(ordered):.2f}{unit} "
+            f"p90={p90:.2f}{unit} max={ordered[-1]:.2f}{unit}")
 
 
 def main() -> int:
@@ -119,7 +119,7 @@ def main() -> int:
     for key in runs[0]:
         values = [r[key] for r in runs if r[key] is not None]
         missing = sum(r[key] is None for r in runs)
-        print(f"  {key:42s} {describe(values)}" + (f" (missing in {missing} runs)" if missing else ""))
+        print(f"  {key:42s} {describe(values, 's' if key.endswith('_seconds') else '')}" + (f" (missing in {missing} runs)" if missing else ""))
     print(f"  healthy nodes drained (all runs)           {healthy_drained}")
     hard = [r["hard_requeue_seconds"] for r in runs]
     met = sum(v is not None and v <= TARGET_SECONDS for v in hard)

@@ -8,8 +8,8 @@ node or job, missing rights).
 
 Requeueing a job away from a node is three steps that Slurm 22.05 accepts in this order: hold the job
 as it is requeued (``requeuehold``, so it cannot start again before the exclusion is in place), merge
-the node into its ``ExcNodeList`` and release it; then, once the old allocation has ended,
-``StartTime=now`` lifts the two minutes Slurm would otherwise hold it back. Each step is checked
+the node into its ``ExcNodeList`` and, once the old allocation has ended, lift the two minutes Slurm
+would otherwise hold it back (``StartTime=now``) and release it. Each step is checked
 against ``scontrol show job`` first, so a requeue interrupted by a crash and retried completes
 without a second restart.
 """
@@ -229,10 +229,10 @@ class SlurmBackend(TracksHelpers):
             now = await self._hostnames(job.get("ExcNodeList", ""))
             if not set(exclude_nodes) <= set(now):
                 raise BackendError(f"job {job_id}: ExcNodeList is {now} after asking for {merged}")
+        if self.settings.start_requeued_now:  # before the release, whose scheduling pass then starts it
+            await self._start_now(job_id)
         if job.get("Reason") == OUR_HOLD:
             await self._scontrol("release", job_id)
-        if self.settings.start_requeued_now:
-            await self._start_now(job_id)
         log.info("event=slurm_requeue job=%s excluded=%s", job_id, ",".join(sorted({*excluded, *missing})))
 
     async def signal_job(self, job_id: str, signal: str, target: str) -> None:
