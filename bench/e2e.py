@@ -119,7 +119,8 @@ def main() -> int:
     for key in runs[0]:
         values = [r[key] for r in runs if r[key] is not None]
         missing = sum(r[key] is None for r in runs)
-        print(f"  {key:42s} {describe(values, 's' if key.endswith('_seconds') else '')}" + (f" (missing in {missing} runs)" if missing else ""))
+        unit = "s" if key.endswith("_seconds") else ""
+        print(f"  {key:42s} {describe(values, unit)}" + (f" (missing in {missing} runs)" if missing else ""))
     print(f"  healthy nodes drained (all runs)           {healthy_drained}")
     hard = [r["hard_requeue_seconds"] for r in runs]
     met = sum(v is not None and v <= TARGET_SECONDS for v in hard)
