@@ -50,6 +50,7 @@ class Announcer:
         self.metrics = metrics
         self._session: aiohttp.ClientSession | None = None
         self._posts: set[asyncio.Task[None]] = set()
+        self._in_order = asyncio.Lock()  # FIFO: a start never lands after the post that resolves it
 
     async def close(self) -> None:
         """Let posts under way finish (each is bounded by the timeout), then close the session."""
@@ -96,6 +97,10 @@ class Announcer:
                 "startsAt": _iso(starts), "endsAt": _iso(ends)}
 
     async def _post(self, alerts: list[dict[str, Any]]) -> None:
+        async with self._in_order:
+            await self._post_now(alerts)
+
+    async def _post_now(self, alerts: list[dict[str, Any]]) -> None:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
                 total=self.config.timeout_seconds))
