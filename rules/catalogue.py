@@ -19,7 +19,8 @@ from gpuhealth.contract.duration import parse_duration
 
 BUILTIN = Path(__file__).with_name("catalogue.yaml")
 XID_TABLE = Path(__file__).with_name("xid_catalogue.csv")
-ACTIONS = ("none", "restart_job", "drain", "drain_reset_gpu", "drain_reboot", "replace")
+ACTIONS = ("none", "restart_job", "checkpoint_drain", "drain", "drain_reset_gpu", "drain_reboot",
+           "replace")
 SEVERITIES = ("critical", "warning", "info")
 GROUPS = ("xid", "definitive", "evidence", "fusion", "lemon", "storage", "meta")
 TIERS = ("single", "shard", "global")  # single: one Prometheus runs every group

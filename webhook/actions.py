@@ -22,6 +22,7 @@ class Step:
 
 
 STEPS: dict[str, Step] = {step.name: step for step in (
+    Step("checkpoint", "ask the jobs on {node} to checkpoint and wait for them", changes_node=False),
     Step("drain", "drain {node} ({reason!r})", changes_node=True),
     Step("requeue", "requeue the jobs on {node} excluding it", changes_node=False),
     Step("reset_gpu", "reset GPU {gpu} on {node}", changes_node=True, needs_gpu=True),
@@ -58,6 +59,8 @@ UNKNOWN = "unknown"  # the kind journaled for an action label the webhook does n
 KINDS: dict[str, ActionKind] = {kind.name: kind for kind in (
     ActionKind(NONE, (), drains=False, undone_on_resolve=False),
     ActionKind("restart_job", ("requeue",), drains=False, undone_on_resolve=False),
+    # predictive: time to save work first; weaker than a drain, so a hard fault after it still acts
+    ActionKind("checkpoint_drain", ("checkpoint", "drain", "requeue"), drains=True, undone_on_resolve=True),
     ActionKind("drain", ("drain", "requeue"), drains=True, undone_on_resolve=True),
     ActionKind("drain_reset_gpu", ("drain", "requeue", "reset_gpu"), drains=True, undone_on_resolve=True),
     ActionKind("drain_reboot", ("drain", "requeue", "reboot"), drains=True, undone_on_resolve=True),

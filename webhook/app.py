@@ -20,6 +20,7 @@ from typing import Any
 import jinja2
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from gpuhealth.webhook.announce import Announcer
 from gpuhealth.webhook.auth import Authenticator
 from gpuhealth.webhook.backends import Backend, create_backend
 from gpuhealth.webhook.backends.helpers import TracksHelpers
@@ -35,6 +36,7 @@ from gpuhealth.webhook.store import (
     AWAITING_APPROVAL,
     CANCELLED,
     PENDING,
+    RUNNING,
     STATES,
     JournalUnwritable,
     Store,
@@ -235,6 +237,7 @@ async def _move(request: web.Request, from_states: tuple[str, ...], to: str, ver
     log.warning("event=action_%s id=%s kind=%s node=%s by=%s", verb, action_id, moved.kind, moved.node, who)
     if to == CANCELLED:
         request.app[METRICS].action(moved.kind, Outcome.CANCELLED, Reason.OPERATOR)
+    await request.app[ENGINE].announcer.transition(moved, verb, f"{verb} by {who}", by=who)
     request.app[WORKER].wake()
     return web.json_response(moved.as_json())
 
@@ -244,12 +247,17 @@ async def approve(request: web.Request) -> web.Response:
 
 
 async def cancel(request: web.Request) -> web.Response:
-    return await _move(request, (PENDING, AWAITING_APPROVAL), CANCELLED, "cancelled", Outcome.CANCELLED.value)
+    # a running action stops before its next step (the step under way finishes)
+    return await _move(request, (PENDING, AWAITING_APPROVAL, RUNNING), CANCELLED, "cancelled",
+                       Outcome.CANCELLED.value)
 
 
 async def reset_breaker(request: web.Request) -> web.Response:
     who = request[ACTOR]
-    state = await request.app[ENGINE].reset_breaker(who)
+    held = request.query.get("held", "keep")
+    if held not in ("keep", "replay", "drop"):
+        raise _json_error(web.HTTPBadRequest, "held: keep (default), replay or drop")
+    state = await request.app[ENGINE].reset_breaker(who, held)
     request.app[WORKER].wake()
     return web.json_response({"breaker": state})
 
@@ -268,6 +276,7 @@ async def _status(app: web.Application) -> dict[str, Any]:
     metrics.claimed_actions.clear()
     for replica in {app[CONFIG].replica, *claims}:
         metrics.claimed_actions.labels(replica).set(len(claims.get(replica, ())))
+    held = await app[ENGINE].held_by_breaker()
     return {
         "replica": app[CONFIG].replica,
         "claims": claims,
@@ -281,6 +290,8 @@ async def _status(app: web.Application) -> dict[str, Any]:
         "queue": counts,
         "jobs_out_of_retries": [{"job_id": j.job_id, "attempts": j.attempts, "nodes": j.excluded,
                                  "last_at": j.last_at} for j in jobs],
+        "held_by_breaker": [{"id": a.id, "kind": a.kind, "node": a.node, "alertname": a.alertname,
+                             "since": a.updated_at} for a in held],
         "worker_alive": app[WORKER].alive,
     }
 
@@ -350,7 +361,8 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     """Open the journal and start the worker; on shutdown stop the worker before closing the journal."""
     config = app[CONFIG]
     journal = open_store(config, app[METRICS].journal_write_failures.inc)
-    engine = Engine(config, app[BACKEND], journal, app[METRICS])
+    announcer = Announcer(config.announce, config.audit_log_path, app[METRICS])
+    engine = Engine(config, app[BACKEND], journal, app[METRICS], announcer)
     worker = Worker(engine, journal, config.journal_retention_days * 86400)
     app[JOURNAL], app[ENGINE], app[WORKER] = journal, engine, worker
     backend = app[BACKEND]
@@ -363,5 +375,6 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     worker.start()
     yield
     await worker.stop()
+    await announcer.close()
     await journal.close()
     log.info("event=stopped (unfinished actions resume on the next start)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import socket
+import string
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from gpuhealth.contract.validation import Location, Model, problems
 from gpuhealth.webhook.actions import ALERT_ACTIONS as ACTIONS
+from gpuhealth.webhook.labels import SIGNAL
 from pydantic import (
     AfterValidator,
     ConfigDict,
@@ -182,6 +184,49 @@ class JournalConfig(Model):
     lease_seconds: Seconds = 30.0  # a replica silent this long loses its actions to another one
 
 
+class CheckpointConfig(Model):
+    """How ``checkpoint_drain`` (a predictive alert: the GPU still works) saves the node's jobs first.
+
+    Each job is signalled (Slurm: ``scancel --signal=<signal> --<target> JOB``); the drain waits up to
+    ``grace_seconds`` for every job to confirm, then goes ahead whether or not they all did. A job's own
+    exit always confirms; ``confirm`` adds a checkpoint file newer than the signal (``path``: a file or a
+    folder, ``{job_id}`` filled in) or a job comment matching ``comment``.
+    """
+
+    signal: Annotated[str, Field(pattern=f"^(?:{SIGNAL.pattern})$")] = "USR1"
+    target: Literal["batch", "full"] = "batch"  # batch: the batch script only; full: every step too
+    grace_seconds: SecondsOrZero = 120.0
+    poll_seconds: Seconds = 1.0
+    confirm: Literal["exit", "file", "comment"] = "exit"
+    path: str | None = None  # for confirm: file; e.g. /shared/ckpt/job-{job_id}
+    comment: Regex = re.compile(r".*checkpoint.*")  # for confirm: comment (matched anywhere)
+
+    @classmethod
+    def cross_check(cls, data: dict[str, Any]) -> list[tuple[Location, str]]:
+        found: list[tuple[Location, str]] = []
+        path = data.get("path")
+        if data.get("confirm") == "file" and not path:
+            found.append((("path",), "required with confirm: file (a file or folder; {job_id} is filled in)"))
+        if isinstance(path, str):
+            try:
+                fields = {f for _, f, _, _ in string.Formatter().parse(path) if f is not None}
+            except ValueError:
+                fields = {"?"}
+            if fields - {"job_id"}:
+                found.append((("path",), "the only placeholder is {job_id} (write {{ and }} for braces)"))
+        return found
+
+
+class AnnounceConfig(Model):
+    """Where action transitions are told: the audit log always, Alertmanager when URLs are given."""
+
+    audit_log: ConfigPath | None = None  # JSON lines; None: <state_dir>/audit.jsonl
+    alertmanager_urls: Annotated[tuple[Annotated[str, Field(pattern=r"^https?://[^\s]+$")], ...],
+                                 Field(strict=False)] = ()  # every member of an HA pair
+    resolve_after_seconds: Seconds = 3600.0  # an outcome alert stands this long, then resolves
+    timeout_seconds: Seconds = 5.0
+
+
 class Config(Model):
     """The whole file. ``backend`` stays a mapping: the backend named by its ``type`` validates it."""
 
@@ -203,6 +248,8 @@ class Config(Model):
     guardrails: GuardrailConfig = GuardrailConfig()
     retry: RetryConfig = RetryConfig()
     undrain: UndrainConfig = UndrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    announce: AnnounceConfig = AnnounceConfig()
 
     @property
     def listen_host(self) -> str:
@@ -219,6 +266,10 @@ class Config(Model):
     @property
     def replica(self) -> str:
         return self.journal.replica or socket.gethostname()
+
+    @property
+    def audit_log_path(self) -> Path:
+        return self.announce.audit_log or self.state_dir / "audit.jsonl"
 
     @property
     def token_path(self) -> Path | None:

@@ -14,10 +14,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from gpuhealth.webhook import guardrails, process
 from gpuhealth.webhook.actions import DRAINING, KINDS, NONE, STEPS, UNDRAIN
+from gpuhealth.webhook.announce import FOR_HUMANS, Announcer
 from gpuhealth.webhook.backends.base import Backend, BackendError
 from gpuhealth.webhook.config import Config
 from gpuhealth.webhook.guardrails import BREAKER, Admission, Verdict
@@ -44,6 +46,19 @@ FINAL_STATE = {Outcome.DONE: DONE, Outcome.DRY_RUN: DONE, Outcome.FAILED: FAILED
                Outcome.CANCELLED: CANCELLED}  # anything else ends SKIPPED
 
 
+def newest_mtime(path: Path) -> float:
+    """When ``path`` (a checkpoint file, or the newest file of a checkpoint folder) last changed; 0 if
+    there is none."""
+    try:
+        if not path.is_dir():
+            return path.stat().st_mtime
+        return max((entry.stat().st_mtime for entry in path.iterdir()
+                    if entry.is_file() and not entry.name.startswith(".")),  # not a partial write
+                   default=0.0)
+    except OSError:
+        return 0.0
+
+
 class Halt(Exception):
     """A step cannot go on now: it must wait (retry interval, failed health check) or end the action."""
 
@@ -53,28 +68,55 @@ class Halt(Exception):
 
 
 class Engine:
-    def __init__(self, config: Config, backend: Backend, store: Store, metrics: Metrics) -> None:
+    def __init__(self, config: Config, backend: Backend, store: Store, metrics: Metrics,
+                 announcer: Announcer) -> None:
         self.config = config
+        self.announcer = announcer
         self.backend = backend
         self.store = store
         self.metrics = metrics
         self._admission = asyncio.Lock()  # one admission at a time: the breaker count stays exact
         self._unsaved: dict[int, Callable[[], Awaitable[object]]] = {}
         self._runners: dict[str, Callable[[Action, dict[str, Any]], Awaitable[None]]] = {
-            "drain": self._drain, "requeue": self._requeue, "reset_gpu": self._reset_gpu,
-            "reboot": self._reboot, "resume": self._resume}  # one per step of the action table
+            "checkpoint": self._checkpoint, "drain": self._drain, "requeue": self._requeue,
+            "reset_gpu": self._reset_gpu, "reboot": self._reboot,
+            "resume": self._resume}  # one per step of the action table
 
     async def breaker(self) -> dict[str, Any]:
         return await guardrails.breaker_state(self.store)
 
-    async def reset_breaker(self, by: str) -> dict[str, Any]:
-        """Close the breaker; undrains it skipped run again, since their nodes are still out."""
+    async def held_by_breaker(self) -> list[Action]:
+        """Actions the open breaker skipped that no reset has replayed or dropped yet."""
+        skipped = await self.store.list_actions(state=SKIPPED, limit=10_000)
+        return [a for a in skipped if a.reason == Reason.BREAKER_OPEN.value]
+
+    async def reset_breaker(self, by: str, held: str = "keep") -> dict[str, Any]:
+        """Close the breaker. Undrains it skipped always run again, since their nodes are still out;
+        the other actions it held are replayed (``replay``: through every guardrail again, so a storm
+        that is still on trips it again), dropped with a record (``drop``), or kept listed (``keep``)."""
         state = {"open": False, "since": time.time(), "reason": f"reset by {by}"}
-        rearmed = await self.store.rearm(UNDRAIN, Reason.BREAKER_OPEN,
-                                         f"re-armed by the breaker reset ({by})", (BREAKER, state))
+        waiting = await self.held_by_breaker()
+        replayed = await self.store.rearm(UNDRAIN, Reason.BREAKER_OPEN,
+                                          f"re-armed by the breaker reset ({by})", (BREAKER, state))
+        dropped: list[int] = []
+        if held == "replay":
+            for kind in sorted({a.kind for a in waiting} - {UNDRAIN}):
+                replayed += await self.store.rearm(kind, Reason.BREAKER_OPEN,
+                                                   f"replayed by the breaker reset ({by})", (BREAKER, state))
+        for a in waiting:
+            if held == "drop" and a.kind != UNDRAIN and await self.store.try_move(
+                    a.id, (SKIPPED,), SKIPPED, Reason.DROPPED_AT_RESET.value,
+                    f"held by the breaker, dropped at its reset by {by}", Outcome.SKIPPED.value):
+                dropped.append(a.id)
+                self.metrics.action(a.kind, Outcome.SKIPPED, Reason.DROPPED_AT_RESET)
+        for a in waiting:
+            if a.id in replayed or a.id in dropped:
+                await self.announcer.transition(a, "replayed" if a.id in replayed else "dropped",
+                                                f"breaker reset by {by}", by=by)
         self.metrics.breaker_open.set(0)
-        log.warning("event=breaker_reset by=%s undrains_rearmed=%d", by, len(rearmed))
-        return state
+        log.warning("event=breaker_reset by=%s held=%s replayed=%d dropped=%d kept=%d", by, held,
+                    len(replayed), len(dropped), len(waiting) - len(replayed) - len(dropped))
+        return state | {"replayed": sorted(replayed), "dropped": dropped}
 
     async def run(self, action: Action) -> None:
         """Carry ``action`` forward as far as it can go now; every outcome lands in the journal.
@@ -143,6 +185,7 @@ class Engine:
         if started:
             log.info("event=action_started id=%s kind=%s node=%s gpu=%s alertname=%s plan=%r", a.id, a.kind,
                      a.node, a.gpu, a.alertname, self._plan(a))
+            await self.announcer.transition(a, "started", self._plan(a))
         return None
 
     # -- steps -------------------------------------------------------------------------------
@@ -153,6 +196,13 @@ class Engine:
         for step in KINDS[a.kind].steps:
             if step in done:
                 continue
+            current = await self.store.get(a.id)
+            if current is None or current.state != RUNNING:  # cancelled through the API meanwhile
+                log.warning("event=action_stopped id=%s kind=%s node=%s state=%s before=%s", a.id, a.kind,
+                            a.node, current.state if current else "pruned", step)
+                await self.announcer.transition(a, "cancelled", f"stopped before {step}",
+                                                done=list(done))
+                return
             if STEPS[step].changes_node:
                 if step == "resume":
                     await self._health_gate(a, progress)  # first: it may take minutes
@@ -160,6 +210,7 @@ class Engine:
             await self._runners[step](a, progress)
             done.append(step)
             await self._after_effect(a, self._progress_write(a.id, progress))
+            await self.announcer.transition(a, "step_done", step, step=step)
         summary = self._summary(progress)
         await self._conclude(a, Verdict(Outcome.DONE, Reason.OK, summary, drop_drained=a.kind == UNDRAIN))
 
@@ -169,12 +220,59 @@ class Engine:
         if verdict is not None:
             raise Halt(verdict)
 
+    async def _checkpoint(self, a: Action, progress: dict[str, Any]) -> None:
+        """Ask the node's jobs to checkpoint, then wait up to the grace for each to confirm.
+
+        The signal time is journaled before the signals go out, so a restarted webhook waits out the
+        same grace instead of signalling again. A job that could not be signalled is not waited for:
+        saving work is worth a short wait, never a drain that does not happen.
+        """
+        cfg = self.config.checkpoint
+        state = progress.setdefault("checkpoint", {})
+        if "signalled_at" not in state:
+            state.update(jobs=sorted(await self.backend.jobs_on_node(a.node)), signalled_at=time.time())
+            await self.store.save_progress(a.id, progress)
+            errors = state.setdefault("errors", {})
+            for job_id in state["jobs"]:
+                try:
+                    await self.backend.signal_job(job_id, cfg.signal, cfg.target)
+                except BackendError as exc:
+                    errors[job_id] = str(exc)[-300:]
+            await self.store.save_progress(a.id, progress)
+        deadline = state["signalled_at"] + cfg.grace_seconds
+        waiting = [job for job in state["jobs"] if job not in state.get("errors", {})]
+        while True:
+            waiting = [job for job in waiting if not await self._checkpointed(job, state["signalled_at"])]
+            if not waiting or time.time() >= deadline:
+                break
+            await asyncio.sleep(min(cfg.poll_seconds, max(0.0, deadline - time.time())))
+        state["unconfirmed"] = waiting
+        errors = state.get("errors", {})
+        state["confirmed"] = [j for j in state["jobs"] if j not in waiting and j not in errors]
+        state["ended_at"] = time.time()
+        log.info("event=checkpoint_waited id=%s node=%s confirmed=%s unconfirmed=%s not_signalled=%s "
+                 "seconds=%.1f", a.id, a.node, ",".join(state["confirmed"]), ",".join(waiting),
+                 ",".join(state.get("errors", {})), state["ended_at"] - state["signalled_at"])
+
+    async def _checkpointed(self, job_id: str, since: float) -> bool:
+        """The job's own exit always confirms; otherwise what ``checkpoint.confirm`` names."""
+        cfg = self.config.checkpoint
+        job = await self.backend.job_state(job_id)
+        if not job.active:
+            return True
+        if cfg.confirm == "comment":
+            return cfg.comment.search(job.comment) is not None
+        if cfg.confirm == "file" and cfg.path:
+            return newest_mtime(Path(cfg.path.format(job_id=job_id))) > since
+        return False
+
     async def _drain(self, a: Action, progress: dict[str, Any]) -> None:
         await self.backend.drain(a.node, self._reason(a), alertname=a.alertname)
 
     async def _requeue(self, a: Action, progress: dict[str, Any]) -> None:
-        if "jobs" not in progress:
-            progress["jobs"] = sorted(await self.backend.jobs_on_node(a.node))
+        if "jobs" not in progress:  # with those asked to checkpoint: one may have ended since
+            signalled = progress.get("checkpoint", {}).get("jobs", [])
+            progress["jobs"] = sorted({*signalled, *await self.backend.jobs_on_node(a.node)})
             await self.store.save_progress(a.id, progress)
         retry = self.config.retry
         handled = progress.setdefault("requeued", []), progress.setdefault("exhausted", [])
@@ -188,6 +286,9 @@ class Engine:
                 await self.store.job_requeued(a.id, progress, job)
                 log.warning("event=job_retry_exhausted job=%s attempts=%d nodes=%s", job_id, job.attempts,
                             ",".join([*job.excluded, a.node]))
+                await self.announcer.transition(
+                    a, "jobs_exhausted", f"job {job_id} failed on {job.attempts + 1} nodes; left alone",
+                    job=job_id, nodes=[*job.excluded, a.node])
                 continue
             wait_until = job.last_at + retry.job_retry_interval_seconds
             if job.attempts and wait_until > time.time():
@@ -276,6 +377,12 @@ class Engine:
         if v.outcome is Outcome.DONE and a.kind != NONE:
             self.metrics.latency.observe(max(0.0, time.time() - a.received_at))
         self.metrics.action(a.kind, v.outcome, v.reason)
+        event = v.outcome.value
+        if v.tripped:
+            event = "breaker_tripped"
+        elif v.outcome is Outcome.SKIPPED and v.reason in FOR_HUMANS:
+            event = "left_for_human"
+        await self.announcer.transition(a, event, v.detail, outcome=v.outcome.value, reason=v.reason.value)
         level = logging.WARNING if v.outcome in (Outcome.FAILED, Outcome.SKIPPED) else logging.INFO
         log.log(level, "event=action_%s id=%s kind=%s node=%s gpu=%s alertname=%s reason=%s detail=%r",
                 v.outcome.value, a.id, a.kind, a.node, a.gpu, a.alertname, v.reason.value, v.detail)
@@ -291,6 +398,11 @@ class Engine:
     @staticmethod
     def _summary(progress: dict[str, Any]) -> str:
         parts = [", ".join(progress.get("done", []))]
+        checkpoint = progress.get("checkpoint", {})
+        for key, said in (("confirmed", "checkpoint confirmed by"),
+                          ("unconfirmed", "no checkpoint confirmed by"), ("errors", "could not signal")):
+            if checkpoint.get(key):
+                parts.append(f"{said} jobs {','.join(checkpoint[key])}")
         if progress.get("requeued"):
             parts.append(f"requeued jobs {','.join(progress['requeued'])}")
         if progress.get("exhausted"):

@@ -42,6 +42,7 @@ class Verdict:
     retry_at: float | None = None  # for DEFERRED
     drop_drained: bool = False
     started: bool = False  # the action was moved to running before this verdict (dry-run)
+    tripped: bool = False  # this verdict opened the circuit breaker
 
 
 @dataclass
@@ -74,7 +75,7 @@ async def trip(ctx: Admission, reason: str) -> Verdict:
     ctx.metrics.breaker_open.set(1)
     a = ctx.action
     log.error("event=breaker_tripped id=%s kind=%s node=%s reason=%r", a.id, a.kind, a.node, reason)
-    return Verdict(Outcome.SKIPPED, Reason.BREAKER_OPEN, f"circuit breaker tripped: {reason}")
+    return Verdict(Outcome.SKIPPED, Reason.BREAKER_OPEN, f"circuit breaker tripped: {reason}", tripped=True)
 
 
 def ownership(a: Action, state: NodeState, step: str) -> Verdict | None:

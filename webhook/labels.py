@@ -27,6 +27,8 @@ GPU = re.compile(rf"[0-9]{{1,3}}|GPU-{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{
 UNKNOWN_GPU = "unknown"
 # Prometheus's metric (and alert) name grammar, bounded so that a reason still has room for it.
 ALERT_NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]{0,119}")
+# A signal as scancel and kill name it (USR1, SIGUSR2, 10): configured, never from an alert.
+SIGNAL = re.compile(r"(SIG)?[A-Z][A-Z0-9]{0,15}|[0-9]{1,2}")
 UNNAMED_ALERT = "alert"  # stands for a missing alertname in a reason or a command's {alertname}
 SHOWN_CHARS = 80  # of an invalid value, quoted, in a reason or a log
 TEXT_CHARS = 200  # of cleaned free text

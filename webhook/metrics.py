@@ -40,6 +40,10 @@ class Metrics:
             "gpuhealth_webhook_journal_write_failures",
             "Journal writes refused (disk full, read-only, I/O error); nothing starts while they fail.",
             registry=self.registry)
+        self.announce_failures = Counter(
+            "gpuhealth_webhook_announce_failures",
+            "GPUHealthRemediation* alert posts an Alertmanager refused or did not answer in time.",
+            registry=self.registry)
         self.connections_refused = Counter(
             "gpuhealth_webhook_connections_refused",
             "Connections closed because connection_limit was reached: the oldest one not being served, "

@@ -38,6 +38,7 @@ class Reason(StrEnum):
     STILL_FIRING = "still_firing"  # undrain while another draining alert fires on the node
     LEFT_FOR_HUMAN = "left_for_human"
     HEALTH_CHECK_FAILED = "health_check_failed"
+    DROPPED_AT_RESET = "dropped_at_reset"  # held by the open breaker, dropped by the operator's reset
     RATE_LIMITED = "rate_limited"
     JOB_RETRY_INTERVAL = "job_retry_interval"
     BACKEND_ERROR = "backend_error"
@@ -52,7 +53,7 @@ VALID: dict[Outcome, tuple[Reason, ...]] = {
                       Reason.NO_GPU, Reason.NOT_ALLOWED,
                       Reason.DENIED, Reason.UNKNOWN_NODE, Reason.DRAINED_BY_OTHER, Reason.ALREADY_DRAINED,
                       Reason.BREAKER_OPEN, Reason.NOT_DRAINED_BY_US, Reason.STILL_FIRING,
-                      Reason.LEFT_FOR_HUMAN, Reason.HEALTH_CHECK_FAILED),
+                      Reason.LEFT_FOR_HUMAN, Reason.HEALTH_CHECK_FAILED, Reason.DROPPED_AT_RESET),
     Outcome.DEFERRED: (Reason.COOLDOWN, Reason.RATE_LIMITED, Reason.JOB_RETRY_INTERVAL, Reason.BACKEND_ERROR,
                        Reason.HEALTH_CHECK_FAILED),
     Outcome.FAILED: (Reason.BACKEND_ERROR,),

@@ -217,6 +217,10 @@ class ClosedLoopStack:
             },
             "gpuhealth_webhook_retry": {"backoff_initial_seconds": 0.5, "job_retry_interval_seconds": 5},
             "gpuhealth_webhook_undrain": {"mode": "manual"},
+            # the training jobs checkpoint on USR1: a predictive drain waits for that file, not their exit
+            "gpuhealth_webhook_checkpoint": {
+                "confirm": "file", "grace_seconds": 30, "poll_seconds": 0.5,
+                "path": str(self.slurm.workdir / "checkpoints" / "job-{job_id}")},
         })
         config = deployment.write(self.root / config_dir.lstrip("/") / "webhook.yml", text)
         self.webhook = ManagedProcess("webhook", [self._bin("gpuhealth-webhook"), "--config", config],

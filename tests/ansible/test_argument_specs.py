@@ -104,7 +104,8 @@ def schema_references(role: Path) -> list[tuple[str, str, str]]:
 def test_webhook_sections_name_the_schema_that_validates_them():
     named = {name for name, _, _ in schema_references(COLLECTION / "roles" / "gpuhealth_webhook")}
     assert named == {f"gpuhealth_webhook_{section}"
-                     for section in ("backend", "policy", "guardrails", "retry", "undrain")}
+                     for section in ("backend", "policy", "guardrails", "retry", "undrain",
+                                     "checkpoint", "announce")}
 
 
 @pytest.mark.parametrize("role", ROLES, ids=lambda r: r.name)

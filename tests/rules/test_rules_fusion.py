@@ -15,7 +15,7 @@ def _risk_alert(node: str, gpu: int, risk: str, contributions: str) -> dict:
     return alert(RISK, {"alertname": RISK, "node": node, "gpu": str(gpu)},
                  f"GPU {gpu} on {node} is likely to fail (risk {risk})",
                  f"Several precursor signals of GPU {gpu} on {node} together put its failure risk at {risk}. "
-                 f"Top contributions: {contributions}.", "warning", "drain")
+                 f"Top contributions: {contributions}.", "warning", "checkpoint_drain")
 
 
 def _score(node: str, gpu: int, at: str, value: float) -> dict:

@@ -267,7 +267,7 @@ def test_demo_overlay_fires_within_two_minutes(tmp_path):
                  "GPU 3 on n2 is likely to fail (risk 0.75)",
                  "Several precursor signals of GPU 3 on n2 together put its failure risk at 0.75. Top "
                  "contributions: nvlink_errors=0.45, interrupt_collapse=0.30, procs_running_collapse=0.20.",
-                 "warning", "drain")
+                 "warning", "checkpoint_drain")
     checks = [{"eval_time": "1m", "alertname": "GPUHealthGpuFailureRisk", "exp_alerts": []},
               {"eval_time": "2m", "alertname": "GPUHealthGpuFailureRisk", "exp_alerts": [risk]}]
     run_promtool(tmp_path, "gpuhealth", ["evidence", "fusion"],

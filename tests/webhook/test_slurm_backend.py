@@ -10,9 +10,11 @@ from conftest import alert, recorded, resolved
 from gpuhealth.webhook.backends import create_backend
 from gpuhealth.webhook.backends.base import BackendError, NodeState
 from gpuhealth.webhook.backends.slurm import MAX_REASON_CHARS, SlurmBackend, parse_node
+from waiting import eventually
 
 from gpuhealth.local.process import free_port
 from gpuhealth.local.slurm import SlurmCluster
+from gpuhealth.local.training_job import newest_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -44,15 +46,6 @@ def show_node(cluster: SlurmCluster, node: str) -> str:
 def reason_updates(cluster: SlurmCluster, node: str) -> int:
     log = (cluster.workdir / "slurmctld.log").read_text()
     return log.count(f"update_node: node {node} reason set to")
-
-
-def start_now(cluster: SlurmCluster, job_id: str) -> None:
-    """Skip Slurm's delay before a requeued job may start again, to see where it lands.
-
-    The delay is set once the job's old allocation has finished completing, so wait for that first.
-    """
-    cluster.wait_job(job_id, lambda j: j.state == "PENDING", what=f"job {job_id} to be requeued")
-    cluster.scontrol("update", f"JobId={job_id}", "StartTime=now")
 
 
 async def test_node_state_of_idle_and_unknown_nodes(backend):
@@ -146,12 +139,8 @@ async def test_requeue_moves_a_two_node_job_off_the_excluded_node(slurm, backend
     info = slurm.job(job)
     assert info.restarts == 1
     assert set(info.excluded) == {bad, "gpu04"}, "our exclusion is merged with the job's own"
-    assert info.state in ("COMPLETING", "PENDING"), "the old allocation ends, the job waits to restart"
-    slurm.wait_job(job, lambda j: j.state == "PENDING", what=f"job {job} to be requeued")
-    await backend.requeue(job, [bad])  # a retried requeue restarts nothing
-    assert slurm.job(job).restarts == 1
-    start_now(slurm, job)
-    info = slurm.wait_job(job, lambda j: j.state == "RUNNING", what="the requeued job to run again")
+    # no wait for Slurm's two-minute requeue delay: the job may start at once (within wait_job's 30 s)
+    info = slurm.wait_job(job, lambda j: j.state == "RUNNING", what="the requeued job to run again at once")
     assert len(info.nodes) == 2 and bad not in info.nodes and "gpu04" not in info.nodes
     assert slurm.squeue("-h", "-w", bad, "-o", "%i").split() == []
 
@@ -164,7 +153,6 @@ async def test_requeue_completes_after_a_crash_between_its_steps(slurm, backend)
     info = slurm.job(job)
     assert info.restarts == 1 and bad in info.excluded
     assert info.reason != "job_requeued_in_held_state", "the job was released"
-    start_now(slurm, job)
     info = slurm.wait_job(job, lambda j: j.state == "RUNNING", what="the requeued job to run again")
     assert bad not in info.nodes
 
@@ -188,18 +176,29 @@ async def test_requeue_of_an_unknown_job_is_permanent(backend):
     assert not err.value.retryable and "Invalid job id" in str(err.value)
 
 
-async def test_reboot_is_requested_and_the_node_returns(slurm, backend):
+async def test_reboot_is_requested_and_the_node_stays_out_until_resumed(slurm, backend):
     reason = "gpuhealth: GPUHealthGpusMissing: 7 of 8 GPUs visible"
     before = slurm.reboot_requests().count("gpu03")
     await backend.reboot("gpu03", reason)
     info = slurm.wait_node("gpu03", lambda n: "REBOOT_ISSUED" in n.flags, what="the reboot to be issued")
     line = show_node(slurm, "gpu03")
-    assert "NextState=RESUME" in line and f"Reason={reason}" in line and "DRAIN" in info.flags
+    assert "NextState=DOWN" in line and f"Reason={reason}" in line and "DRAIN" in info.flags
     await backend.reboot("gpu03", reason)  # already rebooting: not asked twice
     slurm.complete_reboot("gpu03")
     assert slurm.reboot_requests().count("gpu03") == before + 1, "one reboot, though asked twice"
-    info = slurm.wait_node("gpu03", lambda n: n.state == "IDLE", what="gpu03 back in service")
+    state = await backend.node_state("gpu03")
+    assert state.drained and state.reason.startswith(reason), "down after the reboot, our reason kept"
+    await backend.resume("gpu03")
+    slurm.wait_node("gpu03", lambda n: n.state == "IDLE", what="gpu03 back in service")
     assert await backend.node_state("gpu03") == NodeState("gpu03", exists=True, drained=False)
+
+
+async def test_a_reboot_with_nextstate_resume_returns_the_node_unchecked(slurm):
+    backend = SlurmBackend.from_config({"slurm_conf": str(slurm.conf_path), "reboot_next_state": "RESUME"})
+    await backend.reboot("gpu04", "gpuhealth: GPUHealthGpusMissing: x")
+    assert "NextState=RESUME" in show_node(slurm, "gpu04")
+    slurm.complete_reboot("gpu04")
+    slurm.wait_node("gpu04", lambda n: n.state == "IDLE", what="gpu04 back in service")
 
 
 async def test_reset_gpu_without_a_command(slurm, backend):
@@ -328,6 +327,32 @@ async def test_a_drain_notification_drains_the_node_and_requeues_its_job(on_slur
     assert slurm.job(job).excluded == ["gpu02"], "the requeued job still avoids the node"
 
 
+async def test_a_predictive_drain_saves_the_jobs_work_before_draining(on_slurm, slurm):
+    job = slurm.submit_training_job(nodes=2, checkpoint_interval=600)  # no interval checkpoint in the test
+    bad = slurm.job(job).nodes[0]
+
+    async def output() -> str:
+        return (slurm.workdir / f"job-{job}.out").read_text()
+    # until its handler is in place, SIGUSR1 would end the trainer (an exit, which also confirms)
+    await eventually(output, lambda text: "event=start" in text, timeout=30, what="the trainer to start")
+    hook = await on_slurm(checkpoint={"confirm": "file", "grace_seconds": 30, "poll_seconds": 0.1,
+                                      "path": str(slurm.workdir / "checkpoints" / "job-{job_id}")})
+    await hook.post(alert(bad, action="checkpoint_drain", alertname="GPUHealthGpuFailureRisk",
+                          severity="warning", summary="risk 0.8"))
+    [action] = await hook.until(lambda acts: acts[0]["state"] == "done", "the drain to end", timeout=60)
+    saved = newest_checkpoint(slurm.checkpoint_dir(job))
+    assert saved is not None and saved.reason == "signal", "scancel --signal=USR1 --batch reached the job"
+    checkpoint = action["progress"]["checkpoint"]
+    assert checkpoint["confirmed"] == [job]
+    assert checkpoint["signalled_at"] <= saved.written_at <= checkpoint["ended_at"], "saved before the drain"
+    assert slurm.node(bad).reason.startswith("gpuhealth: GPUHealthGpuFailureRisk")
+    info = slurm.wait_job(job, lambda j: j.state == "RUNNING" and j.restarts == 1,
+                          what="the job running again at once, away from the node")
+    assert bad not in info.nodes and bad in info.excluded
+    await eventually(output, lambda text: f"event=resume step={saved.step} " in text, timeout=30,
+                     what="the requeued run to resume from the saved step")
+
+
 async def test_a_node_drained_by_someone_else_is_left_alone(on_slurm, slurm):
     slurm.scontrol("update", "NodeName=gpu03", "State=DRAIN", "Reason=maintenance: ticket 42")
     hook = await on_slurm()
@@ -345,9 +370,35 @@ async def test_a_reboot_notification_requests_a_slurm_reboot(on_slurm, slurm):
     info = slurm.node("gpu03")
     assert {"REBOOT_REQUESTED", "REBOOT_ISSUED"} & info.flags and info.reason.startswith(
         "gpuhealth: GPUHealthGpusMissing: gpu03 sees 1 fewer GPUs")
-    assert "NextState=RESUME" in slurm.scontrol("show", "node", "gpu03", "-o")
+    assert "NextState=DOWN" in slurm.scontrol("show", "node", "gpu03", "-o")
     slurm.complete_reboot("gpu03")
-    slurm.wait_node("gpu03", lambda n: n.state == "IDLE", what="gpu03 back after its reboot")
+    info = slurm.wait_node("gpu03", lambda n: "DOWN" in n.flags, what="gpu03 kept out after its reboot")
+    assert info.reason.startswith("gpuhealth: GPUHealthGpusMissing"), "our reason stays: the undrain may act"
+
+
+async def test_a_rebooted_node_returns_only_once_its_health_check_passed(on_slurm, slurm, tmp_path):
+    verdict = tmp_path / "verdict"
+    verdict.write_text("1")
+    runs = tmp_path / "runs"
+    check = tmp_path / "validate"  # stands in for ssh {node} gpuhealth-validate
+    check.write_text(f'#!/bin/sh\necho "$1" >> {runs}\nexit "$(cat {verdict})"\n')
+    check.chmod(0o755)
+    hook = await on_slurm(undrain={"health_check": [str(check), "{node}"], "health_check_retry_seconds": 0.2,
+                                   "health_check_max_attempts": 100})
+    await deliver(hook, "firing_same_node_other_action")
+    await hook.settle(timeout=60)
+    slurm.complete_reboot("gpu03")
+    slurm.wait_node("gpu03", lambda n: "DOWN" in n.flags, what="gpu03 kept out after its reboot")
+    firing = recorded("firing_same_node_other_action")
+    await hook.post(*[resolved(a) for a in firing["alerts"]])
+
+    async def checks() -> list[str]:
+        return runs.read_text().split() if runs.exists() else []
+    await eventually(checks, lambda seen: len(seen) >= 2, timeout=30, what="failing health checks")
+    assert "DOWN" in slurm.node("gpu03").flags, "a failed check leaves the node out"
+    verdict.write_text("0")
+    slurm.wait_node("gpu03", lambda n: n.state == "IDLE", what="gpu03 resumed after its check passed")
+    assert (await checks())[-1] == "gpu03"
 
 
 # --- an operator's drain always wins: races against a real `scontrol update` from the test ---

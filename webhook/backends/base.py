@@ -29,6 +29,14 @@ class NodeState:
     reason: str = ""  # who drained it and why (Slurm Reason, our cordon annotation)
 
 
+@dataclass(frozen=True)
+class JobState:
+    """What waiting for a job's checkpoint needs to know about it."""
+
+    active: bool  # still running, starting or suspended; False once it ended or is gone
+    comment: str = ""  # a note the job may set on itself (Slurm's Comment), e.g. "checkpointed"
+
+
 class Backend(Protocol):
     """``alertname`` is the name of the alert a step acts for, already held to Prometheus's grammar;
     a site command may use it (``{alertname}``), never read it back out of the reason."""
@@ -46,6 +54,12 @@ class Backend(Protocol):
     async def jobs_on_node(self, node: str) -> list[str]: ...
 
     async def requeue(self, job_id: str, exclude_nodes: list[str]) -> None: ...
+
+    async def signal_job(self, job_id: str, signal: str, target: str) -> None:
+        """Send ``signal`` to a job (``target`` ``batch``: its batch script, ``full``: every step)."""
+        ...
+
+    async def job_state(self, job_id: str) -> JobState: ...
 
     async def reset_gpu(self, node: str, gpu: str | None, reason: str, *, alertname: str = "") -> None: ...
 

@@ -8,8 +8,11 @@ timeout is a ``BackendError`` carrying the tail of the program's stderr; the who
 killed on timeout, so a hung helper cannot leave children behind.
 
 Read-only operations have safe defaults when no command is set: ``jobs_on_node`` reports no jobs,
-``fleet_size`` comes from the ``fleet_size`` number. ``node_state`` is required as soon as a command
-changes nodes: without it an operator's drain could not be seen, and it would not win.
+``fleet_size`` comes from the ``fleet_size`` number. ``signal_job`` (a checkpoint request)
+and ``job_state`` (``{"active": true, "comment": ""}`` as JSON) are needed only by
+``checkpoint_drain``; without them its jobs are not asked to checkpoint and the drain goes ahead.
+``node_state`` is required as soon as a command changes nodes: without it an operator's drain
+could not be seen, and it would not win.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuhealth.webhook import process
-from gpuhealth.webhook.backends.base import BackendError, NodeState
+from gpuhealth.webhook.backends.base import BackendError, JobState, NodeState
 from gpuhealth.webhook.backends.helpers import HelperRegistry, TracksHelpers
 from gpuhealth.webhook.labels import ALERT_NAME, GPU, UNNAMED_ALERT, clean_text, shown, valid_node
 
@@ -42,6 +45,8 @@ FIELDS: dict[str, frozenset[str]] = {
     "resume": frozenset({"node"}),
     "jobs_on_node": frozenset({"node"}),
     "requeue": frozenset({"job_id", "exclude_nodes"}),
+    "signal_job": frozenset({"job_id", "signal", "target"}),
+    "job_state": frozenset({"job_id"}),
     "reset_gpu": frozenset({"node", "gpu", "reason", "alertname"}),
     "reboot": frozenset({"node", "reason", "alertname"}),
 }
@@ -275,6 +280,18 @@ class CommandBackend(TracksHelpers):
     async def requeue(self, job_id: str, exclude_nodes: list[str]) -> None:
         excluded = ",".join(check_node(n) for n in exclude_nodes)
         await self._run("requeue", {"job_id": job_id, "exclude_nodes": excluded})
+
+    async def signal_job(self, job_id: str, signal: str, target: str) -> None:
+        await self._run("signal_job", {"job_id": job_id, "signal": signal, "target": target})
+
+    async def job_state(self, job_id: str) -> JobState:
+        out = await self._run("job_state", {"job_id": job_id})
+        try:
+            data = json.loads(out)
+            return JobState(active=bool(data["active"]), comment=str(data.get("comment") or ""))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise BackendError(f'job_state command must print JSON like {{"active": true, "comment": ""}}; '
+                               f"got {out[:200]!r}", retryable=False) from None
 
     async def reset_gpu(self, node: str, gpu: str | None, reason: str, *, alertname: str = "") -> None:
         await self._run("reset_gpu", alert_fields(node, reason, gpu or "", alertname=alertname))

@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ..labels import clean_text
-from .base import BackendError, NodeState
+from .base import BackendError, JobState, NodeState
 from .command import FIELDS, alert_fields, check_gpu, check_node, environment, fill, run_argv, template_errors
 from .helpers import TracksHelpers
 from .kubernetes_api import PATCH_TYPES, KubeAPIError, KubeClient, KubeSession
@@ -185,6 +185,13 @@ class KubernetesBackend(TracksHelpers):
                 await self._evict(api, namespace, str(pod))
             else:
                 await self._restart_job(api, namespace, job, exclude_nodes)
+
+    async def signal_job(self, job_id: str, signal: str, target: str) -> None:
+        raise BackendError("the kubernetes backend cannot ask a pod to checkpoint (use a preStop hook "
+                           "or the pod's own SIGTERM handling)", retryable=False)
+
+    async def job_state(self, job_id: str) -> JobState:
+        return JobState(active=False)
 
     async def reset_gpu(self, node: str, gpu: str | None, reason: str, *, alertname: str = "") -> None:
         if self.settings.node_actions == "command":

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from gpuhealth.contract.validation import Model, problems
-from gpuhealth.webhook.backends.base import BackendError, NodeState
+from gpuhealth.webhook.backends.base import BackendError, JobState, NodeState
 from pydantic import BeforeValidator, Field, ValidationError, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
@@ -165,6 +165,23 @@ class SimulatedBackend:
             job.update(node=None, requeues=job["requeues"] + 1,
                        excluded=sorted(set(job["excluded"]) | set(exclude_nodes)))
             self._record("requeue", job_id, sorted(exclude_nodes))
+
+    async def signal_job(self, job_id: str, signal: str, target: str) -> None:
+        await self._latency()
+        if job_id not in self.state["jobs"]:
+            raise BackendError(f"job {job_id} not found", retryable=False)
+        self._record("signal", job_id, signal, target)
+
+    async def job_state(self, job_id: str) -> JobState:
+        job = self.state["jobs"].get(job_id)
+        if job is None:
+            return JobState(active=False)
+        return JobState(active=job["node"] is not None, comment=job.get("comment", ""))
+
+    def set_comment(self, job_id: str, comment: str) -> None:
+        """What a job does to confirm its checkpoint (Slurm: ``scontrol update JobId=J Comment=...``)."""
+        self.state["jobs"][job_id]["comment"] = comment
+        self._save()
 
     async def reset_gpu(self, node: str, gpu: str | None, reason: str, *, alertname: str = "") -> None:
         await self._latency()

@@ -8,20 +8,24 @@ node or job, missing rights).
 
 Requeueing a job away from a node is three steps that Slurm 22.05 accepts in this order: hold the job
 as it is requeued (``requeuehold``, so it cannot start again before the exclusion is in place), merge
-the node into its ``ExcNodeList`` and release it. Each step is checked against ``scontrol show job``
-first, so a requeue interrupted by a crash and retried completes without a second restart.
+the node into its ``ExcNodeList`` and, once the old allocation has ended, lift the two minutes Slurm
+would otherwise hold it back (``StartTime=now``) and release it. Each step is checked
+against ``scontrol show job`` first, so a requeue interrupted by a crash and retried completes
+without a second restart.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
+import time
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from gpuhealth.contract.validation import Model, problems
-from gpuhealth.webhook.backends.base import BackendError, NodeState
+from gpuhealth.webhook.backends.base import BackendError, JobState, NodeState
 from gpuhealth.webhook.backends.command import (
     alert_fields,
     check_node,
@@ -32,22 +36,26 @@ from gpuhealth.webhook.backends.command import (
 )
 from gpuhealth.webhook.backends.helpers import TracksHelpers
 from gpuhealth.webhook.backends.scontrol import job_fields, parse_node_line
-from gpuhealth.webhook.labels import clean_text, valid_node
+from gpuhealth.webhook.labels import SIGNAL, clean_text, valid_node
 from pydantic import Field, PlainValidator, ValidationError, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
 log = logging.getLogger(__name__)
 
 MAX_REASON_CHARS = 200
-DRAIN_FLAGS = {"DRAIN", "DRAINING", "DRAINED", "FAIL", "FAILING"}
+# No new work starts on the node: drained, failing, or down (where a reboot with nextstate=DOWN leaves
+# it, our reason kept, until the undrain's health check passes and resumes it).
+DRAIN_FLAGS = {"DRAIN", "DRAINING", "DRAINED", "FAIL", "FAILING", "DOWN"}
 REBOOT_FLAGS = {"REBOOT_REQUESTED", "REBOOT_ISSUED"}
 ACTIVE_STATES = "RUNNING,CONFIGURING"
 RESTARTABLE = {"RUNNING", "CONFIGURING", "SUSPENDED", "FAILED", "NODE_FAIL", "PREEMPTED"}
+COMPLETING_POLL_SECONDS = 0.2
 OUR_HOLD = "job_requeued_in_held_state"  # the Reason scontrol requeuehold leaves on the job
 # Slurm's answers that a retry cannot change: unknown names or ids, missing rights, refused operations.
 PERMANENT = re.compile(r"Invalid (node name|job id)|not found|Invalid node state|Requested operation is "
                        r"presently disabled|Access/permission denied|Only batch jobs", re.IGNORECASE)
 JOB_ID = re.compile(r"\d+(_\d+)?")  # one job (or array task), never a list
+SIGNALLED_STATES = {"RUNNING", "CONFIGURING", "SUSPENDED"}  # a job that may still write a checkpoint
 
 
 def _program(value: Any) -> Any:
@@ -80,6 +88,7 @@ class SlurmSettings(Model):
 
     scontrol: Program = ("scontrol",)  # an argv prefix: [sudo, -n, /usr/bin/scontrol] works
     squeue: Program = ("squeue",)
+    scancel: Program = ("scancel",)  # sends the checkpoint signal of checkpoint_drain
     slurm_conf: NonEmpty | None = None
     timeout_seconds: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 30.0
     partition: NonEmpty | None = None
@@ -87,7 +96,10 @@ class SlurmSettings(Model):
                                  WithJsonSchema({"type": "array", "items": {"type": "string"}})] | None = None
     # error: fail the action; reboot: no way to reset one GPU, so reboot the node
     reset_gpu_fallback: Literal["error", "reboot"] = "error"
-    reboot_next_state: Literal["RESUME", "DOWN"] = "RESUME"  # DOWN: a rebooted node waits for a person
+    start_requeued_now: bool = True  # a requeued job may start at once elsewhere, not after Slurm's delay
+    # DOWN: a rebooted node stays out, with our reason, until its alert resolves and the undrain's
+    # health check (gpuhealth-validate on the node) passes; RESUME returns it unchecked
+    reboot_next_state: Literal["RESUME", "DOWN"] = "DOWN"
 
 
 def _settings(section: Mapping[str, Any]) -> SlurmSettings:
@@ -217,9 +229,44 @@ class SlurmBackend(TracksHelpers):
             now = await self._hostnames(job.get("ExcNodeList", ""))
             if not set(exclude_nodes) <= set(now):
                 raise BackendError(f"job {job_id}: ExcNodeList is {now} after asking for {merged}")
+        if self.settings.start_requeued_now:  # before the release, whose scheduling pass then starts it
+            await self._start_now(job_id)
         if job.get("Reason") == OUR_HOLD:
             await self._scontrol("release", job_id)
         log.info("event=slurm_requeue job=%s excluded=%s", job_id, ",".join(sorted({*excluded, *missing})))
+
+    async def signal_job(self, job_id: str, signal: str, target: str) -> None:
+        """``scancel --signal=USR1 --batch JOB``: only the batch script (which forwards it), or ``--full``."""
+        if not JOB_ID.fullmatch(job_id) or not SIGNAL.fullmatch(signal) or target not in ("batch", "full"):
+            raise BackendError(f"cannot signal job {job_id!r} with {signal!r} ({target!r})", retryable=False)
+        await self._run(self.settings.scancel, f"--signal={signal}", f"--{target}", job_id)
+        log.info("event=slurm_signal job=%s signal=%s target=%s", job_id, signal, target)
+
+    async def job_state(self, job_id: str) -> JobState:
+        """From ``squeue`` (``%k``: the whole comment, spaces included); a job Slurm forgot has ended."""
+        if not JOB_ID.fullmatch(job_id):
+            raise BackendError(f"{job_id!r} is not a single Slurm job id", retryable=False)
+        try:
+            out = await self._run(self.settings.squeue, "-h", "-j", job_id, "-t", "all", "-o", "%T %k")
+        except BackendError as exc:
+            if exc.retryable:
+                raise
+            return JobState(active=False)
+        state, _, comment = out.strip().partition(" ")
+        return JobState(active=state in SIGNALLED_STATES, comment="" if comment == "(null)" else comment)
+
+    async def _start_now(self, job_id: str) -> None:
+        """Lift the ~2 minutes Slurm makes a requeued job wait (its BeginTime): ``StartTime=now``, which
+        Slurm 22.05 honours. Slurm sets that delay once the old allocation has finished completing, so
+        the update waits for that; a job that is no longer pending is left alone."""
+        deadline = time.monotonic() + self.settings.timeout_seconds
+        while (state := (await self._job(job_id)).get("JobState")) == "COMPLETING":
+            if time.monotonic() > deadline:
+                raise BackendError(f"job {job_id} still completing after "
+                                   f"{self.settings.timeout_seconds:.0f}s")
+            await asyncio.sleep(COMPLETING_POLL_SECONDS)
+        if state == "PENDING":
+            await self._scontrol("update", f"JobId={job_id}", "StartTime=now")
 
     async def reset_gpu(self, node: str, gpu: str | None, reason: str, *, alertname: str = "") -> None:
         check_node(node)
