@@ -22,6 +22,8 @@ SCHEMAS = {
     "webhook-config": ("gpuhealth.webhook.config", "Config"),
     "webhook-backend-slurm": ("gpuhealth.webhook.backends.slurm", "SlurmSettings"),
     "webhook-backend-simulated": ("gpuhealth.webhook.backends.simulated", "SimulatedSettings"),
+    "webhook-backend-command": ("gpuhealth.webhook.backends.command", "CommandSettings"),
+    "webhook-backend-kubernetes": ("gpuhealth.webhook.backends.kubernetes", "KubernetesSettings"),
 }
 
 

@@ -11,6 +11,8 @@ import pytest
 import yaml
 from gpuhealth.exporter.config import ConfigError as ExporterConfigError
 from gpuhealth.exporter.config import build_settings
+from gpuhealth.webhook.backends.command import CommandBackend
+from gpuhealth.webhook.backends.kubernetes import KubernetesBackend
 from gpuhealth.webhook.backends.simulated import SimulatedBackend
 from gpuhealth.webhook.backends.slurm import SlurmBackend
 from gpuhealth.webhook.config import ConfigError, parse_config
@@ -22,6 +24,7 @@ from gpuhealth.schema import SCHEMAS
 ROOT = Path(__file__).parents[2]
 SCHEMA_DIR = ROOT / "docs" / "schema"
 PROCFS = ROOT / "tests" / "exporter" / "fixtures" / "procfs"
+KUBECONFIG = str(ROOT / "tests" / "webhook" / "kubernetes_fixtures" / "kubeconfig.yaml")
 
 
 def committed(name: str) -> jsonschema.Draft202012Validator:
@@ -167,6 +170,48 @@ def test_the_simulated_backend_schema_agrees_with_the_backend(section, valid):
     assert committed("webhook-backend-simulated").is_valid(section) == valid
     try:
         SimulatedBackend.from_config(section)
+    except ValueError:
+        assert not valid
+    else:
+        assert valid
+
+
+@pytest.mark.parametrize(("section", "valid"), [
+    ({"fleet_size": 4}, True),
+    ({"fleet_size": 4, "timeout_seconds": 5, "env": {"SITE": "lab"}, "permanent_exit_codes": [2],
+      "commands": {"node_state": ["site-state", "{node}"], "drain": ["ssh", "--", "{node}", "{reason!q}"]}},
+     True),
+    ({"fleet_size": 0}, False),
+    ({"fleet_size": 4, "timeout_seconds": 0}, False),
+    ({"fleet_size": 4, "commands": {"explode": ["x"]}}, False),
+    ({"fleet_size": 4, "commands": {"node_state": "site-state {node}"}}, False),
+    ({"fleet_size": 4, "env": {"A": 1}}, False),
+    ({"fleet_size": 4, "colour": 1}, False),
+])
+def test_the_command_backend_schema_agrees_with_the_backend(section, valid):
+    assert committed("webhook-backend-command").is_valid(section) == valid
+    try:
+        CommandBackend.from_config(section)
+    except ValueError:
+        assert not valid
+    else:
+        assert valid
+
+
+@pytest.mark.parametrize(("section", "valid"), [
+    ({"kubeconfig": KUBECONFIG}, True),
+    ({"kubeconfig": KUBECONFIG, "context": "lab", "patch_type": "merge", "job_pods": "on_excluded_nodes",
+      "node_actions": "command", "node_commands": {"reboot": ["site-reboot", "{node}"]}}, True),
+    ({"kubeconfig": KUBECONFIG, "patch_type": "json"}, False),
+    ({"kubeconfig": KUBECONFIG, "eviction_deadline_seconds": -1}, False),
+    ({"kubeconfig": KUBECONFIG, "insecure_skip_tls_verify": "yes"}, False),
+    ({"kubeconfig": KUBECONFIG, "node_actions": "command", "node_commands": {"wipe": ["rm"]}}, False),
+    ({"kubeconfig": KUBECONFIG, "evicton_deadline_seconds": 5}, False),
+])
+def test_the_kubernetes_backend_schema_agrees_with_the_backend(section, valid):
+    assert committed("webhook-backend-kubernetes").is_valid(section) == valid
+    try:
+        KubernetesBackend.from_config(section)
     except ValueError:
         assert not valid
     else:
