@@ -24,6 +24,7 @@ SCHEMAS = {
     "webhook-backend-simulated": ("gpuhealth.webhook.backends.simulated", "SimulatedSettings"),
     "webhook-backend-command": ("gpuhealth.webhook.backends.command", "CommandSettings"),
     "webhook-backend-kubernetes": ("gpuhealth.webhook.backends.kubernetes", "KubernetesSettings"),
+    "evaluation-scenario": ("gpuhealth.evaluation.scenario", "ScenarioFile"),
 }
 
 
