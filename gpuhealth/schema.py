@@ -25,6 +25,7 @@ SCHEMAS = {
     "webhook-backend-command": ("gpuhealth.webhook.backends.command", "CommandSettings"),
     "webhook-backend-kubernetes": ("gpuhealth.webhook.backends.kubernetes", "KubernetesSettings"),
     "evaluation-scenario": ("gpuhealth.evaluation.scenario", "ScenarioFile"),
+    "exporter-sim-scenario": ("gpuhealth.exporter.sim.scenario", "ScenarioFile"),
 }
 
 

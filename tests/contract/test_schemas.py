@@ -11,6 +11,8 @@ import pytest
 import yaml
 from gpuhealth.exporter.config import ConfigError as ExporterConfigError
 from gpuhealth.exporter.config import build_settings
+from gpuhealth.exporter.sim.scenario import ScenarioError as SimScenarioError
+from gpuhealth.exporter.sim.scenario import parse_scenario as parse_sim_scenario
 from gpuhealth.webhook.backends.command import CommandBackend
 from gpuhealth.webhook.backends.kubernetes import KubernetesBackend
 from gpuhealth.webhook.backends.simulated import SimulatedBackend
@@ -213,6 +215,29 @@ def test_the_kubernetes_backend_schema_agrees_with_the_backend(section, valid):
     try:
         KubernetesBackend.from_config(section)
     except ValueError:
+        assert not valid
+    else:
+        assert valid
+
+
+@pytest.mark.parametrize(("document", "valid"), [
+    ({}, True),
+    ({"gpus": 2, "nvlinks": 4, "workload": {"utilization": 0.5, "period_seconds": "10m"},
+      "processes": [{"pid": 7, "gpus": [0, 1]}],
+      "faults": [{"kind": "hbm_degradation", "gpu": 1, "start": "1m", "precursor": 120, "xid": 95},
+                 {"kind": "hot_aisle", "gpus": [0], "duration": "5m", "delta_celsius": 4}]}, True),
+    ({"gpus": 0}, False),
+    ({"workload": {"utilization": 1.5}}, False),
+    ({"faults": [{"kind": "meteor_strike", "gpu": 0}]}, False),
+    ({"faults": [{"kind": "fell_off_bus", "gpu": 0, "start": "1.5h"}]}, False),
+    ({"processes": [{"pid": 0, "gpus": [0]}]}, False),
+    ({"colour": 1}, False),
+])
+def test_the_simulator_scenario_schema_agrees_with_the_simulator(document, valid):
+    assert committed("exporter-sim-scenario").is_valid(document) == valid
+    try:
+        parse_sim_scenario(document)
+    except SimScenarioError:
         assert not valid
     else:
         assert valid
