@@ -13,6 +13,7 @@ from gpuhealth.exporter.config import ConfigError as ExporterConfigError
 from gpuhealth.exporter.config import build_settings
 from gpuhealth.exporter.sim.scenario import ScenarioError as SimScenarioError
 from gpuhealth.exporter.sim.scenario import parse_scenario as parse_sim_scenario
+from gpuhealth.rules import catalogue
 from gpuhealth.webhook.backends.command import CommandBackend
 from gpuhealth.webhook.backends.kubernetes import KubernetesBackend
 from gpuhealth.webhook.backends.simulated import SimulatedBackend
@@ -238,6 +239,27 @@ def test_the_simulator_scenario_schema_agrees_with_the_simulator(document, valid
     try:
         parse_sim_scenario(document)
     except SimScenarioError:
+        assert not valid
+    else:
+        assert valid
+
+
+@pytest.mark.parametrize(("overlay", "valid"), [
+    ({}, True),
+    ({"defaults": {"gpu_shards": 2, "for": {"GPUHealthExporterDown": "10m"}}}, True),
+    ({"defaults": {"gpu_shards": 4}}, False),
+    ({"defaults": {"for": {"GPUHealthExporterDown": "1.5h"}}}, False),
+    ({"defaults": {"identity_labels": ["cluster", "gpu"]}}, False),
+    ({"defaults": {"xid": {"repeated_app_fault": {"xids": [], "count": 0}}}}, False),
+    ({"alerts": {"GPUHealthLemonNode": {"action": "shoot"}}}, False),
+])
+def test_the_rule_catalogue_schema_agrees_with_the_generator(overlay, valid):
+    """The schema is of the merged catalogue: the built-in one with a site's overlay over it."""
+    merged = catalogue.merge(yaml.safe_load(catalogue.BUILTIN.read_text()), overlay, "", [])
+    assert committed("rule-catalogue").is_valid(merged) == valid
+    try:
+        catalogue.resolve(overlay)
+    except catalogue.CatalogueError:
         assert not valid
     else:
         assert valid
