@@ -8,8 +8,9 @@ accepted in any gpuhealth file means the same when it reaches Prometheus (write 
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler
 from pydantic.json_schema import JsonSchemaValue
@@ -68,3 +69,44 @@ class Duration(str):
         return {"type": "string", "minLength": 1, "pattern": PATTERN,
                 "description": f"A Prometheus duration: {HINT} (a fraction such as 1.5h is refused, as "
                                "Prometheus refuses it)."}
+
+
+class Seconds:
+    """Field metadata: a Prometheus duration or a plain number of seconds, read as float seconds.
+
+    For files whose times have always been numbers (simulator and benchmark scenarios), so that old
+    files keep their meaning while new ones may write ``1h30m``. ``positive`` refuses 0 as well."""
+
+    __slots__ = ("positive",)
+
+    def __init__(self, *, positive: bool = True) -> None:
+        self.positive = positive
+
+    def validate(self, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise PydanticCustomError("duration", "expected a duration such as 30s or 1h30m, or a number of "
+                                      "seconds, got {value}", {"value": repr(value)})
+        try:
+            seconds = parse_duration(value) if isinstance(value, str) else float(value)
+        except ValueError as exc:
+            raise PydanticCustomError("duration", str(exc)) from None
+        if not math.isfinite(seconds):
+            raise PydanticCustomError("duration", "expected a finite number of seconds, got {value}",
+                                      {"value": repr(value)})
+        if seconds < 0 or (self.positive and seconds == 0):
+            raise PydanticCustomError("duration", "must be positive" if self.positive else "must be >= 0")
+        return float(seconds)
+
+    def __get_pydantic_core_schema__(self, source: Any,
+                                     handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        return core_schema.no_info_plain_validator_function(self.validate)
+
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema,
+                                     handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        number: dict[str, Any] = {"type": "number", ("exclusiveMinimum" if self.positive else "minimum"): 0}
+        return {"anyOf": [Duration.__get_pydantic_json_schema__(schema, handler), number],
+                "description": "A Prometheus duration (30s, 1h30m) or a number of seconds."}
+
+
+PositiveSeconds = Annotated[float, Seconds()]
+Offset = Annotated[float, Seconds(positive=False)]  # seconds from a start; 0 allowed

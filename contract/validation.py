@@ -12,9 +12,18 @@ import typing
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidatorFunctionWrapHandler, model_validator
-from pydantic_core import InitErrorDetails, PydanticCustomError
-from pydantic_core.core_schema import ErrorType
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import InitErrorDetails, PydanticCustomError, core_schema
+from pydantic_core.core_schema import CoreSchema, ErrorType
 
 Location = tuple[str | int, ...]
 _BUILTIN_TYPES = frozenset(typing.get_args(ErrorType))
@@ -119,3 +128,26 @@ class Model(BaseModel):
         return result
 
 
+
+
+class OneOf:
+    """Field metadata: a string from a vocabulary kept as a tuple elsewhere (a ``Literal`` cannot be
+    built from one); the JSON Schema lists the same values as an ``enum``."""
+
+    __slots__ = ("options",)
+
+    def __init__(self, options: Sequence[str]) -> None:
+        self.options = tuple(options)
+
+    def validate(self, value: Any) -> str:
+        if not isinstance(value, str) or value not in self.options:
+            raise PydanticCustomError("one_of", "{value} is not one of {options}",
+                                      {"value": _shown(value), "options": ", ".join(map(repr, self.options))})
+        return value
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        return core_schema.no_info_plain_validator_function(self.validate)
+
+    def __get_pydantic_json_schema__(self, schema: CoreSchema,
+                                     handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return {"type": "string", "enum": list(self.options)}

@@ -15,19 +15,27 @@ from typing import Any
 
 DEFAULT_OUT = Path("docs/schema")
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
-# name -> (module, attribute): a pydantic model, or a JSON Schema mapping where a plain dict is the output.
+# name -> (module, attribute): a pydantic model, or (a function returning) a JSON Schema mapping where a
+# plain dict is the output.
 SCHEMAS = {
     "alertmanager-payload": ("gpuhealth.webhook.models", "NotificationPayload"),
     "exporter-config": ("gpuhealth.exporter.config", "ExporterFile"),
     "webhook-config": ("gpuhealth.webhook.config", "Config"),
     "webhook-backend-slurm": ("gpuhealth.webhook.backends.slurm", "SlurmSettings"),
     "webhook-backend-simulated": ("gpuhealth.webhook.backends.simulated", "SimulatedSettings"),
+    "webhook-backend-command": ("gpuhealth.webhook.backends.command", "CommandSettings"),
+    "webhook-backend-kubernetes": ("gpuhealth.webhook.backends.kubernetes", "KubernetesSettings"),
+    "evaluation-scenario": ("gpuhealth.evaluation.scenario", "ScenarioFile"),
+    "exporter-sim-scenario": ("gpuhealth.exporter.sim.scenario", "ScenarioFile"),
+    "rule-catalogue": ("gpuhealth.rules.catalogue", "schema"),
 }
 
 
 def schema(name: str) -> dict[str, Any]:
     module, attribute = SCHEMAS[name]
     source = getattr(importlib.import_module(module), attribute)
+    if callable(source) and not isinstance(source, type):  # builds the schema of a plain mapping
+        source = source()
     document = dict(source) if isinstance(source, dict) else source.model_json_schema()
     return {"$schema": DIALECT, "$id": f"{name}.json", **document}
 

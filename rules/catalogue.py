@@ -9,32 +9,30 @@ from __future__ import annotations
 import copy
 import csv
 import functools
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
 import yaml
 from gpuhealth.contract.duration import parse_duration
+from gpuhealth.rules import catalogue_schema
+from gpuhealth.rules.catalogue_schema import (  # noqa: F401  (the catalogue's vocabulary, re-exported)
+    ACTIONS,
+    GPU_SHARDS,
+    GROUPS,
+    NVLINK_CLASS,
+    RECOVERY_ACTIONS,
+    SEVERITIES,
+    XID_CLASSES,
+)
 
 BUILTIN = Path(__file__).with_name("catalogue.yaml")
 XID_TABLE = Path(__file__).with_name("xid_catalogue.csv")
-ACTIONS = ("none", "restart_job", "checkpoint_drain", "drain", "drain_reset_gpu", "drain_reboot",
-           "replace")
-SEVERITIES = ("critical", "warning", "info")
-GROUPS = ("xid", "definitive", "evidence", "fusion", "lemon", "storage", "meta")
 TIERS = ("single", "shard", "global")  # single: one Prometheus runs every group
 # What a shard remote-writes to the global tier (a regex on __name__): its recorded series and its
 # alerts; raw exporter series stay in the shard, so the global tier holds a few series per GPU.
 REMOTE_WRITE_SERIES = "gpuhealth:.+|ALERTS"
-XID_CLASSES = ("restart_job", "drain", "drain_reset_gpu", "drain_reboot")  # what an XID alone can ask
-# NVLink errors: the first restarts the job, a repeat or a link that stays down drains (xid.nvlink).
-NVLINK_CLASS = "nvlink"
-RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
 MIN_SAMPLES_PER_WINDOW = 4
-GPU_SHARDS = (1, 2, 5, 10)  # divisors of 10: shards by the last digit of the GPU index
-
-_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
 class CatalogueError(Exception):
@@ -137,48 +135,32 @@ def _leaves(node: Any, path: str):
         yield path, node
 
 
-def _get(data: dict[str, Any], path: str, errors: list[str]) -> Any:
-    node: Any = data
-    for part in path.split("."):
-        if not isinstance(node, dict) or part not in node:
-            errors.append(f"{path}: missing")
-            return None
-        node = node[part]
-    return node
+@functools.cache
+def schema() -> dict[str, Any]:
+    """The JSON Schema of a merged catalogue (``rules/catalogue_schema.py``), from the built-in one."""
+    return catalogue_schema.build(_read_yaml(BUILTIN, []))
+
+
+def check(data: dict[str, Any]) -> list[str]:
+    """Every problem with a merged catalogue, as ``path: message`` lines: the schema's, then the rules
+    that tie knobs together (each skips a value the schema refused)."""
+    errors = list(catalogue_schema.problems(data, schema()))
+    _check_tiers(data.get("tiers"), errors)
+    d, alerts = data.get("defaults"), data.get("alerts")
+    if not isinstance(d, dict) or not isinstance(alerts, dict):
+        return errors
+    _check_ramps(d, errors)
+    _check_windows(d, _seconds(d.get("scrape_interval")) or 15, errors)
+    _check_fusion(d, errors)
+    _check_xid(d.get("xid") or {}, errors)
+    durations: dict[str, Any] = d["for"] if isinstance(d.get("for"), dict) else {}
+    errors.extend(f"defaults.for: no entry for alert {name}" for name in alerts if name not in durations)
+    errors.extend(f"defaults.for.{name}: no such alert" for name in durations if name not in alerts)
+    return errors
 
 
 def _number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def check(data: dict[str, Any]) -> list[str]:
-    """Every problem with a merged catalogue, as ``path: message`` lines."""
-    errors: list[str] = []
-    d = _get(data, "defaults", errors)
-    alerts = _get(data, "alerts", errors)
-    _check_tiers(_get(data, "tiers", errors), errors)
-    if not isinstance(d, dict) or not isinstance(alerts, dict):
-        return errors
-    scrape = _check_durations(d, errors)
-    _check_ramps(d, errors)
-    _check_windows(d, scrape, errors)
-    _check_fusion(d, errors)
-    _check_xid(d, errors)
-    _check_alerts(d, alerts, errors)
-    busy = d.get("busy_utilization")
-    if not _number(busy) or not 0 <= busy <= 1:
-        errors.append(f"defaults.busy_utilization: must be a number in 0..1, got {busy!r}")
-    if d.get("gpu_shards") not in GPU_SHARDS:
-        errors.append(f"defaults.gpu_shards: must be one of {', '.join(map(str, GPU_SHARDS))} (shards by the "
-                      f"last digit of the GPU index), got {d.get('gpu_shards')!r}")
-    _check_identity(d.get("identity_labels"), errors)
-    _check_definitive(d.get("definitive") or {}, errors)
-    if not isinstance(d.get("gpus_per_node"), int) or d["gpus_per_node"] < 1:
-        errors.append(f"defaults.gpus_per_node: must be a positive integer, got {d.get('gpus_per_node')!r}")
-    for path, value in _leaves(d.get("selectors", {}), "defaults.selectors"):
-        if not isinstance(value, str) or value.strip().startswith("{"):
-            errors.append(f"{path}: must be label matchers without braces, e.g. 'job=\"x\"', got {value!r}")
-    return errors
 
 
 def _check_tiers(tiers: Any, errors: list[str]) -> None:
@@ -190,50 +172,11 @@ def _check_tiers(tiers: Any, errors: list[str]) -> None:
             errors.append(f"tiers.{name}: must be shard or global, got {tiers.get(name)!r}")
 
 
-def _check_definitive(k: dict[str, Any], errors: list[str]) -> None:
-    storm = k.get("ecc_storm") or {}
-    for key, low, high in (("min_per_second", 0, None), ("fleet_quantile", 0, 1), ("fleet_factor", 0, None)):
-        value = storm.get(key)
-        if not _number(value) or value <= low or (high is not None and value >= high):
-            bounds = f"in ({low}, {high})" if high is not None else f"above {low}"
-            errors.append(f"defaults.definitive.ecc_storm.{key}: must be a number {bounds}, got {value!r}")
-    _xid_list((k.get("uncorrectable_ecc") or {}).get("contained_xids"),
-              "defaults.definitive.uncorrectable_ecc.contained_xids", errors)
-    for path in ("nvswitch.non_fatal_count", "repeated_gpus_missing.count"):
-        block, key = path.split(".")
-        value = (k.get(block) or {}).get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            errors.append(f"defaults.definitive.{path}: must be a positive integer, got {value!r}")
-
-
-def _check_identity(labels: Any, errors: list[str]) -> None:
-    where = "defaults.identity_labels"
-    if not isinstance(labels, list) or not all(isinstance(x, str) and _LABEL.fullmatch(x) for x in labels):
-        errors.append(f"{where}: must be a list of label names, got {labels!r}")
-    elif "node" not in labels or "gpu" in labels or len(set(labels)) != len(labels):
-        errors.append(f"{where}: must name `node` (the webhook drains by it), not `gpu`, each once; "
-                      f"got {labels!r}")
-
-
-def _is_duration_key(key: str) -> bool:
-    return key in ("scrape_interval", "evaluation_interval", "step", "group_wait", "group_interval",
-                   "repeat_interval") or key.endswith("window")
-
-
-def _check_durations(d: dict[str, Any], errors: list[str]) -> float:
-    """Parse every duration knob; return the scrape interval in seconds (15 when it is unusable)."""
-    for path, value in _leaves(d, "defaults"):
-        key = path.rsplit(".", 1)[1]
-        if _is_duration_key(key) or path.startswith("defaults.for."):
-            try:
-                parse_duration(value)
-            except ValueError as exc:
-                errors.append(f"{path}: {exc}")
+def _seconds(value: Any) -> float | None:
     try:
-        scrape = parse_duration(d.get("scrape_interval", ""))
+        return parse_duration(value)
     except ValueError:
-        return 15
-    return scrape if scrape > 0 else 15
+        return None
 
 
 def _check_windows(d: dict[str, Any], scrape: float, errors: list[str]) -> None:
@@ -244,11 +187,8 @@ def _check_windows(d: dict[str, Any], scrape: float, errors: list[str]) -> None:
             key = path.rsplit(".", 1)[1]
             if not (key.endswith("window") or key == "step"):
                 continue
-            try:
-                length = parse_duration(value)
-            except ValueError:
-                continue
-            if length < minimum:
+            length = _seconds(value)
+            if length is not None and length < minimum:
                 errors.append(f"{path}: {value} holds fewer than {MIN_SAMPLES_PER_WINDOW} samples at "
                               f"scrape_interval {d.get('scrape_interval')}; use at least {minimum}s")
     for path in ("evidence.ecc_corrected_growth", "evidence.pcie_replay", "lemon",
@@ -256,9 +196,8 @@ def _check_windows(d: dict[str, Any], scrape: float, errors: list[str]) -> None:
         block = d
         for part in path.split("."):
             block = block.get(part, {}) if isinstance(block, dict) else {}
-        try:
-            window, step = parse_duration(block["window"]), parse_duration(block["step"])
-        except (KeyError, ValueError):
+        window, step = _seconds(block.get("window")), _seconds(block.get("step"))
+        if window is None or step is None:
             continue
         if step == 0 or window % step or window <= step:
             errors.append(f"defaults.{path}: window {block['window']} must be a multiple (> 1) of "
@@ -277,18 +216,13 @@ def _check_ramps(d: dict[str, Any], errors: list[str]) -> None:
 def _check_fusion(d: dict[str, Any], errors: list[str]) -> None:
     fusion = d.get("fusion") or {}
     threshold = fusion.get("threshold")
-    if not _number(threshold) or not 0 < threshold <= 1:
-        errors.append(f"defaults.fusion.threshold: must be a number in (0, 1], got {threshold!r}")
-        threshold = None
     signals = set(d.get("evidence") or {})
     weights = fusion.get("weights") or {}
     for name, weight in weights.items():
         where = f"defaults.fusion.weights.{name}"
         if name not in signals:
             errors.append(f"{where}: no evidence signal of that name")
-        if not _number(weight) or not 0 <= weight <= 1:
-            errors.append(f"{where}: must be a number in 0..1, got {weight!r}")
-        elif threshold is not None and weight >= threshold:
+        if _number(weight) and _number(threshold) and 0 < threshold <= 1 and threshold <= weight <= 1:
             errors.append(f"{where}: {weight} >= fusion.threshold {threshold}: that signal (and its cause) "
                           "alone would raise GPUHealthGpuFailureRisk; give it its own alert instead")
     for name in sorted(signals - set(weights)):
@@ -296,10 +230,7 @@ def _check_fusion(d: dict[str, Any], errors: list[str]) -> None:
     home: dict[str, str] = {}
     for cause, members in (fusion.get("causes") or {}).items():
         where = f"defaults.fusion.causes.{cause}"
-        if not _LABEL.fullmatch(str(cause)) or not isinstance(members, list):
-            errors.append(f"{where}: must be a list of signals under a label-safe cause name")
-            continue
-        for name in members:
+        for name in members if isinstance(members, list) else []:
             if name not in signals:
                 errors.append(f"{where}: no evidence signal {name!r}")
             elif name in home:
@@ -309,75 +240,19 @@ def _check_fusion(d: dict[str, Any], errors: list[str]) -> None:
         errors.append(f"defaults.fusion.causes: signal {name} is in no cause")
 
 
-def _check_xid(d: dict[str, Any], errors: list[str]) -> None:
-    xid = d.get("xid") or {}
-    classes = (*XID_CLASSES, NVLINK_CLASS, "none")
+def _check_xid(xid: dict[str, Any], errors: list[str]) -> None:
+    """NVIDIA's table and the overrides together give each XID exactly one class."""
     buckets = xid.get("buckets") or {}
-    for bucket, klass in buckets.items():
-        if klass not in classes:
-            errors.append(f"defaults.xid.buckets.{bucket}: {klass!r} is not one of {', '.join(classes)}")
     for bucket in sorted({b for b in xid_table().values() if b} - set(buckets)):
         errors.append(f"defaults.xid.buckets: no entry for NVIDIA's bucket {bucket} "
                       f"(XIDs {', '.join(str(x) for x, b in xid_table().items() if b == bucket)})")
     seen: dict[int, str] = {}
     for klass, xids in (xid.get("overrides") or {}).items():
-        where = f"defaults.xid.overrides.{klass}"
-        for value in _xid_list(xids, where, errors, empty=True):
+        for value in xids if isinstance(xids, list) else []:
             if value in seen:
-                errors.append(f"{where}: XID {value} is also in class {seen[value]}")
+                errors.append(f"defaults.xid.overrides.{klass}: XID {value} is also in class {seen[value]}")
             seen[value] = klass
     unbucketed = sorted(x for x, b in xid_table().items() if not b and x not in seen)
     if unbucketed:
         errors.append(f"defaults.xid.overrides: XIDs {', '.join(map(str, unbucketed))} have no bucket in "
                       "NVIDIA's catalogue: list each under a class, or under `none`")
-    _xid_list((xid.get("fabric_manager") or {}).get("xids"), "defaults.xid.fabric_manager.xids", errors)
-    for klass, actions in (xid.get("recovery_actions") or {}).items():
-        where = f"defaults.xid.recovery_actions.{klass}"
-        if klass not in ACTIONS or klass == "none":
-            errors.append(f"{where}: not an action ({', '.join(ACTIONS[1:])})")
-        if not isinstance(actions, list) or any(a not in RECOVERY_ACTIONS for a in actions):
-            errors.append(f"{where}: must list recovery actions from {', '.join(RECOVERY_ACTIONS)}")
-    for name in ("repeated_app_fault", "repeated_remap_failure", "repeated_fall_off_bus", "nvlink"):
-        block = xid.get(name) or {}
-        if name != "nvlink":
-            _xid_list(block.get("xids"), f"defaults.xid.{name}.xids", errors)
-        count = block.get("count")
-        if not isinstance(count, int) or count < 1:
-            errors.append(f"defaults.xid.{name}.count: must be a positive integer, got {count!r}")
-    lemon = d.get("lemon") or {}
-    if not isinstance(lemon.get("actions"), list) or any(a not in ACTIONS for a in lemon["actions"]):
-        errors.append(f"defaults.lemon.actions: must list actions from {', '.join(ACTIONS)}")
-    if not isinstance(lemon.get("severities"), list) or any(s not in SEVERITIES for s in lemon["severities"]):
-        errors.append(f"defaults.lemon.severities: must list severities from {', '.join(SEVERITIES)}")
-    if not isinstance(lemon.get("count"), int) or lemon["count"] < 1:
-        errors.append(f"defaults.lemon.count: must be a positive integer, got {lemon.get('count')!r}")
-
-
-def _xid_list(xids: Any, where: str, errors: list[str], empty: bool = False) -> list[int]:
-    if not isinstance(xids, list) or not (xids or empty) or not all(
-            isinstance(x, int) and not isinstance(x, bool) and 0 < x < 1000 for x in xids):
-        errors.append(f"{where}: must be a {'' if empty else 'non-empty '}list of XID numbers, got {xids!r}")
-        return []
-    return xids
-
-
-def _check_alerts(d: dict[str, Any], alerts: dict[str, Any], errors: list[str]) -> None:
-    durations = d.get("for") or {}
-    for name, alert in alerts.items():
-        where = f"alerts.{name}"
-        if not re.fullmatch(r"GPUHealth[A-Z][A-Za-z0-9]*", str(name)):
-            errors.append(f"{where}: alert names are CamelCase and start with GPUHealth")
-        if not isinstance(alert, dict):
-            errors.append(f"{where}: expected a mapping")
-            continue
-        for key, allowed in (("severity", SEVERITIES), ("action", ACTIONS), ("group", GROUPS)):
-            if alert.get(key) not in allowed:
-                errors.append(f"{where}.{key}: must be one of {', '.join(allowed)}, got {alert.get(key)!r}")
-        for key in ("summary", "description"):
-            if not isinstance(alert.get(key), str) or not alert[key].strip():
-                errors.append(f"{where}.{key}: required text")
-        if name not in durations:
-            errors.append(f"defaults.for: no entry for alert {name}")
-    for name in durations:
-        if name not in alerts:
-            errors.append(f"defaults.for.{name}: no such alert")

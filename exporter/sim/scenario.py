@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from gpuhealth.contract.faults import APP_XIDS, FAULT_KINDS, FAULT_XIDS
+from gpuhealth.contract.duration import Offset
+from gpuhealth.contract.faults import APP_XIDS, FAULT_XIDS
 from gpuhealth.contract.faults import NODE_NOISE_KINDS as NOISE_KINDS
+from gpuhealth.contract.validation import Location, Model, OneOf, problems
+from pydantic import Field, ValidationError
 
 HBM_XIDS = tuple(sorted(FAULT_XIDS["hbm_degradation"]))
 
@@ -53,21 +56,28 @@ class ScenarioError(ValueError):
         self.problems = problems
 
 
-@dataclass(frozen=True)
-class Workload:
-    utilization: float = 0.9
-    power_watts: float = 560.0
-    temperature_celsius: float = 62.0
-    memory_temperature_celsius: float = 58.0
-    period_seconds: float = 0.0   # 0: steady load; else a job loop with an idle phase each period
-    idle_fraction: float = 0.0
+NonNegative = Annotated[float, Field(ge=0.0)]
+Ratio = Annotated[float, Field(ge=0.0, le=1.0)]
+Index = Annotated[int, Field(ge=0)]
 
 
-@dataclass(frozen=True)
-class Process:
-    pid: int
-    gpus: tuple[int, ...]
-    memory_bytes: int = 8 << 30
+class Workload(Model):
+    """The load every GPU carries, steady or as a job loop."""
+
+    utilization: Ratio = 0.9
+    power_watts: NonNegative = 560.0
+    temperature_celsius: NonNegative = 62.0
+    memory_temperature_celsius: NonNegative = 58.0
+    period_seconds: Offset = 0.0  # 0: steady load; else a job loop with an idle phase each period
+    idle_fraction: Ratio = 0.0
+
+
+class Process(Model):
+    """A compute process NVML lists on its GPUs."""
+
+    pid: Annotated[int, Field(ge=1)]
+    gpus: list[Index]
+    memory_bytes: Index = 8 << 30
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,34 @@ class Fault:
         return self.kind in NOISE_KINDS
 
 
+class FaultEntry(Model):
+    """One ``faults:`` entry. Which of the optional keys a kind takes is ``_KIND_KEYS``'s, checked by
+    ``ScenarioFile.cross_check``; ``precursor`` is for faults, ``duration`` for noise."""
+
+    kind: Annotated[str, OneOf(tuple(_KIND_KEYS))]
+    gpu: Index | None = None  # the GPU; node-wide kinds take ``gpus`` (default: all)
+    gpus: list[Index] | None = None
+    start: Offset = 0.0
+    precursor: Offset | None = None  # the kind's default when absent
+    duration: Offset | None = None
+    xid: int | None = None
+    link: Index | None = None
+    count: Index | None = None
+    delta_celsius: float | None = None
+    watts: NonNegative | None = None
+
+    def build(self, gpus: int) -> Fault:
+        default, extra = _KIND_KEYS[self.kind]
+        length = self.duration if self.kind in NOISE_KINDS else self.precursor
+        if self.kind in _NODE_WIDE:
+            indices = tuple(range(gpus)) if self.gpus is None else tuple(self.gpus)
+        else:
+            indices = (self.gpu or 0,)
+        given = {key: (cast, getattr(self, key)) for key, cast in extra.items()}
+        params = {key: cast(value) for key, (cast, value) in given.items() if value is not None}
+        return Fault(self.kind, indices, self.start, default if length is None else length, params)
+
+
 @dataclass(frozen=True)
 class Scenario:
     gpus: int = 8
@@ -97,118 +135,86 @@ class Scenario:
     faults: tuple[Fault, ...] = ()
 
 
-_TOP_KEYS = {"gpus", "model", "nvlinks", "driver_version", "seed", "workload", "processes", "faults"}
+class ScenarioFile(Model):
+    """A simulator scenario as written; times are seconds from exporter start (or a duration)."""
+
+    gpus: Annotated[int, Field(ge=1)] = 8
+    model: str = "NVIDIA H100 80GB HBM3"
+    nvlinks: Index = 18
+    driver_version: str = "550.54.15"
+    seed: Index = 0
+    workload: Workload = Workload()
+    processes: list[Process] = Field(default_factory=list)
+    faults: list[FaultEntry] = Field(default_factory=list)
+
+    @classmethod
+    def cross_check(cls, data: dict[str, Any]) -> list[tuple[Location, str]]:
+        gpus = data.get("gpus", 8)
+        gpus = gpus if isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 1 else 8
+        nvlinks = data.get("nvlinks", 18)
+        nvlinks = nvlinks if isinstance(nvlinks, int) and not isinstance(nvlinks, bool) else 18
+        found: list[tuple[Location, str]] = []
+        for i, raw in _entries(data.get("processes")):
+            found += [(("processes", i, *loc), text) for loc, text in _gpu_problems(raw, "gpus", gpus)]
+        for i, raw in _entries(data.get("faults")):
+            found += [(("faults", i, *loc), text) for loc, text in _fault_problems(raw, gpus, nvlinks)]
+        return found
 
 
-def _number(value: Any, where: str, problems: list[str], minimum: float = 0.0, integer: bool = False) -> Any:
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or value < minimum:
-        problems.append(f"{where}: expected {'an integer' if integer else 'a number'} >= {minimum:g}, "
-                        f"got {value!r}")
-        return None
-    return value
+def _entries(value: Any) -> list[tuple[int, dict[str, Any]]]:
+    items = value if isinstance(value, list) else []
+    return [(i, raw) for i, raw in enumerate(items) if isinstance(raw, dict)]
+
+
+def _gpu_problems(raw: dict[str, Any], key: str, gpus: int) -> list[tuple[Location, str]]:
+    """GPU indices beyond the scenario's GPUs (the field checks refuse the rest)."""
+    value = raw.get(key)
+    indices = value if isinstance(value, list) else [value]
+    where: list[Location] = [(key, i) for i in range(len(indices))] if isinstance(value, list) else [(key,)]
+    return [(loc, f"GPU {g} does not exist (the scenario has {gpus})")
+            for loc, g in zip(where, indices, strict=True)
+            if isinstance(g, int) and not isinstance(g, bool) and g >= gpus]
+
+
+def _fault_problems(raw: dict[str, Any], gpus: int, nvlinks: int) -> list[tuple[Location, str]]:
+    """The keys a kind takes, its GPU, its XID and its link."""
+    kind = raw.get("kind")
+    if not isinstance(kind, str) or kind not in _KIND_KEYS:
+        return []
+    extra = _KIND_KEYS[kind][1]
+    length = "duration" if kind in NOISE_KINDS else "precursor"
+    allowed = {"kind", "gpu", "start", length, *extra} | ({"gpus"} if kind in _NODE_WIDE else set())
+    found: list[tuple[Location, str]] = [
+        ((key,), f"unknown key for {kind} (known: {', '.join(sorted(allowed))})") for key in raw
+        if key not in allowed and key in FaultEntry.model_fields]
+    if kind not in _NODE_WIDE and "gpu" not in raw:
+        found.append((("gpu",), f"{kind} needs 'gpu'"))
+    found += _gpu_problems(raw, "gpus" if kind in _NODE_WIDE else "gpu", gpus)
+    xid = raw.get("xid")
+    if kind == "hbm_degradation" and xid is not None and xid not in HBM_XIDS:
+        found.append((("xid",), f"hbm_degradation ends in one of {HBM_XIDS}"))
+    if kind == "app_xid" and xid is not None and xid not in APP_XIDS:
+        found.append((("xid",), f"app_xid logs one of {APP_XIDS}"))
+    link = raw.get("link")
+    if isinstance(link, int) and "link" in extra and link >= max(nvlinks, 1):
+        found.append((("link",), f"link {link} does not exist (the scenario has {nvlinks})"))
+    return found
 
 
 def parse_scenario(data: Any, source: str = "scenario") -> Scenario:
     """Validate a decoded scenario document; raise ``ScenarioError`` listing every problem."""
-    problems: list[str] = []
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ScenarioError(source, ["the document must be a mapping"])
-    known = ", ".join(sorted(_TOP_KEYS))
-    problems += [f"unknown key {k!r} (known: {known})" for k in data if k not in _TOP_KEYS]
-    base = Scenario()
-    gpus = _number(data.get("gpus", base.gpus), "gpus", problems, 1, integer=True) or base.gpus
-    nvlinks = _number(data.get("nvlinks", base.nvlinks), "nvlinks", problems, 0, integer=True)
-    seed = _number(data.get("seed", 0), "seed", problems, 0, integer=True)
-    workload = _parse_workload(data.get("workload") or {}, problems)
-    processes = tuple(p for i, raw in enumerate(data.get("processes") or [])
-                      if (p := _parse_process(raw, f"processes[{i}]", gpus, problems)))
-    faults = tuple(f for i, raw in enumerate(data.get("faults") or [])
-                   if (f := _parse_fault(raw, f"faults[{i}]", gpus, nvlinks or 0, problems)))
-    if problems:
-        raise ScenarioError(source, problems)
-    return Scenario(gpus=gpus, model=str(data.get("model", base.model)), nvlinks=nvlinks or 0,
-                    driver_version=str(data.get("driver_version", base.driver_version)), seed=seed or 0,
-                    workload=workload, processes=processes, faults=faults)
-
-
-def _parse_workload(raw: Any, problems: list[str]) -> Workload:
-    if not isinstance(raw, dict):
-        problems.append("workload: must be a mapping")
-        return Workload()
-    known = Workload.__dataclass_fields__
-    values = {}
-    for key, value in raw.items():
-        if key not in known:
-            problems.append(f"workload: unknown key {key!r} (known: {', '.join(known)})")
-        elif _number(value, f"workload.{key}", problems) is not None:
-            values[key] = float(value)
-    if values.get("utilization", 0) > 1 or values.get("idle_fraction", 0) > 1:
-        problems.append("workload: utilization and idle_fraction are ratios in 0..1")
-    return Workload(**values)
-
-
-def _gpu_index(value: Any, where: str, gpus: int, problems: list[str]) -> int | None:
-    index: int | None = _number(value, where, problems, 0, integer=True)
-    if index is not None and index >= gpus:
-        problems.append(f"{where}: GPU {index} does not exist (the scenario has {gpus})")
-        return None
-    return index
-
-
-def _parse_process(raw: Any, where: str, gpus: int, problems: list[str]) -> Process | None:
-    if not isinstance(raw, dict) or "pid" not in raw or "gpus" not in raw:
-        problems.append(f"{where}: expected a mapping with 'pid' and 'gpus'")
-        return None
-    pid = _number(raw["pid"], f"{where}.pid", problems, 1, integer=True)
-    indices = [_gpu_index(g, f"{where}.gpus", gpus, problems) for g in raw["gpus"] or []]
-    known = tuple(i for i in indices if i is not None)
-    if pid is None or len(known) < len(indices):
-        return None
-    return Process(pid, known)
-
-
-def _parse_fault(raw: Any, where: str, gpus: int, nvlinks: int, problems: list[str]) -> Fault | None:
-    if not isinstance(raw, dict):
-        problems.append(f"{where}: must be a mapping")
-        return None
-    kind = raw.get("kind")
-    if kind not in _KIND_KEYS:
-        problems.append(f"{where}: unknown kind {kind!r} (faults: {', '.join(FAULT_KINDS)}; "
-                        f"noise: {', '.join(NOISE_KINDS)})")
-        return None
-    default_duration, extra = _KIND_KEYS[kind]
-    duration_key = "duration" if kind in NOISE_KINDS else "precursor"
-    allowed = {"kind", "gpu", "start", duration_key, *extra} | ({"gpus"} if kind in _NODE_WIDE else set())
-    before = len(problems)
-    problems += [f"{where}: unknown key {k!r} for {kind} (known: {', '.join(sorted(allowed))})"
-                 for k in raw if k not in allowed]
-    start = _number(raw.get("start", 0), f"{where}.start", problems)
-    duration = _number(raw.get(duration_key, default_duration), f"{where}.{duration_key}", problems)
-    if kind in _NODE_WIDE:
-        selected = raw.get("gpus", list(range(gpus)))
-        indices = tuple(_gpu_index(g, f"{where}.gpus", gpus, problems) for g in selected)
-    elif "gpu" not in raw:
-        problems.append(f"{where}: {kind} needs 'gpu'")
-        indices = ()
-    else:
-        indices = (_gpu_index(raw["gpu"], f"{where}.gpu", gpus, problems),)
-    params = {}
-    for key, cls in extra.items():
-        if key in raw and _number(raw[key], f"{where}.{key}", problems, integer=cls is int) is not None:
-            params[key] = cls(raw[key])
-    if kind == "hbm_degradation" and params.get("xid", 95) not in HBM_XIDS:
-        problems.append(f"{where}.xid: hbm_degradation ends in one of {HBM_XIDS}")
-    if kind == "app_xid" and params.get("xid", 13) not in APP_XIDS:
-        problems.append(f"{where}.xid: app_xid logs one of {APP_XIDS}")
-    if params.get("link", 0) >= max(nvlinks, 1):
-        problems.append(f"{where}.link: link {params['link']} does not exist (the scenario has {nvlinks})")
-    if len(problems) > before:
-        return None
-    known = tuple(i for i in indices if i is not None)  # all of them: a missing one is a problem above
-    return Fault(kind, known, float(start), float(duration), params)
+    try:
+        spec = ScenarioFile.model_validate(data)
+    except ValidationError as exc:
+        raise ScenarioError(source, problems(exc)) from None
+    return Scenario(gpus=spec.gpus, model=spec.model, nvlinks=spec.nvlinks,
+                    driver_version=spec.driver_version, seed=spec.seed, workload=spec.workload,
+                    processes=tuple(spec.processes),
+                    faults=tuple(entry.build(spec.gpus) for entry in spec.faults))
 
 
 def load_scenario(path: Path | None) -> Scenario:

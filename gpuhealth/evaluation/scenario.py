@@ -12,14 +12,28 @@ import random
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import (
+    AfterValidator,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    PlainValidator,
+    ValidationError,
+    WithJsonSchema,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import PydanticCustomError, core_schema
+from pydantic_core.core_schema import CoreSchema
 
+from gpuhealth.contract.duration import Offset, PositiveSeconds, Seconds
 from gpuhealth.contract.duration import parse_duration as prometheus_duration
 
 # The fault vocabulary (kinds, their XIDs) is docs/contract.md's, shared with the exporter's simulator.
 from gpuhealth.contract.faults import FAULT_KINDS, FAULT_XIDS, NOISE_KINDS, SUDDEN_KINDS
+from gpuhealth.contract.validation import Location, Model, OneOf, problems
 
 # How a precursor evolves between onset and the first XID (``none``: no precursor at all).
 PRECURSOR_SHAPES = ("ramp", "plateau", "step", "intermittent", "none")
@@ -95,14 +109,93 @@ def parse_duration(text: Any) -> float:
     return float(prometheus_duration(str(text).strip()))
 
 
-@dataclass(frozen=True)
-class Fleet:
-    nodes: int
-    gpus_per_node: int
-    model: str
-    nvlinks: int
-    node_name: str
-    rack_nodes: int = 4  # nodes sharing a rack's power and cooling
+Count = Annotated[int, Field(ge=0)]
+AtLeastOne = Annotated[int, Field(ge=1)]
+Share = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+def _ordered(pair: list[Any]) -> list[Any]:
+    """``[low, high]``: low first."""
+    if pair[0] > pair[1]:
+        raise ValueError(f"low {pair[0]:g} is above high {pair[1]:g}")
+    return pair
+
+
+Pair = Field(min_length=2, max_length=2)
+SecondsRange = Annotated[list[PositiveSeconds], Pair, AfterValidator(_ordered)]
+
+
+def _node_name(value: str) -> str:
+    try:
+        value.format(index=0)
+    except (KeyError, IndexError, ValueError):
+        raise ValueError(f"{value!r} must be a format string using {{index}}") from None
+    return value
+
+
+def _whole_step(value: float) -> float:
+    if value < 1 or value != int(value):
+        raise ValueError(f"must be a whole number of seconds >= 1, got {value:g}s")
+    return value
+
+
+def _start(value: Any) -> float:
+    """An RFC 3339 time (YAML reads an unquoted one as a datetime), as unix seconds; UTC if unzoned."""
+    try:
+        text = str(value).replace("Z", "+00:00")
+        parsed = value if isinstance(value, datetime) else datetime.fromisoformat(text)
+    except ValueError:
+        raise PydanticCustomError("start", "{value} is not an RFC 3339 time (e.g. 2026-01-05T00:00:00Z)",
+                                  {"value": repr(value)}) from None
+    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)).timestamp()
+
+
+class Shares:
+    """Field metadata: ``{name: share}`` (a list: equal shares) over a vocabulary, not all zero."""
+
+    def __init__(self, options: tuple[str, ...]) -> None:
+        self.options = options
+
+    def validate(self, value: Any) -> dict[str, float]:
+        if isinstance(value, list):
+            value = dict.fromkeys(value, 1.0)
+        if not isinstance(value, dict) or not value:
+            raise PydanticCustomError("shares", "expected a list or a mapping of name: share")
+        bad = [f"unknown name {name!r} (known: {', '.join(self.options)})" for name in value
+               if name not in self.options]
+        bad += [f"{name}: expected a share >= 0, got {share!r}" for name, share in value.items()
+                if isinstance(share, bool) or not isinstance(share, int | float) or share < 0]
+        if not bad and not sum(value.values()):
+            bad.append("every share is 0")
+        if bad:
+            raise PydanticCustomError("shares", "{problems}", {"problems": "; ".join(bad)})
+        return {name: float(share) for name, share in value.items()}
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        return core_schema.no_info_plain_validator_function(self.validate)
+
+    def __get_pydantic_json_schema__(self, schema: CoreSchema,
+                                     handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        names = {"type": "string", "enum": list(self.options)}
+        return {"anyOf": [{"type": "array", "items": names, "minItems": 1},
+                          {"type": "object", "propertyNames": names, "minProperties": 1,
+                           "additionalProperties": {"type": "number", "minimum": 0}}]}
+
+
+FaultKind = Annotated[str, OneOf(FAULT_KINDS)]
+Start = Annotated[float, PlainValidator(_start), WithJsonSchema({"type": "string", "format": "date-time"})]
+NoiseKind = Annotated[str, OneOf(NOISE_KINDS)]
+
+
+class Fleet(Model):
+    """The simulated cluster."""
+
+    nodes: AtLeastOne
+    gpus_per_node: AtLeastOne = 8
+    model: str = "NVIDIA H100 80GB HBM3"
+    nvlinks: Count = 18
+    node_name: Annotated[str, AfterValidator(_node_name)] = "gpu-{index:03d}"
+    rack_nodes: AtLeastOne = 4  # nodes sharing a rack's power and cooling
 
     def node(self, index: int) -> str:
         return self.node_name.format(index=index)
@@ -110,6 +203,96 @@ class Fleet:
     @property
     def node_names(self) -> list[str]:
         return [self.node(i) for i in range(self.nodes)]
+
+
+class WorkloadSpec(Model):
+    """The ``workload:`` section: job sizes and lengths, gaps between jobs, checkpoints."""
+
+    job_nodes: Annotated[list[AtLeastOne], Pair, AfterValidator(_ordered)] = [1, 4]  # noqa: RUF012
+    job_duration: SecondsRange = [7200.0, 43200.0]  # noqa: RUF012
+    idle_gap: SecondsRange = [300.0, 3600.0]  # noqa: RUF012
+    checkpoint_every: PositiveSeconds = 3600.0
+    checkpoint_duration: PositiveSeconds = 240.0
+
+
+class FailureSpec(Model):
+    """One listed failure; the checks that need the fleet or the kind are ``_failure_problems``."""
+
+    node: str
+    gpu: Count
+    kind: FaultKind
+    onset: Offset | None = None  # required unless the kind (or shape none) has no precursor
+    failure: PositiveSeconds
+    xid: int | None = None  # the kind's first XID by default
+    strength: Share = 0.7
+    shape: Annotated[str, OneOf(PRECURSOR_SHAPES)] = "ramp"
+    first_xid: Offset | None = None
+    repaired: PositiveSeconds | None = None
+
+
+class NoiseSpec(Model):
+    """One listed benign event; without ``duration`` it lasts the middle of its kind's range."""
+
+    node: str
+    gpu: Count | None = None
+    kind: NoiseKind
+    at: Offset
+    duration: PositiveSeconds | None = None
+    strength: Share = 0.7
+
+
+class Lemons(Model):
+    nodes: Count = 0  # nodes drawn as lemons
+    weight: Annotated[float, Field(ge=1.0, le=1000.0)] = 10.0  # how much likelier a lemon is to fail
+
+
+class RandomFailures(Model):
+    count: Count = 0
+    kinds: Annotated[list[FaultKind], Field(min_length=1)] = list(FAULT_KINDS)  # noqa: RUF012
+    mix: Literal["equal", "field"] = "equal"
+    precursor: SecondsRange = list(DEFAULT_PRECURSOR)  # noqa: RUF012
+    shapes: Annotated[dict[str, float], Shares(PRECURSOR_SHAPES)] = {"ramp": 1.0}  # noqa: RUF012
+    strength: Annotated[list[Annotated[float, Field(gt=0.0, le=1.0)]], Pair, AfterValidator(_ordered)] = [  # noqa: RUF012
+        0.25, 1.0]
+    lemons: Lemons = Lemons()
+    early_xid: Share = 0.0  # share of HBM/NVLink failures that log an XID before the GPU dies
+
+
+class RandomNoise(Model):
+    count: Count = 0
+    kinds: Annotated[dict[str, float], Shares(NOISE_KINDS)] = Field(
+        default_factory=lambda: dict.fromkeys(NOISE_KINDS, 1.0))
+
+
+class RandomSpec(Model):
+    failures: RandomFailures = RandomFailures()
+    noise: RandomNoise = RandomNoise()
+
+
+class ScenarioFile(Model):
+    """A scenario file as written (format in ``bench/scenarios/README.md``); ``parse_scenario``
+    expands it into a ``Scenario``."""
+
+    name: str | None = None  # the file's stem by default
+    seed: Count = 1
+    start: Start = Field(default="2026-01-05T00:00:00Z", validate_default=True)
+    duration: PositiveSeconds
+    warmup: Offset = 6 * 3600.0  # history before start, so that long rule windows are filled
+    step: Annotated[float, Seconds(), AfterValidator(_whole_step)] = 60.0
+    fused_step: PositiveSeconds | None = None
+    min_lead: Offset = DEFAULT_MIN_LEAD
+    field_rate: Annotated[float, Field(ge=1e-6, le=1000.0)] = DEFAULT_FIELD_RATE
+    lemon_window: PositiveSeconds = DEFAULT_LEMON_WINDOW
+    repair: SecondsRange | None = None  # draws a repair delay for failures that do not give one
+    fleet: Fleet
+    workload: WorkloadSpec = WorkloadSpec()
+    failures: list[FailureSpec] = Field(default_factory=list)
+    noise: list[NoiseSpec] = Field(default_factory=list)
+    random: RandomSpec = RandomSpec()
+
+    @classmethod
+    def cross_check(cls, data: dict[str, Any]) -> list[tuple[Location, str]]:
+        return _cross_problems(data)
 
 
 @dataclass(frozen=True)
@@ -191,105 +374,6 @@ class Scenario:
         return self.start - self.warmup
 
 
-class _Checker:
-    """Reads typed fields from a mapping, recording a problem instead of raising."""
-
-    def __init__(self) -> None:
-        self.problems: list[str] = []
-
-    def mapping(self, value: Any, where: str) -> dict[str, Any]:
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            self.problems.append(f"{where}: expected a mapping, got {type(value).__name__}")
-            return {}
-        return value
-
-    def unknown(self, data: dict[str, Any], allowed: set[str], where: str) -> None:
-        for key in sorted(set(data) - allowed, key=str):
-            self.problems.append(f"{where}.{key}: unknown key (allowed: {', '.join(sorted(allowed))})")
-
-    def integer(
-        self, data: dict[str, Any], key: str, where: str, default: int | None = None, minimum: int = 0
-    ) -> int:
-        value = data.get(key, default)
-        if value is None:
-            self.problems.append(f"{where}.{key}: required")
-            return minimum
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            self.problems.append(f"{where}.{key}: expected an integer >= {minimum}, got {value!r}")
-            return minimum
-        return value
-
-    def number(
-        self, data: dict[str, Any], key: str, where: str, default: float, low: float, high: float
-    ) -> float:
-        value = data.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-            self.problems.append(f"{where}.{key}: expected a number in [{low}, {high}], got {value!r}")
-            return default
-        return float(value)
-
-    def duration(
-        self, data: dict[str, Any], key: str, where: str, default: Any = None, positive: bool = True
-    ) -> float:
-        value = data.get(key, default)
-        if value is None:
-            self.problems.append(f"{where}.{key}: required")
-            return 1.0
-        try:
-            seconds = parse_duration(value)
-        except ValueError as exc:
-            self.problems.append(f"{where}.{key}: {exc}")
-            return 1.0
-        if seconds < 0 or (positive and seconds == 0):
-            self.problems.append(f"{where}.{key}: must be {'positive' if positive else '>= 0'}")
-            return 1.0
-        return seconds
-
-    def duration_range(self, data: dict[str, Any], key: str, where: str, default: Any) -> tuple[float, float]:
-        value = data.get(key, default)
-        if not isinstance(value, list | tuple) or len(value) != 2:
-            self.problems.append(f"{where}.{key}: expected [low, high] durations, got {value!r}")
-            return (1.0, 1.0)
-        pair = {"low": value[0], "high": value[1]}
-        low = self.duration(pair, "low", f"{where}.{key}")
-        high = self.duration(pair, "high", f"{where}.{key}")
-        if low > high:
-            self.problems.append(f"{where}.{key}: low {value[0]} is above high {value[1]}")
-        return (low, high)
-
-    def choice(self, data: dict[str, Any], key: str, where: str, options: tuple[str, ...]) -> str:
-        value = data.get(key)
-        if value not in options:
-            self.problems.append(f"{where}.{key}: {value!r} is not one of {', '.join(options)}")
-            return options[0]
-        return value
-
-    def kinds(self, data: dict[str, Any], key: str, where: str, options: tuple[str, ...]) -> list[str]:
-        value = data.get(key, list(options))
-        if not isinstance(value, list) or not value:
-            self.problems.append(f"{where}.{key}: expected a non-empty list of kinds")
-            return list(options)
-        bad = [v for v in value if v not in options]
-        if bad:
-            self.problems.append(
-                f"{where}.{key}: unknown kind(s) {', '.join(map(str, bad))} (known: {', '.join(options)})"
-            )
-        return [v for v in value if v in options] or list(options)
-
-
-def _parse_start(checker: _Checker, value: Any) -> float:
-    if isinstance(value, datetime):
-        return (value if value.tzinfo else value.replace(tzinfo=UTC)).timestamp()
-    try:
-        parsed = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    except ValueError:
-        checker.problems.append(f"start: {value!r} is not an RFC 3339 time (e.g. 2026-01-05T00:00:00Z)")
-        return 0.0
-    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)).timestamp()
-
-
 def load_scenario(path: Path, seed: int | None = None) -> Scenario:
     """Read, validate and expand a scenario file; ``seed`` overrides the file's seed."""
     path = Path(path)
@@ -303,244 +387,171 @@ def load_scenario(path: Path, seed: int | None = None) -> Scenario:
 
 
 def parse_scenario(data: Any, source: str = "scenario", seed: int | None = None) -> Scenario:
-    check = _Checker()
-    data = check.mapping(data, "scenario")
-    check.unknown(
-        data,
-        {
-            "name",
-            "seed",
-            "start",
-            "duration",
-            "warmup",
-            "fused_step",
-            "step",
-            "fleet",
-            "workload",
-            "failures",
-            "noise",
-            "random",
-            "min_lead",
-            "field_rate",
-            "lemon_window",
-            "repair",
-        },
-        "scenario",
-    )
-    file_seed = check.integer(data, "seed", "scenario", default=1)
-    seed = file_seed if seed is None else seed
-    start = _parse_start(check, data.get("start", "2026-01-05T00:00:00Z"))
-    duration = check.duration(data, "duration", "scenario")
-    warmup = check.duration(data, "warmup", "scenario", default="6h", positive=False)
-    step = check.duration(data, "step", "scenario", default="60s")
-    if step < 1 or step != int(step):
-        check.problems.append(f"scenario.step: must be a whole number of seconds >= 1, got {step:g}s")
-    min_lead = check.duration(data, "min_lead", "scenario", default=DEFAULT_MIN_LEAD, positive=False)
-    field_rate = check.number(data, "field_rate", "scenario", DEFAULT_FIELD_RATE, 1e-6, 1000.0)
-    lemon_window = check.duration(data, "lemon_window", "scenario", default=DEFAULT_LEMON_WINDOW)
-    repair = check.duration_range(data, "repair", "scenario", None) if "repair" in data else None
-
-    fused_step = check.duration(data, "fused_step", "scenario") if "fused_step" in data else None
-    raw_fleet = check.mapping(data.get("fleet"), "fleet")
-    check.unknown(
-        raw_fleet, {"nodes", "gpus_per_node", "model", "nvlinks", "node_name", "rack_nodes"}, "fleet"
-    )
-    node_name = str(raw_fleet.get("node_name", "gpu-{index:03d}"))
+    """Validate a scenario (every problem at once, as ``ScenarioError``) and expand its random draws;
+    ``seed`` overrides the file's seed."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ScenarioError(source, [f"scenario: expected a mapping, got {type(data).__name__}"])
     try:
-        node_name.format(index=0)
-    except (KeyError, IndexError, ValueError):
-        check.problems.append(f"fleet.node_name: {node_name!r} must be a format string using {{index}}")
-        node_name = "gpu-{index:03d}"
-    fleet = Fleet(
-        nodes=check.integer(raw_fleet, "nodes", "fleet", minimum=1),
-        gpus_per_node=check.integer(raw_fleet, "gpus_per_node", "fleet", default=8, minimum=1),
-        model=str(raw_fleet.get("model", "NVIDIA H100 80GB HBM3")),
-        nvlinks=check.integer(raw_fleet, "nvlinks", "fleet", default=18, minimum=0),
-        node_name=node_name,
-        rack_nodes=check.integer(raw_fleet, "rack_nodes", "fleet", default=4, minimum=1),
-    )
-
-    raw_work = check.mapping(data.get("workload"), "workload")
-    check.unknown(
-        raw_work,
-        {"job_nodes", "job_duration", "idle_gap", "checkpoint_every", "checkpoint_duration"},
-        "workload",
-    )
-    job_nodes = raw_work.get("job_nodes", [1, 4])
-    if (
-        not isinstance(job_nodes, list)
-        or len(job_nodes) != 2
-        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in job_nodes)
-        or job_nodes[0] > job_nodes[1]
-    ):
-        check.problems.append(f"workload.job_nodes: expected [low, high] node counts >= 1, got {job_nodes!r}")
-        job_nodes = [1, 1]
-    workload = Workload(
-        job_nodes=(job_nodes[0], job_nodes[1]),
-        job_duration=check.duration_range(raw_work, "job_duration", "workload", ["2h", "12h"]),
-        idle_gap=check.duration_range(raw_work, "idle_gap", "workload", ["5m", "1h"]),
-        checkpoint_every=check.duration(raw_work, "checkpoint_every", "workload", default="1h"),
-        checkpoint_duration=check.duration(raw_work, "checkpoint_duration", "workload", default="4m"),
-    )
-
-    nodes = set(fleet.node_names)
-    failures = [
-        _failure(check, item, f"failures[{i}]", nodes, fleet, duration)
-        for i, item in enumerate(_items(check, data.get("failures"), "failures"))
-    ]
-    noise = [
-        _noise(check, item, f"noise[{i}]", nodes, fleet, duration)
-        for i, item in enumerate(_items(check, data.get("noise"), "noise"))
-    ]
+        spec = ScenarioFile.model_validate(data)
+    except ValidationError as exc:
+        raise ScenarioError(source, problems(exc, "scenario")) from None
+    seed = spec.seed if seed is None else seed
+    fleet, duration = spec.fleet, spec.duration
+    failures = [_failure(item) for item in spec.failures]
+    noise = [_noise(item) for item in spec.noise]
     rng = random.Random(seed)
-    raw_random = check.mapping(data.get("random"), "random")
-    check.unknown(raw_random, {"failures", "noise"}, "random")
+    repair = None if spec.repair is None else _pair(spec.repair)
     if repair is not None:
-        failures = [_repaired(f, rng, repair) if f is not None else None for f in failures]
-    failures += _random_failures(check, raw_random.get("failures"), rng, fleet, duration, failures, repair)
-    noise += _random_noise(check, raw_random.get("noise"), rng, fleet, duration)
-    _check_overlaps(check, failures)
-    if check.problems:
-        raise ScenarioError(source, check.problems)
+        failures = [_repaired(f, rng, repair) for f in failures]
+    found: list[str] = []
+    failures += _random_failures(found, spec.random.failures, rng, fleet, duration, failures, repair)
+    noise += _random_noise(spec.random.noise, rng, fleet, duration)
+    found += _overlaps(failures)
+    if found:
+        raise ScenarioError(source, found)
+    work = spec.workload
     return Scenario(
-        name=str(data.get("name", Path(source).stem)),
+        name=spec.name if spec.name is not None else Path(source).stem,
         seed=seed,
-        start=start,
+        start=spec.start,
         duration=duration,
-        warmup=warmup,
-        step=step,
-        fused_step=fused_step,
+        warmup=spec.warmup,
+        step=spec.step,
+        fused_step=spec.fused_step,
         fleet=fleet,
-        workload=workload,
-        failures=tuple(f for f in failures if f is not None),
-        noise=tuple(n for n in noise if n is not None),
-        min_lead=min_lead,
-        field_rate=field_rate,
-        lemon_window=lemon_window,
+        workload=Workload(_pair(work.job_nodes), _pair(work.job_duration), _pair(work.idle_gap),
+                          work.checkpoint_every, work.checkpoint_duration),
+        failures=tuple(failures),
+        noise=tuple(noise),
+        min_lead=spec.min_lead,
+        field_rate=spec.field_rate,
+        lemon_window=spec.lemon_window,
     )
 
 
-def _items(check: _Checker, value: Any, where: str) -> list[dict[str, Any]]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        check.problems.append(f"{where}: expected a list")
-        return []
-    return [check.mapping(item, f"{where}[{i}]") for i, item in enumerate(value)]
+def _pair(pair: list[Any]) -> tuple[Any, Any]:
+    return pair[0], pair[1]
 
 
-def _location(
-    check: _Checker, item: dict[str, Any], where: str, nodes: set[str], fleet: Fleet, gpu_required: bool
-) -> tuple[str, int | None]:
-    node = item.get("node")
-    if node not in nodes:
-        check.problems.append(
-            f"{where}.node: {node!r} is not a node of the fleet "
-            f"({fleet.node(0)} .. {fleet.node(fleet.nodes - 1)})"
-        )
-    gpu = item.get("gpu")
-    if gpu is None and not gpu_required:
-        return str(node), None
-    if isinstance(gpu, bool) or not isinstance(gpu, int) or not 0 <= gpu < fleet.gpus_per_node:
-        check.problems.append(f"{where}.gpu: expected a GPU index 0..{fleet.gpus_per_node - 1}, got {gpu!r}")
-        return str(node), 0
-    return str(node), gpu
+def _failure(item: FailureSpec) -> Failure:
+    sudden = item.kind in SUDDEN_KINDS or item.shape == "none"
+    onset = item.failure if sudden or item.onset is None else item.onset
+    xid = FAULT_XIDS[item.kind][0] if item.xid is None else item.xid
+    shape = "none" if item.kind in SUDDEN_KINDS else item.shape
+    return Failure(item.node, item.gpu, item.kind, onset, item.failure, xid, item.strength, shape,
+                   item.first_xid, item.repaired)
 
 
-def _failure(
-    check: _Checker, item: dict[str, Any], where: str, nodes: set[str], fleet: Fleet, duration: float
-) -> Failure | None:
-    check.unknown(
-        item,
-        {"node", "gpu", "kind", "onset", "failure", "xid", "strength", "shape", "first_xid", "repaired"},
-        where,
-    )
-    node, gpu = _location(check, item, where, nodes, fleet, gpu_required=True)
-    kind = check.choice(item, "kind", where, FAULT_KINDS)
-    known = len(check.problems)
-    failure = check.duration(item, "failure", where)
+def _noise(item: NoiseSpec) -> Noise:
+    low, high = NOISE_DURATIONS[item.kind]
+    length = (low + high) / 2 if item.duration is None else item.duration
+    return Noise(item.node, item.kind, item.at, length, item.strength, item.gpu)
+
+
+def _read(marker: Any, value: Any) -> Any:
+    """``value`` as the field's validator reads it, or None when it is invalid (already reported)."""
+    try:
+        return marker.validate(value)
+    except PydanticCustomError:
+        return None
+
+
+def _count(value: Any, minimum: int) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= minimum else None
+
+
+def _cross_problems(data: dict[str, Any]) -> list[tuple[Location, str]]:
+    """The rules that tie a failure or a noise event to the fleet, the duration and its kind. They
+    read the raw file and skip a value the field checks refuse, so that every problem is listed once."""
+    raw_fleet: dict[str, Any] = data["fleet"] if isinstance(data.get("fleet"), dict) else {}
+    nodes = _count(raw_fleet.get("nodes"), 1) or 1
+    gpus = _count(raw_fleet.get("gpus_per_node", 8), 1) or 1
+    name = raw_fleet.get("node_name", "gpu-{index:03d}")
+    try:
+        fleet = Fleet.model_construct(nodes=nodes, gpus_per_node=gpus, node_name=_node_name(name))
+    except (ValueError, AttributeError):
+        fleet = Fleet.model_construct(nodes=nodes, gpus_per_node=gpus, node_name="gpu-{index:03d}")
+    duration = _read(Seconds(), data.get("duration"))
+    found: list[tuple[Location, str]] = []
+    for section, check in (("failures", _failure_problems), ("noise", _noise_problems)):
+        items = data.get(section)
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            if isinstance(item, dict):
+                found += [((section, i, *loc), message) for loc, message in check(item, fleet, duration)]
+    drawn = data["random"].get("failures") if isinstance(data.get("random"), dict) else None
+    if isinstance(drawn, dict):
+        where = ("random", "failures")
+        precursor = drawn.get("precursor", list(DEFAULT_PRECURSOR))
+        high = _read(Seconds(), precursor[1]) if isinstance(precursor, list) and len(precursor) == 2 else None
+        if duration is not None and high is not None and high + 1800 >= duration:
+            found.append(((*where, "precursor"), "the longest precursor does not fit in the duration"))
+        lemons = drawn.get("lemons")
+        count = _count(lemons.get("nodes"), 0) if isinstance(lemons, dict) else None
+        if count is not None and count > nodes:
+            found.append(((*where, "lemons", "nodes"), f"{count} exceeds the fleet's {nodes}"))
+    return found
+
+
+def _location_problems(item: dict[str, Any], fleet: Fleet, gpu_required: bool) -> list[tuple[Location, str]]:
+    found: list[tuple[Location, str]] = []
+    if isinstance(item.get("node"), str) and item["node"] not in fleet.node_names:
+        found.append((("node",), f"{item['node']!r} is not a node of the fleet "
+                                 f"({fleet.node(0)} .. {fleet.node(fleet.nodes - 1)})"))
+    gpu = _count(item.get("gpu"), 0)
+    if gpu is not None and gpu >= fleet.gpus_per_node:
+        found.append((("gpu",), f"expected a GPU index 0..{fleet.gpus_per_node - 1}, got {gpu!r}"))
+    elif gpu_required and item.get("gpu") is None:
+        found.append((("gpu",), f"{item.get('kind')} is about one GPU; give gpu"))
+    return found
+
+
+def _failure_problems(
+    item: dict[str, Any], fleet: Fleet, duration: float | None
+) -> list[tuple[Location, str]]:
+    found = _location_problems(item, fleet, gpu_required=False)
+    kind = item.get("kind") if item.get("kind") in FAULT_KINDS else None
+    if kind is None:
+        return found
     sudden = kind in SUDDEN_KINDS or item.get("shape") == "none"
-    onset = failure if sudden else check.duration(item, "onset", where, positive=False)
+    failure = _read(Seconds(), item.get("failure"))
+    onset = _read(Seconds(positive=False), item.get("onset")) if "onset" in item else None
     if sudden and "onset" in item:
         what = kind if kind in SUDDEN_KINDS else f"{kind} with shape none"
-        check.problems.append(f"{where}.onset: {what} has no precursor; leave onset out")
-    shape = "none" if kind in SUDDEN_KINDS else str(item.get("shape", "ramp"))
-    if shape not in PRECURSOR_SHAPES:
-        check.problems.append(f"{where}.shape: {shape!r} is not one of {', '.join(PRECURSOR_SHAPES)}")
-    first_xid = check.duration(item, "first_xid", where, positive=False) if "first_xid" in item else None
-    if first_xid is not None and not onset <= first_xid <= failure:
-        check.problems.append(f"{where}.first_xid: must lie between onset and failure")
-    if onset > failure and len(check.problems) == known:
-        check.problems.append(f"{where}: onset {item.get('onset')} is after failure {item.get('failure')}")
-    if failure >= duration:
-        check.problems.append(f"{where}.failure: {item.get('failure')} is not within the scenario duration")
-    repaired = check.duration(item, "repaired", where) if "repaired" in item else None
-    if repaired is not None and repaired <= failure + HANG_MAX:
-        check.problems.append(f"{where}.repaired: must be more than 30m after the failure")
+        found.append((("onset",), f"{what} has no precursor; leave onset out"))
+    elif not sudden and "onset" not in item:
+        found.append((("onset",), "required"))
+    if sudden:
+        onset = failure
+    first_xid = _read(Seconds(positive=False), item.get("first_xid")) if "first_xid" in item else None
+    if (first_xid is not None and onset is not None and failure is not None
+            and not onset <= first_xid <= failure):
+        found.append((("first_xid",), "must lie between onset and failure"))
+    if onset is not None and failure is not None and onset > failure:
+        found.append(((), f"onset {item.get('onset')} is after failure {item.get('failure')}"))
+    if failure is not None and duration is not None and failure >= duration:
+        found.append((("failure",), f"{item.get('failure')} is not within the scenario duration"))
+    repaired = _read(Seconds(), item.get("repaired")) if "repaired" in item else None
+    if repaired is not None and failure is not None and repaired <= failure + HANG_MAX:
+        found.append((("repaired",), "must be more than 30m after the failure"))
     xid = item.get("xid", FAULT_XIDS[kind][0])
-    if xid not in FAULT_XIDS[kind]:
-        check.problems.append(
-            f"{where}.xid: {xid!r} is not an XID of {kind} ({', '.join(map(str, FAULT_XIDS[kind]))})"
-        )
-    strength = check.number(item, "strength", where, 0.7, 0.0, 1.0)
-    return Failure(
-        node,
-        gpu or 0,
-        kind,
-        onset,
-        failure,
-        int(xid) if isinstance(xid, int) else 0,
-        strength,
-        shape,
-        first_xid,
-        repaired,
-    )
+    if _count(xid, 0) is not None and xid not in FAULT_XIDS[kind]:
+        found.append((("xid",), f"{xid!r} is not an XID of {kind} ({', '.join(map(str, FAULT_XIDS[kind]))})"))
+    return found
 
 
-def _noise(
-    check: _Checker, item: dict[str, Any], where: str, nodes: set[str], fleet: Fleet, duration: float
-) -> Noise | None:
-    check.unknown(item, {"node", "gpu", "kind", "at", "duration", "strength"}, where)
-    kind = check.choice(item, "kind", where, NOISE_KINDS)
-    node, gpu = _location(check, item, where, nodes, fleet, gpu_required=kind in GPU_NOISE)
-    if gpu is not None and kind not in GPU_NOISE + GPU_OPTIONAL_NOISE:
-        check.problems.append(f"{where}.gpu: {kind} is node-wide; leave gpu out")
-        gpu = None
-    at = check.duration(item, "at", where, positive=False)
-    if at >= duration:
-        check.problems.append(f"{where}.at: {item.get('at')} is not within the scenario duration")
-    low, high = NOISE_DURATIONS[kind]
-    length = check.duration(item, "duration", where, default=(low + high) / 2)
-    strength = check.number(item, "strength", where, 0.7, 0.0, 1.0)
-    return Noise(node, kind, at, length, strength, gpu)
-
-
-def _weights(
-    check: _Checker,
-    section: dict[str, Any],
-    key: str,
-    where: str,
-    options: tuple[str, ...],
-    default: dict[str, float],
-) -> dict[str, float]:
-    """A ``{name: share}`` mapping (or a list: equal shares) restricted to known names."""
-    value = section.get(key, default)
-    if isinstance(value, list):
-        value = dict.fromkeys(value, 1.0)
-    if not isinstance(value, dict) or not value:
-        check.problems.append(f"{where}.{key}: expected a list or a mapping of name: share")
-        return default
-    out = {}
-    for name, share in value.items():
-        if name not in options:
-            check.problems.append(f"{where}.{key}: unknown name {name!r} (known: {', '.join(options)})")
-        elif isinstance(share, bool) or not isinstance(share, int | float) or share < 0:
-            check.problems.append(f"{where}.{key}.{name}: expected a share >= 0, got {share!r}")
-        else:
-            out[name] = float(share)
-    if out and not sum(out.values()):
-        check.problems.append(f"{where}.{key}: every share is 0")
-    return out or default
+def _noise_problems(
+    item: dict[str, Any], fleet: Fleet, duration: float | None
+) -> list[tuple[Location, str]]:
+    kind = item.get("kind") if item.get("kind") in NOISE_KINDS else None
+    found = _location_problems(item, fleet, gpu_required=kind in GPU_NOISE)
+    if kind is not None and item.get("gpu") is not None and kind not in GPU_NOISE + GPU_OPTIONAL_NOISE:
+        found.append((("gpu",), f"{kind} is node-wide; leave gpu out"))
+    at = _read(Seconds(positive=False), item.get("at"))
+    if at is not None and duration is not None and at >= duration:
+        found.append((("at",), f"{item.get('at')} is not within the scenario duration"))
+    return found
 
 
 def _loguniform(rng: random.Random, low: float, high: float) -> float:
@@ -554,70 +565,33 @@ def _repaired(failure: Failure, rng: random.Random, repair: tuple[float, float])
     return replace(failure, repaired=round(failure.failure + HANG_MAX + _loguniform(rng, *repair)))
 
 
-def _busy(failures: list[Failure | None]) -> dict[str, list[tuple[float, float]]]:
+def _busy(failures: list[Failure]) -> dict[str, list[tuple[float, float]]]:
     """Per node, the spans a failure holds it: from precursor onset until it is back in service."""
     spans: dict[str, list[tuple[float, float]]] = {}
     for f in failures:
-        if f is not None:
-            end = math.inf if f.repaired is None else f.repaired
-            spans.setdefault(f.node, []).append((f.onset, end))
+        end = math.inf if f.repaired is None else f.repaired
+        spans.setdefault(f.node, []).append((f.onset, end))
     return spans
 
 
 def _random_failures(
-    check: _Checker,
-    value: Any,
+    found: list[str],
+    section: RandomFailures,
     rng: random.Random,
     fleet: Fleet,
     duration: float,
-    fixed: list[Failure | None],
+    fixed: list[Failure],
     repair: tuple[float, float] | None,
 ) -> list[Failure]:
     """Draw failures where their node is in service for the whole precursor. Without ``mix: field``
-    kinds are taken in turn so that every listed kind occurs; with it they are drawn in field shares."""
-    section = check.mapping(value, "random.failures")
-    check.unknown(
-        section,
-        {"count", "kinds", "precursor", "mix", "shapes", "strength", "lemons", "early_xid"},
-        "random.failures",
-    )
-    count = check.integer(section, "count", "random.failures", default=0) if section else 0
+    kinds are taken in turn so that every listed kind occurs; with it they are drawn in field shares.
+    A problem (no room left) is added to ``found``."""
+    count, kinds, mix, shapes = section.count, section.kinds, section.mix, section.shapes
     if not count:
         return []
-    kinds = check.kinds(section, "kinds", "random.failures", FAULT_KINDS)
-    mix = section.get("mix", "equal")
-    if mix not in ("equal", "field"):
-        check.problems.append(f"random.failures.mix: {mix!r} is not one of equal, field")
-    low, high = (
-        check.duration_range(section, "precursor", "random.failures", ["30m", "24h"])
-        if "precursor" in section
-        else DEFAULT_PRECURSOR
-    )
-    shapes = _weights(check, section, "shapes", "random.failures", PRECURSOR_SHAPES, {"ramp": 1.0})
-    strength = section.get("strength", [0.25, 1.0])
-    if (
-        not isinstance(strength, list)
-        or len(strength) != 2
-        or not all(isinstance(x, int | float) and not isinstance(x, bool) and 0 < x <= 1 for x in strength)
-        or strength[0] > strength[1]
-    ):
-        check.problems.append(
-            f"random.failures.strength: expected [low, high] within (0, 1], got {strength!r}"
-        )
-        strength = [0.25, 1.0]
-    early = check.number(section, "early_xid", "random.failures", 0.0, 0.0, 1.0)
-    lemons = check.mapping(section.get("lemons"), "random.failures.lemons")
-    check.unknown(lemons, {"nodes", "weight"}, "random.failures.lemons")
-    lemon_count = check.integer(lemons, "nodes", "random.failures.lemons", default=0)
-    lemon_weight = check.number(lemons, "weight", "random.failures.lemons", 10.0, 1.0, 1000.0)
-    if high + 1800 >= duration:
-        check.problems.append("random.failures.precursor: the longest precursor does not fit in the duration")
-    if lemon_count > fleet.nodes:
-        check.problems.append(
-            f"random.failures.lemons.nodes: {lemon_count} exceeds the fleet's {fleet.nodes}"
-        )
-    if check.problems:
-        return []
+    low, high = section.precursor
+    strength, early = section.strength, section.early_xid
+    lemon_count, lemon_weight = section.lemons.nodes, section.lemons.weight
     if mix == "field":
         order = rng.choices(kinds, weights=[FIELD_SHARES[k] for k in kinds], k=count)
     else:
@@ -639,9 +613,10 @@ def _random_failures(
             if all(end <= a or hard - lead >= b for a, b in spans.get(node, [])):
                 break
         else:
-            check.problems.append(
-                f"random.failures.count: no room left for {count} failures (nodes stay out of service "
-                "from precursor onset until repaired; give repair, fewer failures or a longer duration)"
+            found.append(
+                f"scenario.random.failures.count: no room left for {count} failures (nodes stay out of "
+                "service from precursor onset until repaired; give repair, fewer failures or a longer "
+                "duration)"
             )
             return []
         first = None
@@ -665,16 +640,11 @@ def _random_failures(
     return drawn
 
 
-def _random_noise(
-    check: _Checker, value: Any, rng: random.Random, fleet: Fleet, duration: float
-) -> list[Noise]:
+def _random_noise(section: RandomNoise, rng: random.Random, fleet: Fleet, duration: float) -> list[Noise]:
     """Benign events in the listed kinds' shares (every listed kind at least once), durations drawn
     log-uniformly from the kind's range."""
-    section = check.mapping(value, "random.noise")
-    check.unknown(section, {"count", "kinds"}, "random.noise")
-    count = check.integer(section, "count", "random.noise", default=0) if section else 0
-    shares = _weights(check, section, "kinds", "random.noise", NOISE_KINDS, dict.fromkeys(NOISE_KINDS, 1.0))
-    if not count or check.problems:
+    count, shares = section.count, section.kinds
+    if not count:
         return []
     kinds = _apportion(shares, count)
     drawn = []
@@ -713,18 +683,18 @@ def _apportion(shares: dict[str, float], count: int) -> list[str]:
     return [k for k in kinds for _ in range(taken[k])]
 
 
-def _check_overlaps(check: _Checker, failures: list[Failure | None]) -> None:
+def _overlaps(failures: list[Failure]) -> list[str]:
     """A node is out of service from a failure's precursor onset until its repair (for ever without
     one), so another failure on it must lie outside that span."""
+    found = []
     seen: dict[str, list[tuple[int, float, float]]] = {}
     for i, failure in enumerate(failures):
-        if failure is None:
-            continue
         end = math.inf if failure.repaired is None else failure.repaired
         for j, a, b in seen.get(failure.node, []):
             if not (end <= a or failure.onset >= b):
-                check.problems.append(
-                    f"failures[{i}]: {failure.node} is out of service then because of failures[{j}] "
+                found.append(
+                    f"scenario.failures[{i}]: {failure.node} is out of service then because of failures[{j}] "
                     "(until repaired; give `repaired` or `repair` to let a node fail again)"
                 )
         seen.setdefault(failure.node, []).append((i, failure.onset, end))
+    return found

@@ -11,6 +11,11 @@ import pytest
 import yaml
 from gpuhealth.exporter.config import ConfigError as ExporterConfigError
 from gpuhealth.exporter.config import build_settings
+from gpuhealth.exporter.sim.scenario import ScenarioError as SimScenarioError
+from gpuhealth.exporter.sim.scenario import parse_scenario as parse_sim_scenario
+from gpuhealth.rules import catalogue
+from gpuhealth.webhook.backends.command import CommandBackend
+from gpuhealth.webhook.backends.kubernetes import KubernetesBackend
 from gpuhealth.webhook.backends.simulated import SimulatedBackend
 from gpuhealth.webhook.backends.slurm import SlurmBackend
 from gpuhealth.webhook.config import ConfigError, parse_config
@@ -22,6 +27,7 @@ from gpuhealth.schema import SCHEMAS
 ROOT = Path(__file__).parents[2]
 SCHEMA_DIR = ROOT / "docs" / "schema"
 PROCFS = ROOT / "tests" / "exporter" / "fixtures" / "procfs"
+KUBECONFIG = str(ROOT / "tests" / "webhook" / "kubernetes_fixtures" / "kubeconfig.yaml")
 
 
 def committed(name: str) -> jsonschema.Draft202012Validator:
@@ -168,6 +174,92 @@ def test_the_simulated_backend_schema_agrees_with_the_backend(section, valid):
     try:
         SimulatedBackend.from_config(section)
     except ValueError:
+        assert not valid
+    else:
+        assert valid
+
+
+@pytest.mark.parametrize(("section", "valid"), [
+    ({"fleet_size": 4}, True),
+    ({"fleet_size": 4, "timeout_seconds": 5, "env": {"SITE": "lab"}, "permanent_exit_codes": [2],
+      "commands": {"node_state": ["site-state", "{node}"], "drain": ["ssh", "--", "{node}", "{reason!q}"]}},
+     True),
+    ({"fleet_size": 0}, False),
+    ({"fleet_size": 4, "timeout_seconds": 0}, False),
+    ({"fleet_size": 4, "commands": {"explode": ["x"]}}, False),
+    ({"fleet_size": 4, "commands": {"node_state": "site-state {node}"}}, False),
+    ({"fleet_size": 4, "env": {"A": 1}}, False),
+    ({"fleet_size": 4, "colour": 1}, False),
+])
+def test_the_command_backend_schema_agrees_with_the_backend(section, valid):
+    assert committed("webhook-backend-command").is_valid(section) == valid
+    try:
+        CommandBackend.from_config(section)
+    except ValueError:
+        assert not valid
+    else:
+        assert valid
+
+
+@pytest.mark.parametrize(("section", "valid"), [
+    ({"kubeconfig": KUBECONFIG}, True),
+    ({"kubeconfig": KUBECONFIG, "context": "lab", "patch_type": "merge", "job_pods": "on_excluded_nodes",
+      "node_actions": "command", "node_commands": {"reboot": ["site-reboot", "{node}"]}}, True),
+    ({"kubeconfig": KUBECONFIG, "patch_type": "json"}, False),
+    ({"kubeconfig": KUBECONFIG, "eviction_deadline_seconds": -1}, False),
+    ({"kubeconfig": KUBECONFIG, "insecure_skip_tls_verify": "yes"}, False),
+    ({"kubeconfig": KUBECONFIG, "node_actions": "command", "node_commands": {"wipe": ["rm"]}}, False),
+    ({"kubeconfig": KUBECONFIG, "evicton_deadline_seconds": 5}, False),
+])
+def test_the_kubernetes_backend_schema_agrees_with_the_backend(section, valid):
+    assert committed("webhook-backend-kubernetes").is_valid(section) == valid
+    try:
+        KubernetesBackend.from_config(section)
+    except ValueError:
+        assert not valid
+    else:
+        assert valid
+
+
+@pytest.mark.parametrize(("document", "valid"), [
+    ({}, True),
+    ({"gpus": 2, "nvlinks": 4, "workload": {"utilization": 0.5, "period_seconds": "10m"},
+      "processes": [{"pid": 7, "gpus": [0, 1]}],
+      "faults": [{"kind": "hbm_degradation", "gpu": 1, "start": "1m", "precursor": 120, "xid": 95},
+                 {"kind": "hot_aisle", "gpus": [0], "duration": "5m", "delta_celsius": 4}]}, True),
+    ({"gpus": 0}, False),
+    ({"workload": {"utilization": 1.5}}, False),
+    ({"faults": [{"kind": "meteor_strike", "gpu": 0}]}, False),
+    ({"faults": [{"kind": "fell_off_bus", "gpu": 0, "start": "1.5h"}]}, False),
+    ({"processes": [{"pid": 0, "gpus": [0]}]}, False),
+    ({"colour": 1}, False),
+])
+def test_the_simulator_scenario_schema_agrees_with_the_simulator(document, valid):
+    assert committed("exporter-sim-scenario").is_valid(document) == valid
+    try:
+        parse_sim_scenario(document)
+    except SimScenarioError:
+        assert not valid
+    else:
+        assert valid
+
+
+@pytest.mark.parametrize(("overlay", "valid"), [
+    ({}, True),
+    ({"defaults": {"gpu_shards": 2, "for": {"GPUHealthExporterDown": "10m"}}}, True),
+    ({"defaults": {"gpu_shards": 4}}, False),
+    ({"defaults": {"for": {"GPUHealthExporterDown": "1.5h"}}}, False),
+    ({"defaults": {"identity_labels": ["cluster", "gpu"]}}, False),
+    ({"defaults": {"xid": {"repeated_app_fault": {"xids": [], "count": 0}}}}, False),
+    ({"alerts": {"GPUHealthLemonNode": {"action": "shoot"}}}, False),
+])
+def test_the_rule_catalogue_schema_agrees_with_the_generator(overlay, valid):
+    """The schema is of the merged catalogue: the built-in one with a site's overlay over it."""
+    merged = catalogue.merge(yaml.safe_load(catalogue.BUILTIN.read_text()), overlay, "", [])
+    assert committed("rule-catalogue").is_valid(merged) == valid
+    try:
+        catalogue.resolve(overlay)
+    except catalogue.CatalogueError:
         assert not valid
     else:
         assert valid

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 
@@ -171,7 +173,7 @@ def test_malformed_scenario_lists_every_problem_at_once() -> None:
         "failures[2].onset: fell_off_bus has no precursor",
         "failures[2].xid",
         "noise[0].at",
-        "random.failures.kinds: unknown kind(s) gremlins",
+        "random.failures.kinds[0]: 'gremlins' is not one of 'hbm_degradation'",
     ):
         assert fragment in text, fragment
     assert len(caught.value.problems) >= 13
@@ -212,8 +214,8 @@ def test_compound_durations_and_no_follow_up_error_for_an_unreadable_one() -> No
     with pytest.raises(ScenarioError) as caught:
         parse_scenario(bad, "bad.yaml")
     assert caught.value.problems == [
-        "failures[0].failure: '14 hours' is not a duration (whole numbers with units y, w, d, h, m, s, ms, "
-        "largest first, e.g. 30s, 1h30m, 500ms, 1w)"
+        "scenario.failures[0].failure: '14 hours' is not a duration (whole numbers with units y, w, d, h, "
+        "m, s, ms, largest first, e.g. 30s, 1h30m, 500ms, 1w)"
     ]
 
 
@@ -225,3 +227,33 @@ def test_cli_rejects_a_lemon_pattern_that_is_not_a_regular_expression(
     assert caught.value.code == 2
     err = capsys.readouterr().err
     assert "not a regular expression" in err and "Traceback" not in err
+
+
+def test_plain_seconds_and_prometheus_durations_mean_the_same() -> None:
+    base = yaml.safe_load((SCENARIOS / "small.yaml").read_text())
+    words = parse_scenario(base | {"duration": "1d", "step": "1m", "warmup": "2h"})
+    numbers = parse_scenario(base | {"duration": 86400, "step": 60, "warmup": 7200})
+    assert (words.duration, words.step, words.warmup) == (numbers.duration, numbers.step, numbers.warmup)
+    assert words.failures == numbers.failures and words.noise == numbers.noise
+    with pytest.raises(ScenarioError) as caught:
+        parse_scenario(base | {"warmup": -1, "step": 1.5, "duration": True})
+    assert caught.value.problems == [
+        "scenario.duration: expected a duration such as 30s or 1h30m, or a number of seconds, got True",
+        "scenario.warmup: must be >= 0",
+        "scenario.step: must be a whole number of seconds >= 1, got 1.5s",
+    ]
+
+
+def test_the_scenario_schema_agrees_with_the_loader() -> None:
+    """As an editor sees the file: YAML timestamps are text there."""
+    schema = json.loads((SCENARIOS.parents[1] / "docs" / "schema" / "evaluation-scenario.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    for path in sorted(SCENARIOS.glob("*.yaml")):
+        document = json.loads(json.dumps(yaml.safe_load(path.read_text()), default=str))
+        assert list(validator.iter_errors(document)) == [], path.name
+    base = yaml.safe_load((SCENARIOS / "small.yaml").read_text())
+    for broken in ({"duration": "1.5h"}, {"colour": 1}, {"fleet": {"nodes": 0}},
+                   {"random": {"failures": {"kinds": ["gremlins"]}}}, {"workload": {"job_nodes": [1]}}):
+        assert not validator.is_valid(base | broken), broken
+        with pytest.raises(ScenarioError):
+            parse_scenario(base | broken)

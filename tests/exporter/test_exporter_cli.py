@@ -81,7 +81,7 @@ def test_bad_scenario_lists_every_problem(tmp_path: Path, capsys: pytest.Capture
     assert main(["--backend", "sim", "--sim-scenario", str(scenario), "--listen", "127.0.0.1:0"]) == 2
     err = capsys.readouterr().err
     for needle in ("needs 'gpu'", "meteor_strike", "GPU 9 does not exist", "link 40", "xid", "start",
-                   "unknown key 'precursor'"):
+                   "faults[4].precursor: unknown key for sbe_burst"):
         assert needle in err, needle
     assert "Traceback" not in err
 

@@ -8,7 +8,7 @@ import pynvml
 import pytest
 from exporter_helpers import FakeClock
 from gpuhealth.exporter.sim.nvml import SimulatedNvml
-from gpuhealth.exporter.sim.scenario import parse_scenario
+from gpuhealth.exporter.sim.scenario import ScenarioError, parse_scenario
 
 
 def sim(scenario: dict, clock: FakeClock, kmsg: Path | None = None) -> SimulatedNvml:
@@ -145,3 +145,18 @@ def test_the_demo_can_inject_every_kind_of_the_simulator() -> None:
     for kind in (*FAULT_KINDS, *NODE_NOISE_KINDS):
         entry = stack.Fault("gpu-000", kind, gpu=1, duration=10.0).scenario_entry()
         assert parse_scenario({"faults": [entry]}).faults[0].kind == kind
+
+
+def test_scenario_times_are_seconds_or_prometheus_durations() -> None:
+    fault = {"kind": "hbm_degradation", "gpu": 0}
+    numbers = parse_scenario({"faults": [fault | {"start": 90, "precursor": 3600}]})
+    words = parse_scenario({"faults": [fault | {"start": "1m30s", "precursor": "1h"}]})
+    assert numbers.faults == words.faults and words.faults[0].start == 90.0
+    with pytest.raises(ScenarioError) as caught:
+        parse_scenario({"gpus": 2, "faults": [{"kind": "sbe_burst", "gpu": 2, "start": "1.5h", "colour": 1}]})
+    assert caught.value.problems == [
+        "faults[0].start: '1.5h' is not a duration (whole numbers with units y, w, d, h, m, s, ms, largest "
+        "first, e.g. 30s, 1h30m, 500ms, 1w)",
+        "faults[0].colour: unknown key",
+        "faults[0].gpu: GPU 2 does not exist (the scenario has 2)",
+    ]

@@ -136,9 +136,9 @@ def test_catalogue_errors_are_all_listed_without_traceback(tmp_path, capsys):
         "defaults.xid.overrides.reboot_now: unknown key",
         "defaults.xid.buckets.RESET_GPU: 'reboot' is not one of restart_job, drain, drain_reset_gpu",
         "defaults.for.GPUHealthExporterDown: 'soon' is not a duration (whole numbers with units",
-        "alerts.GPUHealthLemonNode.action: must be one of",
-        "defaults.gpu_shards: must be one of 1, 2, 5, 10",
-        "defaults.definitive.ecc_storm.fleet_quantile: must be a number in (0, 1), got 1.5",
+        "alerts.GPUHealthLemonNode.action: 'shoot' is not one of none, restart_job",
+        "defaults.gpu_shards: 4 is not one of 1, 2, 5, 10",
+        "defaults.definitive.ecc_storm.fleet_quantile: expected a number < 1, got 1.5",
     ):
         assert expected in err, f"missing {expected!r} in:\n{err}"
     assert not (tmp_path / "out").exists()

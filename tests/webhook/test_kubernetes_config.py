@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 from gpuhealth.webhook.backends import create_backend
-from gpuhealth.webhook.backends.kubernetes import KubernetesBackend
+from gpuhealth.webhook.backends.kubernetes import KubernetesBackend, KubernetesSettings
+from gpuhealth.webhook.backends.kubernetes_api import PATCH_TYPES
 
 FIXTURES = Path(__file__).parent / "kubernetes_fixtures"
 KUBECONFIG = FIXTURES / "kubeconfig.yaml"
@@ -73,11 +74,16 @@ def test_bad_settings_are_listed_together():
             "kubeconfig": str(KUBECONFIG), "patch_type": "json", "eviction_deadline_seconds": -1,
             "job_pods": "some", "insecure_skip_tls_verify": "yes", "evicton_deadline_seconds": 5})
     message = str(exc.value)
-    for problem in ("backend.patch_type: must be one of strategic, merge",
+    for problem in ("backend.patch_type: 'json' is not one of 'strategic', 'merge'",
                     "backend.eviction_deadline_seconds", "backend.job_pods",
                     "backend.insecure_skip_tls_verify",
-                    "backend.evicton_deadline_seconds: unknown setting"):
+                    "backend.evicton_deadline_seconds: unknown key"):
         assert problem in message
+
+
+def test_the_patch_types_offered_are_those_the_client_sends():
+    offered = KubernetesSettings.model_json_schema()["properties"]["patch_type"]["enum"]
+    assert sorted(offered) == sorted(PATCH_TYPES)
 
 
 def test_node_commands_are_checked_with_the_settings():

@@ -23,35 +23,24 @@ import os
 import shlex
 import string
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
+from gpuhealth.contract.validation import Location, Model, problems
 from gpuhealth.webhook import process
 from gpuhealth.webhook.backends.base import BackendError, JobState, NodeState
 from gpuhealth.webhook.backends.helpers import HelperRegistry, TracksHelpers
 from gpuhealth.webhook.labels import ALERT_NAME, GPU, UNNAMED_ALERT, clean_text, shown, valid_node
+from pydantic import Field, GetCoreSchemaHandler, GetJsonSchemaHandler, ValidationError
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import PydanticCustomError, core_schema
+from pydantic_core.core_schema import CoreSchema
 
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_CHARS = 2000
 # Operations that change a node: each needs node_state, to leave a node someone else drained alone.
 NODE_CHANGING = ("drain", "resume", "reset_gpu", "reboot")
-
-# The placeholders each operation may use; the environment carries the same fields.
-FIELDS: dict[str, frozenset[str]] = {
-    "node_state": frozenset({"node"}),
-    "fleet_size": frozenset(),
-    "drain": frozenset({"node", "reason", "alertname"}),
-    "resume": frozenset({"node"}),
-    "jobs_on_node": frozenset({"node"}),
-    "requeue": frozenset({"job_id", "exclude_nodes"}),
-    "signal_job": frozenset({"job_id", "signal", "target"}),
-    "job_state": frozenset({"job_id"}),
-    "reset_gpu": frozenset({"node", "gpu", "reason", "alertname"}),
-    "reboot": frozenset({"node", "reason", "alertname"}),
-}
-_KEYS = {"commands", "timeout_seconds", "fleet_size", "env", "cwd", "permanent_exit_codes"}
-
 
 def _tail(data: bytes) -> str:
     text = data.decode(errors="replace").strip()
@@ -97,32 +86,65 @@ SHELL_PROGRAMS = frozenset({"ssh", "rsh", "pdsh", "clush", "sh", "bash", "dash",
 FREE_TEXT = frozenset({"reason"})  # the one field no grammar bounds
 
 
-def template_errors(name: str, template: Any, allowed: frozenset[str]) -> list[str]:
+def template_errors(template: Any, allowed: frozenset[str]) -> list[str]:
     """Every problem with one argv template: its type, any placeholder ``allowed`` does not hold, any
     conversion but ``!q``, and free text left unquoted where a shell will parse it."""
     if not isinstance(template, list) or not template or not all(isinstance(a, str) for a in template):
-        return [f"{name}: a non-empty list of strings (argv, no shell)"]
+        return ["a non-empty list of strings (argv, no shell)"]
     errors = []
     shell = next((a for a in template if os.path.basename(a) in SHELL_PROGRAMS), None)
     for arg in template:
         try:
             parsed = [(f, conv) for _, f, _, conv in _TEMPLATE.parse(arg) if f is not None]
         except ValueError as exc:
-            errors.append(f"{name}: bad placeholder in {arg!r}: {exc}")
+            errors.append(f"bad placeholder in {arg!r}: {exc}")
             continue
         names = {f for f, _ in parsed}
-        errors.extend(f"{name}: in {arg!r}, !{conv} is not a conversion; use !q to quote for a remote shell"
+        errors.extend(f"in {arg!r}, !{conv} is not a conversion; use !q to quote for a remote shell"
                       for _, conv in parsed if conv not in (None, "q"))
         if shell is not None:
-            errors.extend(f"{name}: in {arg!r}, {{{f}}} is free text and {shell!r} hands it to a shell: "
+            errors.extend(f"in {arg!r}, {{{f}}} is free text and {shell!r} hands it to a shell: "
                           f"write {{{f}!q}}" for f, conv in parsed if f in FREE_TEXT and conv != "q")
         unknown = sorted(names - allowed)
         if unknown:
             known = ", ".join("{" + a + "}" for a in sorted(allowed)) or "none"
-            errors.append(f"{name}: unknown placeholder(s) {', '.join('{' + u + '}' for u in unknown)} "
+            errors.append(f"unknown placeholder(s) {', '.join('{' + u + '}' for u in unknown)} "
                           f"in {arg!r}; allowed: {known}")
     return errors
 
+
+@dataclass(frozen=True)
+class Placeholders:
+    """Field metadata: the value is an argv template that may use only these placeholders.
+
+    Every problem of one template is one line at the template's location; the JSON Schema says
+    argv, so an editor flags a shell line."""
+
+    allowed: frozenset[str]
+
+    def validate(self, value: Any) -> list[str]:
+        errors = template_errors(value, self.allowed)
+        if errors:
+            raise PydanticCustomError("template", "{errors}", {"errors": "; ".join(errors)})
+        return list(value)
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        return core_schema.no_info_plain_validator_function(self.validate)
+
+    def __get_pydantic_json_schema__(self, schema: CoreSchema,
+                                     handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        known = ", ".join("{" + a + "}" for a in sorted(self.allowed)) or "none"
+        return {"type": "array", "items": {"type": "string"}, "minItems": 1,
+                "description": f"An argv list, no shell; placeholders: {known} ({{name!q}}: quoted for a "
+                               "remote shell)."}
+
+
+NODE = frozenset({"node"})
+ALERT = frozenset({"node", "reason", "alertname"})
+NodeTemplate = Annotated[list[str], Placeholders(NODE)]
+AlertTemplate = Annotated[list[str], Placeholders(ALERT)]
+ResetGpuTemplate = Annotated[list[str], Placeholders(ALERT | {"gpu"})]
+RebootTemplate = AlertTemplate
 
 def fill(template: Sequence[str], fields: Mapping[str, str]) -> list[str]:
     """Substitute placeholders argument by argument; values are inserted verbatim (``!q``: shell-quoted),
@@ -169,55 +191,57 @@ def alert_fields(node: str, reason: str, gpu: str | None = None, *, alertname: s
     return fields
 
 
-@dataclass(frozen=True)
-class CommandSettings:
-    commands: dict[str, list[str]]
-    timeout_seconds: float = 60.0
-    fleet_size: int | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    cwd: str | None = None
-    permanent_exit_codes: frozenset[int] = frozenset()
+class Commands(Model):
+    """One argv template per operation, with the placeholders that operation may use; the environment
+    carries the same fields."""
+
+    node_state: NodeTemplate | None = None
+    fleet_size: Annotated[list[str], Placeholders(frozenset())] | None = None
+    drain: AlertTemplate | None = None
+    resume: NodeTemplate | None = None
+    jobs_on_node: NodeTemplate | None = None
+    requeue: Annotated[list[str], Placeholders(frozenset({"job_id", "exclude_nodes"}))] | None = None
+    signal_job: Annotated[list[str], Placeholders(frozenset({"job_id", "signal", "target"}))] | None = None
+    job_state: Annotated[list[str], Placeholders(frozenset({"job_id"}))] | None = None
+    reset_gpu: ResetGpuTemplate | None = None
+    reboot: RebootTemplate | None = None
+
+    def template(self, operation: str) -> list[str] | None:
+        found: list[str] | None = getattr(self, operation)
+        return found
+
+
+class CommandSettings(Model):
+    """The ``backend:`` section for ``type: command`` (without ``type``)."""
+
+    commands: Commands = Commands()
+    timeout_seconds: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 60.0
+    fleet_size: Annotated[int, Field(ge=1)] | None = None  # or commands.fleet_size
+    env: dict[str, str] = Field(default_factory=dict)  # added to the inherited environment
+    cwd: Annotated[str, Field(min_length=1)] | None = None
+    permanent_exit_codes: list[int] = Field(default_factory=list)  # exit codes a retry cannot change
+
+    @classmethod
+    def cross_check(cls, data: dict[str, Any]) -> list[tuple[Location, str]]:
+        commands = data.get("commands")
+        named = set(commands) if isinstance(commands, dict) else set()
+        found: list[tuple[Location, str]] = []
+        changing = [op for op in NODE_CHANGING if op in named]
+        if changing and "node_state" not in named:
+            found.append((("commands", "node_state"),
+                          f"required with {', '.join(changing)}: without it a node an operator drained "
+                          "cannot be told from one we may act on"))
+        if data.get("fleet_size") is None and "fleet_size" not in named:
+            found.append(((), "set fleet_size (the node count) or commands.fleet_size; the circuit breaker "
+                              "needs the fleet size"))
+        return found
 
 
 def _settings(section: Mapping[str, Any]) -> CommandSettings:
-    errors = [f"backend.{key}: unknown key" for key in sorted(set(section) - _KEYS)]
-    commands = section.get("commands") or {}
-    if not isinstance(commands, dict):
-        errors.append("backend.commands: a mapping of operation to argv list")
-        commands = {}
-    for op in sorted(set(commands) - set(FIELDS)):
-        errors.append(f"backend.commands.{op}: unknown operation; known: {', '.join(FIELDS)}")
-    for op, template in commands.items():
-        if op in FIELDS:
-            errors.extend(template_errors(f"backend.commands.{op}", template, FIELDS[op]))
-    timeout = section.get("timeout_seconds", 60.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-        errors.append("backend.timeout_seconds: a number > 0")
-    fleet = section.get("fleet_size")
-    if fleet is not None and (isinstance(fleet, bool) or not isinstance(fleet, int) or fleet < 1):
-        errors.append("backend.fleet_size: an integer >= 1")
-    changing = sorted(op for op in NODE_CHANGING if op in commands)
-    if changing and "node_state" not in commands:
-        errors.append(f"backend.commands.node_state: required with {', '.join(changing)}: without it a node "
-                      "an operator drained cannot be told from one we may act on")
-    if fleet is None and "fleet_size" not in commands:
-        errors.append("backend: set fleet_size (the node count) or commands.fleet_size; the circuit "
-                      "breaker needs the fleet size")
-    env = section.get("env") or {}
-    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                            for k, v in env.items()):
-        errors.append("backend.env: a mapping of variable name to string")
-    cwd = section.get("cwd")
-    if cwd is not None and not isinstance(cwd, str):
-        errors.append("backend.cwd: a directory path")
-    codes = section.get("permanent_exit_codes") or []
-    if not isinstance(codes, list) or not all(isinstance(c, int) and not isinstance(c, bool) for c in codes):
-        errors.append("backend.permanent_exit_codes: a list of exit codes that must not be retried")
-    if errors:
-        raise ValueError("command backend:\n  " + "\n  ".join(errors))
-    return CommandSettings({op: list(argv) for op, argv in commands.items()}, float(timeout), fleet,
-                           dict(env), cwd, frozenset(codes))
-
+    try:
+        return CommandSettings.model_validate(dict(section))
+    except ValidationError as exc:
+        raise ValueError("command backend:\n  " + "\n  ".join(problems(exc, "backend"))) from None
 
 class CommandBackend(TracksHelpers):
     """Runs one configured program per operation; an operation with no command fails clearly."""
@@ -233,7 +257,7 @@ class CommandBackend(TracksHelpers):
         return cls(_settings(section))
 
     async def _run(self, operation: str, fields: Mapping[str, str]) -> str:
-        template = self.settings.commands.get(operation)
+        template = self.settings.commands.template(operation)
         if template is None:
             raise BackendError(f"command backend: no '{operation}' command configured "
                                f"(backend.commands.{operation})", retryable=False)
@@ -241,10 +265,11 @@ class CommandBackend(TracksHelpers):
         log.info("event=command_run operation=%s argv=%s", operation, json.dumps(argv))
         return await run_argv(argv, env=environment(operation, fields, self.settings.env),
                               timeout=self.settings.timeout_seconds, cwd=self.settings.cwd,
-                              permanent_exit_codes=self.settings.permanent_exit_codes, helpers=self.helpers)
+                              permanent_exit_codes=frozenset(self.settings.permanent_exit_codes),
+                              helpers=self.helpers)
 
     async def node_state(self, node: str) -> NodeState:
-        if "node_state" not in self.settings.commands:
+        if self.settings.commands.node_state is None:
             return NodeState(node, exists=True, drained=False)
         out = await self._run("node_state", {"node": check_node(node)})
         try:
@@ -257,7 +282,7 @@ class CommandBackend(TracksHelpers):
                                retryable=False) from None
 
     async def fleet_size(self) -> int:
-        if "fleet_size" not in self.settings.commands:
+        if self.settings.commands.fleet_size is None:
             return self.settings.fleet_size or 0
         out = await self._run("fleet_size", {})
         try:
@@ -273,7 +298,7 @@ class CommandBackend(TracksHelpers):
         await self._run("resume", {"node": check_node(node)})
 
     async def jobs_on_node(self, node: str) -> list[str]:
-        if "jobs_on_node" not in self.settings.commands:
+        if self.settings.commands.jobs_on_node is None:
             return []
         return (await self._run("jobs_on_node", {"node": check_node(node)})).split()
 

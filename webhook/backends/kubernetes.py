@@ -11,17 +11,28 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 from urllib.parse import quote
+
+from gpuhealth.contract.validation import Location, Model, problems
+from pydantic import Field, ValidationError
 
 from ..labels import clean_text
 from .base import BackendError, JobState, NodeState
-from .command import FIELDS, alert_fields, check_gpu, check_node, environment, fill, run_argv, template_errors
+from .command import (
+    RebootTemplate,
+    ResetGpuTemplate,
+    alert_fields,
+    check_gpu,
+    check_node,
+    environment,
+    fill,
+    run_argv,
+)
 from .helpers import TracksHelpers
-from .kubernetes_api import PATCH_TYPES, KubeAPIError, KubeClient, KubeSession
+from .kubernetes_api import KubeAPIError, KubeClient, KubeSession
 from .kubernetes_config import SERVICE_ACCOUNT_DIR, Connection, from_kubeconfig, in_cluster
 
 log = logging.getLogger(__name__)
@@ -43,57 +54,84 @@ TERMINAL_PHASES = {"Succeeded", "Failed"}
 NodePatch = Callable[[Mapping[str, Any]], dict[str, Any] | None]
 
 
-@dataclass(frozen=True)
-class Settings:
-    gpu_resource: str = "nvidia.com/gpu"
-    node_selector: str = ""
-    request_timeout_seconds: float = 10.0
-    eviction_deadline_seconds: float = 120.0
-    eviction_backoff_seconds: float = 1.0
-    patch_type: str = "strategic"
-    node_actions: str = "annotate"
-    node_commands: dict[str, list[str]] = field(default_factory=dict)
-    node_command_timeout_seconds: float = 300.0
-    job_pods: str = "all"
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
-NODE_COMMANDS = ("reset_gpu", "reboot")
-_CHOICES = {"patch_type": tuple(PATCH_TYPES), "node_actions": ("annotate", "command", "none"),
-            "job_pods": ("all", "on_excluded_nodes")}
-_CONNECTION_KEYS = {"type", "kubeconfig", "context", "service_account_dir", "insecure_skip_tls_verify"}
+class NodeCommands(Model):
+    """With ``node_actions: command``: the site's programs for what the API cannot do."""
 
+    reset_gpu: ResetGpuTemplate | None = None
+    reboot: RebootTemplate | None = None
+
+
+class ConnectionSettings(Model):
+    """Where the API server is: a kubeconfig (kubectl's rules), or the pod's service account."""
+
+    kubeconfig: Annotated[str, Field(min_length=1)] | None = None
+    context: str | None = None  # a kubeconfig context; its current-context by default
+    service_account_dir: Annotated[str, Field(min_length=1)] = str(SERVICE_ACCOUNT_DIR)
+    insecure_skip_tls_verify: bool = False  # only ever off by this explicit setting
+
+    def connect(self, errors: list[str]) -> Connection | None:
+        if self.kubeconfig:
+            return from_kubeconfig(Path(self.kubeconfig).expanduser(), self.context,
+                                   self.insecure_skip_tls_verify, errors)
+        return in_cluster(Path(self.service_account_dir), self.insecure_skip_tls_verify, errors)
+
+
+class KubernetesSettings(ConnectionSettings):
+    """The ``backend:`` section for ``type: kubernetes`` (without ``type``)."""
+
+    gpu_resource: Annotated[str, Field(min_length=1)] = "nvidia.com/gpu"  # the extended resource of a GPU
+    node_selector: str = ""  # a label selector: the nodes that count as the fleet
+    request_timeout_seconds: Seconds = 10.0
+    eviction_deadline_seconds: Seconds = 120.0  # then a drain fails; a disruption budget may block it
+    eviction_backoff_seconds: Seconds = 1.0
+    patch_type: Literal["strategic", "merge"] = "strategic"
+    node_actions: Literal["annotate", "command", "none"] = "annotate"  # how reset_gpu and reboot are done
+    node_commands: NodeCommands | None = None  # with node_actions: command, and only then
+    node_command_timeout_seconds: Seconds = 300.0
+    job_pods: Literal["all", "on_excluded_nodes"] = "all"  # which pods of a Job a requeue restarts
+
+    @classmethod
+    def cross_check(cls, data: dict[str, Any]) -> list[tuple[Location, str]]:
+        found: list[tuple[Location, str]] = []
+        if data.get("context") is not None and not data.get("kubeconfig"):
+            found.append((("context",), "only meaningful with backend.kubeconfig"))
+        if (data.get("node_actions") == "command") != bool(data.get("node_commands")):
+            found.append((("node_commands",), "required with node_actions: command, and only used with it"))
+        return found
+
+    def node_command(self, operation: str) -> list[str] | None:
+        found: list[str] | None = getattr(self.node_commands, operation, None)
+        return found
 
 class KubernetesBackend(TracksHelpers):
     """Acts through the API server with the rights of the ClusterRole in ``KUBERNETES.md``."""
 
     name = "kubernetes"
 
-    def __init__(self, connection: Connection, settings: Settings | None = None) -> None:
+    def __init__(self, connection: Connection, settings: KubernetesSettings | None = None) -> None:
         self.connection = connection
-        self.settings = settings or Settings()
+        self.settings = settings or KubernetesSettings()
         self._client = KubeClient(connection, self.settings.request_timeout_seconds)
 
     @classmethod
     def from_config(cls, section: Mapping[str, Any]) -> KubernetesBackend:
         """Build from the ``backend:`` section; raises ``ValueError`` listing every problem."""
         errors: list[str] = []
-        settings = _settings(section, errors)
-        insecure = section.get("insecure_skip_tls_verify", False)
-        if not isinstance(insecure, bool):
-            errors.append("backend.insecure_skip_tls_verify: must be true or false")
-            insecure = False
-        context = section.get("context")
-        if context is not None and not isinstance(context, str):
-            errors.append("backend.context: must be a string")
-        if section.get("kubeconfig"):
-            connection = from_kubeconfig(Path(str(section["kubeconfig"])).expanduser(), context,
-                                         insecure, errors)
-        else:
-            if context is not None:
-                errors.append("backend.context: only meaningful with backend.kubeconfig")
-            sa_dir = Path(str(section.get("service_account_dir") or SERVICE_ACCOUNT_DIR))
-            connection = in_cluster(sa_dir, insecure, errors)
-        if errors or connection is None:
+        settings: KubernetesSettings | None = None
+        try:
+            settings = KubernetesSettings.model_validate(dict(section))
+        except ValidationError as exc:
+            errors = problems(exc, "backend")
+        # The connection is checked even when another setting is wrong, so that every problem is listed.
+        own = {key: value for key, value in section.items() if key in ConnectionSettings.model_fields}
+        try:
+            connection = (settings or ConnectionSettings.model_validate(own)).connect(errors)
+        except ValidationError:
+            connection = None  # its problems are listed already
+        if errors or connection is None or settings is None:
             raise ValueError("kubernetes backend:\n  " + "\n  ".join(errors))
         return cls(connection, settings)
 
@@ -209,7 +247,7 @@ class KubernetesBackend(TracksHelpers):
 
     async def _run_node_command(self, operation: str, fields: Mapping[str, str]) -> None:
         """The site's own way to reach the machine (ssh, a BMC, a job), as the command backend runs it."""
-        template = self.settings.node_commands.get(operation)
+        template = self.settings.node_command(operation)
         if template is None:
             raise BackendError(f"kubernetes backend: no node_commands.{operation} configured",
                                retryable=False)
@@ -318,47 +356,6 @@ class KubernetesBackend(TracksHelpers):
                 if amount.strip() not in ("", "0"):
                     return True
         return False
-
-
-def _settings(section: Mapping[str, Any], errors: list[str]) -> Settings:
-    defaults = asdict(Settings())
-    known = set(defaults) | _CONNECTION_KEYS
-    errors.extend(f"backend.{key}: unknown setting" for key in sorted(set(section) - known))
-    values: dict[str, Any] = {}
-    for key, default in defaults.items():
-        value = section.get(key, default)
-        if isinstance(default, float):
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                errors.append(f"backend.{key}: must be a positive number of seconds, got {value!r}")
-                continue
-            value = float(value)
-        elif isinstance(default, dict):
-            value = _node_commands(value, errors)
-            if value is None:
-                continue
-        elif not isinstance(value, str):
-            errors.append(f"backend.{key}: must be a string, got {value!r}")
-            continue
-        elif key in _CHOICES and value not in _CHOICES[key]:
-            errors.append(f"backend.{key}: must be one of {', '.join(_CHOICES[key])}, got {value!r}")
-            continue
-        values[key] = value
-    if (section.get("node_actions") == "command") != bool(section.get("node_commands")):
-        errors.append("backend.node_commands: required with node_actions: command, and only used with it")
-    return Settings(**values) if len(values) == len(defaults) else Settings()
-
-
-def _node_commands(value: Any, errors: list[str]) -> dict[str, list[str]] | None:
-    if not isinstance(value, dict):
-        errors.append("backend.node_commands: a mapping of reset_gpu/reboot to an argv list")
-        return None
-    before = len(errors)
-    for op, template in value.items():
-        if op not in NODE_COMMANDS:
-            errors.append(f"backend.node_commands.{op}: unknown; known: {', '.join(NODE_COMMANDS)}")
-        else:
-            errors.extend(template_errors(f"backend.node_commands.{op}", template, FIELDS[op]))
-    return {op: list(argv) for op, argv in value.items()} if len(errors) == before else None
 
 
 async def _get_node(api: KubeSession, node: str, *, missing_ok: bool) -> dict[str, Any] | None:

@@ -27,12 +27,12 @@ from typing import Annotated, Any, Literal
 from gpuhealth.contract.validation import Model, problems
 from gpuhealth.webhook.backends.base import BackendError, JobState, NodeState
 from gpuhealth.webhook.backends.command import (
+    ResetGpuTemplate,
     alert_fields,
     check_node,
     environment,
     fill,
     run_argv,
-    template_errors,
 )
 from gpuhealth.webhook.backends.helpers import TracksHelpers
 from gpuhealth.webhook.backends.scontrol import job_fields, parse_node_line
@@ -67,15 +67,6 @@ def _program(value: Any) -> Any:
     return tuple(argv)
 
 
-def _reset_command(value: Any) -> list[str]:
-    name = "reset_gpu_command"
-    errors = template_errors(name, value, frozenset({"node", "gpu", "reason", "alertname"}))
-    if errors:  # the location is given once, in front of them all
-        joined = "; ".join(e.removeprefix(f"{name}: ") for e in errors)
-        raise PydanticCustomError("template", "{errors}", {"errors": joined})
-    return list(value)
-
-
 Program = Annotated[tuple[str, ...], PlainValidator(_program),
                     WithJsonSchema({"anyOf": [{"type": "string", "minLength": 1},
                                               {"type": "array", "items": {"type": "string", "minLength": 1},
@@ -92,8 +83,7 @@ class SlurmSettings(Model):
     slurm_conf: NonEmpty | None = None
     timeout_seconds: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 30.0
     partition: NonEmpty | None = None
-    reset_gpu_command: Annotated[list[str], PlainValidator(_reset_command),
-                                 WithJsonSchema({"type": "array", "items": {"type": "string"}})] | None = None
+    reset_gpu_command: ResetGpuTemplate | None = None
     # error: fail the action; reboot: no way to reset one GPU, so reboot the node
     reset_gpu_fallback: Literal["error", "reboot"] = "error"
     start_requeued_now: bool = True  # a requeued job may start at once elsewhere, not after Slurm's delay
