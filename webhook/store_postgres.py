@@ -125,7 +125,7 @@ class PostgresJournal(Journal):
         self.replica, self.lease_seconds = replica, lease_seconds
         self._renewed_at = float("-inf")  # when this replica last renewed its claims
         self._fenced = False  # set while the worker's own transitions run: they need the claim
-        self.db = _Connection(url)  # type: ignore[assignment]
+        self.db = _Connection(url)  # type: ignore[assignment]  # same calls as sqlite3.Connection
         try:
             self._migrate()
         except BaseException:

@@ -1,6 +1,6 @@
 """Each third-party import is declared where it is used (pyproject.toml), and nothing more:
 the daemons install only what they import; the tool's extras (``tools``) and the development set
-(``dev``) carry the rest."""
+(``dev``) carry the rest; a daemon's optional feature (the webhook's ``postgres``) has its own extra."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ def _name(requirement: str) -> str:
 CORE = {_name(r) for r in PROJECT["dependencies"]}
 TOOLS = {_name(r) for r in PROJECT["optional-dependencies"]["tools"]}
 DEV = {_name(r) for r in PROJECT["optional-dependencies"]["dev"]}
+POSTGRES = {_name(r) for r in PROJECT["optional-dependencies"]["postgres"]}
+# A daemon's own extras: what one optional feature needs, imported only when it is configured.
+EXTRAS = {"webhook": POSTGRES}
 DISTRIBUTIONS = importlib.metadata.packages_distributions()
 
 
@@ -41,7 +44,8 @@ def third_party(folder: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("component", DEPLOYABLE)
 def test_a_daemon_imports_only_core_dependencies(component):
-    assert {n: where for n, where in third_party(component).items() if n not in CORE} == {}
+    allowed = CORE | EXTRAS.get(component, set())
+    assert {n: where for n, where in third_party(component).items() if n not in allowed} == {}
 
 
 def test_the_tool_imports_only_core_and_tools_dependencies():
@@ -49,7 +53,7 @@ def test_the_tool_imports_only_core_and_tools_dependencies():
 
 
 def test_benchmarks_import_only_declared_dependencies():
-    assert {n: where for n, where in third_party("bench").items() if n not in CORE | TOOLS | DEV} == {}
+    assert {n: where for n, where in third_party("bench").items() if n not in CORE | TOOLS | DEV | POSTGRES} == {}
 
 
 def test_every_core_dependency_is_imported_by_a_daemon():

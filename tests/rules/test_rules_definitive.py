@@ -121,7 +121,7 @@ def test_pcie_replay_rate_above_the_driver_limit(tmp_path, source):
     fleet.add("pcie_replays", "n1", 1, (0, 6, minutes))                        # steady 6 a minute
     fleet.add("pcie_replays", "n1", 2, (0, 0, 9), (2000, 0, minutes - 10))    # one burst at minute 10
     replays = _gpu_alert(
-        "GPUHealthPcieReplayRate", "n1", 0, "20", "warning", "drain",
+        "GPUHealthPcieReplayRate", "n1", 0, "20", "warning", "checkpoint_drain",
         "PCIe link of n1 GPU 0 keeps replaying (20/min)",
         "The PCIe link of GPU 0 on n1 replays 20 packets a minute, above the 8 a minute NVIDIA's driver "
         "allows a healthy link (DCGM's limit), and has for half an hour: the link is degrading. Drain the "
