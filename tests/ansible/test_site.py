@@ -28,7 +28,8 @@ from wheelhouse import ROOT, upgrade_wheelhouse
 from gpuhealth.local.process import ManagedProcess, free_port, http_ok, wait_until
 from gpuhealth.local.prometheus import PrometheusServer
 
-pytestmark = pytest.mark.slow
+# The first test sets up four playbook runs (deploy, again, upgrade, check mode): minutes on 2 cores.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 UPGRADE = f"{VERSION}.post1"
 SITE_VARS = {

@@ -57,7 +57,7 @@ def test_ctrl_c_mid_run_stops_every_process(tmp_path):
             # slurmctld, slurmd, exporters, Prometheus, ...
             assert len(_processes_under(workdir)) >= 5, "".join(lines)
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=60) == 130
+            assert proc.wait(timeout=120) == 130
             assert "every demo process has been stopped" in proc.stdout.read()
         finally:
             if proc.poll() is None:
