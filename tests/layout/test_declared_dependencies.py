@@ -53,7 +53,8 @@ def test_the_tool_imports_only_core_and_tools_dependencies():
 
 
 def test_benchmarks_import_only_declared_dependencies():
-    assert {n: where for n, where in third_party("bench").items() if n not in CORE | TOOLS | DEV | POSTGRES} == {}
+    declared = CORE | TOOLS | DEV | POSTGRES
+    assert {n: where for n, where in third_party("bench").items() if n not in declared} == {}
 
 
 def test_every_core_dependency_is_imported_by_a_daemon():

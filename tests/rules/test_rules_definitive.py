@@ -125,7 +125,8 @@ def test_pcie_replay_rate_above_the_driver_limit(tmp_path, source):
         "PCIe link of n1 GPU 0 keeps replaying (20/min)",
         "The PCIe link of GPU 0 on n1 replays 20 packets a minute, above the 8 a minute NVIDIA's driver "
         "allows a healthy link (DCGM's limit), and has for half an hour: the link is degrading. Let its "
-        "jobs checkpoint, drain the node and have the link checked (reseat, riser, retimer) before it drops the GPU.")
+        "jobs checkpoint, drain the node and have the link checked (reseat, riser, retimer) before it drops "
+        "the GPU.")
     checks = [
         # Above the limit once the 15-minute rate passes 8 a minute (minute 17), firing 30 minutes later.
         {"eval_time": "46m", "alertname": "GPUHealthPcieReplayRate", "exp_alerts": []},   # within `for`
