@@ -76,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger().setLevel(logging.WARNING)
     os.environ["PATH"] = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"
     signal.signal(signal.SIGTERM, _terminate)
+    # Ctrl-C stops the demo even when it was started with SIGINT ignored (a background job of a script).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     live = not args.headless and sys.stdout.isatty()
     options = StackOptions(nodes=args.nodes)
     try:
