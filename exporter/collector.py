@@ -13,6 +13,7 @@ come from the inventory step (``inventory_step.py``), which runs before every co
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import pkgutil
@@ -26,6 +27,7 @@ from gpuhealth.exporter.guard import GuardedWorker
 from gpuhealth.exporter.inventory import Inventory
 from gpuhealth.exporter.inventory_step import InventoryStep
 from gpuhealth.exporter.metrics import Exposed
+from gpuhealth.exporter.nvml_reader import NvmlReader
 from gpuhealth.exporter.nvml_session import NvmlSession
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,12 @@ class Context:
         if name not in self.workers:
             self.workers[name] = GuardedWorker(f"nvml-{name}")
         return self.workers[name]
+
+    @functools.cached_property
+    def reader(self) -> NvmlReader:
+        """One reader for the inventory step and the collectors: what a GPU does not offer is learned
+        once, and forgotten once (by the step) when NVML is initialised again."""
+        return NvmlReader(self.nvml)
 
     @property
     def nvml_session(self) -> NvmlSession:

@@ -28,6 +28,7 @@ def _pci_key(pci_bus_id: str) -> str:
 @dataclass
 class Inventory:
     driver_version: str = ""
+    count: int = 0  # GPUs NVML enumerated at the last count that answered (the inventory step's)
     gpus: dict[int, GpuIdentity] = field(default_factory=dict)
     processes: dict[int, list[int]] = field(default_factory=dict)  # GPU index -> compute pids
     logged_recovery: dict[str, str] = field(default_factory=dict)  # gpu -> action from XID 154

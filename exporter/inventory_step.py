@@ -1,10 +1,11 @@
-"""The inventory step: learns each GPU's identity before any collector runs.
+"""The inventory step: learns how many GPUs NVML sees and each one's identity before any collector runs.
 
 The kernel log names a GPU by PCI address and Slurm's view needs the index, so the ``xid`` and
 ``jobs`` collectors depend on GPU identities whether or not the ``gpu`` collector is enabled. The
 sampler runs this step first in every run; it reads a GPU's identity once (kept after the GPU
 vanishes, so an XID 79 still lands on its index) and tries again next run while a GPU does not
-answer. Whether a GPU is up is the ``gpu`` collector's to report, not this step's.
+answer. It is also the one place that notices NVML was initialised again and counts the GPUs; the
+collectors read both from the context. Whether a GPU is up is the ``gpu`` collector's to report.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import TYPE_CHECKING
 
 from gpuhealth.exporter.guard import DeadlineExceeded, GuardedWorker
 from gpuhealth.exporter.nvml_errors import GpuDown, NvmlDown, error_label
-from gpuhealth.exporter.nvml_reader import NvmlReader
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -28,11 +28,11 @@ log = logging.getLogger(__name__)
 
 
 class InventoryStep:
-    """Fills ``ctx.inventory`` with the identity of every GPU NVML enumerates."""
+    """Fills ``ctx.inventory`` with the GPU count and the identity of every GPU NVML enumerates."""
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.reader = NvmlReader(ctx.nvml)
+        self.reader = ctx.reader
         self.generation = 0
 
     def run(self) -> None:
@@ -53,6 +53,7 @@ class InventoryStep:
         except (DeadlineExceeded, GpuDown) as exc:  # the gpu collector reports the failure
             log.debug("inventory count failed error=%s", error_label(exc))
             return
+        ctx.inventory.count = count
         unknown = [i for i in range(count) if i not in ctx.inventory.gpus]
         deadline = time.monotonic() + ctx.nvml_timeout_seconds  # the waits overlap: one timeout at most
         futures: dict[int, Future[GpuIdentity]] = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import getpass
 import logging
 import resource
@@ -178,6 +179,10 @@ def run(settings: Settings) -> int:
     # cost stays small (exporter README, benchmark).
     sys.setswitchinterval(0.0002)
     sampler.start()
+    # What start-up and the first run built (modules, caches, identities) lives as long as the process;
+    # frozen, a full collection no longer walks it while holding the GIL (35 ms of CPU on an 8-GPU B200
+    # simulator, a scrape's worst case).
+    gc.freeze()
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     log.info("listening address=%s:%d backend=%s collectors=%s kmsg=%s tls=%s", host or "*", port,
              settings.backend, ",".join(collectors), ctx.kmsg_path, settings.tls_cert_file is not None)

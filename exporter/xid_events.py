@@ -36,8 +36,9 @@ class NvmlXidEvents:
         self._backoff = BACKOFF_FIRST
         self._register_retry_at = 0.0
 
-    def drain(self, generation: int) -> list[tuple[str, int]]:
-        """Pending critical XIDs as (gpu, xid). ``generation``: NVML's initialisation count."""
+    def drain(self, generation: int, count: int) -> list[tuple[str, int]]:
+        """Pending critical XIDs as (gpu, xid). ``generation``: NVML's initialisation count; ``count``:
+        the GPUs it enumerates (the inventory step's count)."""
         if generation != self._generation:  # NVML was initialised again: handles and sets are stale
             self._generation = generation
             self.event_set = None
@@ -45,7 +46,7 @@ class NvmlXidEvents:
             self._retry_at = 0.0
         if self.event_set is None and not self._create():
             return []
-        self._register_missing()
+        self._register_missing(count)
         return self._wait()
 
     def _create(self) -> bool:
@@ -65,15 +66,10 @@ class NvmlXidEvents:
         self._register_retry_at = 0.0
         return True
 
-    def _register_missing(self) -> None:
+    def _register_missing(self, count: int) -> None:
         nvml = self.nvml
         if self.clock() < self._register_retry_at:
             return
-        try:
-            count = nvml.nvmlDeviceGetCount()
-        except nvml.NVMLError as exc:
-            log.warning("NVML device count failed error=%s", error_label(exc))
-            count = len(self.registered)
         missing = [i for i in range(count) if not self.registered.get(i)]
         for index in missing:
             try:

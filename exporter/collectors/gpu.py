@@ -21,7 +21,7 @@ from gpuhealth.exporter.guard import DeadlineExceeded, GuardedWorker
 from gpuhealth.exporter.inventory import GpuIdentity, nvidia_gpus_on_pci
 from gpuhealth.exporter.metrics import RECOVERY_ACTIONS, Families, Family, Series
 from gpuhealth.exporter.nvml_errors import GpuDown, NvmlDown, error_label
-from gpuhealth.exporter.nvml_reader import CLOCK_EVENT_REASONS, GpuReading, NvmlReader
+from gpuhealth.exporter.nvml_reader import CLOCK_EVENT_REASONS, GpuReading
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +66,10 @@ class GpuTrack:
 class GpuCollector:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.reader = NvmlReader(ctx.nvml)
+        self.reader = ctx.reader
         self.tracks: dict[int, GpuTrack] = {}
         self.expected = ctx.gpus_expected
-        self.count = 0
         self.stalled = False
-        self.generation = 0
 
     def _sample(self, index: int, known: bool, full: bool) -> tuple[GpuIdentity | None, GpuReading, float]:
         """Runs on the GPU's worker; shared state is only updated by the sampling thread. The identity
@@ -90,23 +88,10 @@ class GpuCollector:
         ctx, session = self.ctx, self.ctx.nvml_session
         if self.expected is None and ctx.sysfs is not None:
             self.expected = nvidia_gpus_on_pci(ctx.sysfs) or None  # none on the bus: ask NVML
-        if not session.ensure():
+        if not session.up:  # the inventory step, run first, initialises NVML or notices it lost
             yield from self._families(sorted(self.tracks), nvml_up=False)
             return
-        if session.generation != self.generation:  # initialised again: ask every feature afresh
-            self.generation = session.generation
-            self.reader.forget()
-            ctx.inventory.driver_version = session.driver_version
-        try:
-            self.count = GuardedWorker.result(ctx.worker("node").submit(self._count),
-                                              ctx.nvml_timeout_seconds)
-        except NvmlDown as exc:
-            session.lost(exc.error)
-            yield from self._families(sorted(self.tracks), nvml_up=False)
-            return
-        except (DeadlineExceeded, GpuDown) as exc:  # keep sampling the GPUs known so far
-            log.warning("gpu count failed error=%s", error_label(exc))
-        count = self.count
+        count = ctx.inventory.count  # counted by the inventory step, which runs first
         if self.expected is None:  # no readable sysfs: the count NVML sees first
             self.expected = count
         indices = sorted(set(range(count)) | set(ctx.inventory.gpus) | set(self.tracks))
@@ -143,10 +128,6 @@ class GpuCollector:
                     ctx.inventory.add(identity)
                 self._up(index, track, reading, latency)
         yield from self._families(indices, nvml_up=session.up)
-
-    def _count(self) -> int:
-        count: int = self.reader.core(self.ctx.nvml.nvmlDeviceGetCount)
-        return count
 
     def _down(self, index: int, track: GpuTrack, exc: BaseException, enumerated: bool) -> None:
         error = error_label(exc)

@@ -58,10 +58,11 @@ class XidCollector:
     def collect(self) -> Iterator[Family]:
         """No NVML failure may stop the kernel log's XIDs, SXIDs and AER errors from counting."""
         session, source = self.ctx.session, self.events
-        if source is not None and session is not None and session.ensure():
+        if source is not None and session is not None and session.up:  # the inventory step ensures it
+            count = self.ctx.inventory.count
             try:
                 events = GuardedWorker.result(
-                    self.nvml_worker.submit(lambda: source.drain(session.generation)),
+                    self.nvml_worker.submit(lambda: source.drain(session.generation, count)),
                     self.ctx.nvml_timeout_seconds)
             except DeadlineExceeded:  # a hung driver: try again next run, count nothing twice
                 log.warning("NVML event drain timed out")

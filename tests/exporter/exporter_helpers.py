@@ -6,7 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from gpuhealth.exporter.collector import Context, load_collectors
+from gpuhealth.exporter.collector import GPU_IDENTITIES, Context, load_collectors
+from gpuhealth.exporter.inventory_step import InventoryStep
 from gpuhealth.exporter.metrics import render
 from gpuhealth.exporter.sim.nvml import SimulatedNvml
 from gpuhealth.exporter.sim.scenario import parse_scenario
@@ -46,8 +47,26 @@ def sim_context(scenario: dict, clock: FakeClock, kmsg_path: Path | None = None,
     return ctx
 
 
+class AfterInventory:
+    """A collector run as the sampler runs it: the inventory step first, at every collect()."""
+
+    def __init__(self, collector, step: InventoryStep) -> None:
+        self.collector, self.step = collector, step
+
+    def collect(self):
+        self.step.run()
+        yield from self.collector.collect()
+
+    def __getattr__(self, name: str):
+        return getattr(self.collector, name)
+
+
 def make_collector(name: str, ctx: Context):
-    return load_collectors()[name].factory(ctx)
+    registration = load_collectors()[name]
+    collector = registration.factory(ctx)
+    if ctx.nvml is None or GPU_IDENTITIES not in registration.needs:
+        return collector
+    return AfterInventory(collector, InventoryStep(ctx))
 
 
 def assert_golden(name: str, text: str) -> None:

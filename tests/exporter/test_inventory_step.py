@@ -68,6 +68,35 @@ def test_identities_are_read_once_and_the_gpu_collector_uses_them(tmp_path: Path
     assert 'gpuhealth_gpu_info{' in text
 
 
+def test_one_gpu_count_per_run_and_the_collector_reads_the_steps(tmp_path: Path, clock: FakeClock) -> None:
+    """The step counts the GPUs; the gpu collector samples what it counted without asking again."""
+    sampler, _ = _sampler(tmp_path, clock, {"host": False, "nfs": False})
+    nvml = sampler.collectors["gpu"].ctx.nvml
+    counts: list[int] = []
+    real_count = nvml.nvmlDeviceGetCount
+    nvml.nvmlDeviceGetCount = lambda: counts.append(1) or real_count()
+    for _ in range(3):
+        text = sampler.sample_once().decode()
+        clock.advance(1)
+    assert len(counts) == 3
+    assert value(text, "gpuhealth_gpus_visible") == 2 and value(text, "gpuhealth_gpu_up", gpu="1") == 1
+
+
+def test_a_count_that_finds_nvml_lost_keeps_the_run_down(tmp_path: Path, clock: FakeClock) -> None:
+    """NVML lost while counting: this run publishes nvml_up 0; the next run initialises it again."""
+    sampler, _ = _sampler(tmp_path, clock, {"host": False, "nfs": False})
+    nvml = sampler.collectors["gpu"].ctx.nvml
+    assert value(sampler.sample_once().decode(), "gpuhealth_nvml_up") == 1
+    real_count = nvml.nvmlDeviceGetCount
+    nvml.nvmlDeviceGetCount = lambda: (_ for _ in ()).throw(nvml.NVMLError(nvml.NVML_ERROR_UNINITIALIZED))
+    clock.advance(1)
+    assert value(sampler.sample_once().decode(), "gpuhealth_nvml_up") == 0
+    nvml.nvmlDeviceGetCount = real_count
+    clock.advance(1)
+    text = sampler.sample_once().decode()
+    assert value(text, "gpuhealth_nvml_up") == 1 and value(text, "gpuhealth_gpu_up", gpu="0") == 1
+
+
 def _reg(name: str, needs: tuple[str, ...] = (), provides: tuple[str, ...] = ()) -> Registration:
     return Registration(name, lambda ctx: None, name, True, frozenset(needs), frozenset(provides))
 
