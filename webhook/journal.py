@@ -75,38 +75,54 @@ class Journal:
 
     # What one notification's text can raise when the database refuses it: that one gets a 400.
     REFUSED: tuple[type[Exception], ...] = (ValueError, sqlite3.DataError, sqlite3.IntegrityError)
+    DIALECT = "sqlite"  # which SQL of each migration this database runs
 
     def __init__(self, path: Path, busy_timeout: float = 5.0, power_safe: bool = True,
                  replica: str = "") -> None:
         self.replica = replica
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
+        db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA journal_mode=WAL")
         # FULL: a commit survives power loss. NORMAL (WAL): it survives a crash of this process, and
         # the next FULL commit makes it power-safe too, since the WAL is synced in order.
-        self.db.execute(f"PRAGMA synchronous={'FULL' if power_safe else 'NORMAL'}")
-        self.db.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
+        db.execute(f"PRAGMA synchronous={'FULL' if power_safe else 'NORMAL'}")
+        db.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
+        self._attach(db)
+
+    def _attach(self, db: sqlite3.Connection) -> None:
+        """Take ``db`` as this journal's connection once it is migrated; closed again when it cannot be
+        (a journal newer than this webhook, a failing database), so a refused journal leaves nothing open."""
+        self.db = db
         try:
             self._migrate()
         except BaseException:
-            self.db.close()
+            db.close()
             raise
 
     def _migrate(self) -> None:
-        """Bring the file to the latest layout, in one transaction (``schema.MIGRATIONS``)."""
+        """The one migration runner: apply the migrations of ``schema.MIGRATIONS`` the journal has not
+        seen, in one transaction; only how the version is read and written differs by database."""
         def run() -> None:
-            version = int(self.db.execute("PRAGMA user_version").fetchone()[0])
-            if version == 0 and self.db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND "
-                                                 "name = 'actions'").fetchone():
-                version = 1  # written before the journal recorded its version
-            for migration in pending(version):
-                for statement in filter(str.strip, migration.sqlite.split(";")):
+            for migration in pending(self._schema_version()):
+                for statement in migration.statements(self.DIALECT):
                     self.db.execute(statement)
-                self.db.execute(f"PRAGMA user_version = {migration.version}")
+                self._set_schema_version(migration.version)
                 log.info("event=journal_migrated version=%d why=%r", migration.version, migration.why)
 
         self._tx(run)
+
+    def _schema_version(self) -> int:
+        """SQLite keeps the version in ``PRAGMA user_version``; a file with tables but version 0 was
+        written before the journal recorded its version, and is version 1."""
+        version = int(self.db.execute("PRAGMA user_version").fetchone()[0])
+        if version == 0 and self.db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND "
+                                            "name = 'actions'").fetchone():
+            return 1
+        return version
+
+    def _set_schema_version(self, version: int) -> None:
+        self.db.execute(f"PRAGMA user_version = {int(version)}")
 
     def close(self) -> None:
         self.db.close()

@@ -26,7 +26,6 @@ from typing import Any
 
 import psycopg
 from gpuhealth.webhook.journal import AsyncJournal, Journal, _action
-from gpuhealth.webhook.schema import pending
 from gpuhealth.webhook.store import (
     ACTIVE_STATES,
     PENDING,
@@ -120,30 +119,24 @@ class PostgresJournal(Journal):
     """``Journal`` on one PostgreSQL connection, with claims for replicas."""
 
     REFUSED = (ValueError, psycopg.DataError, psycopg.IntegrityError)
+    DIALECT = "postgres"
 
     def __init__(self, url: str, replica: str, lease_seconds: float) -> None:
         self.replica, self.lease_seconds = replica, lease_seconds
         self._renewed_at = float("-inf")  # when this replica last renewed its claims
         self._fenced = False  # set while the worker's own transitions run: they need the claim
-        self.db = _Connection(url)  # type: ignore[assignment]  # same calls as sqlite3.Connection
-        try:
-            self._migrate()
-        except BaseException:
-            self.db.close()
-            raise
+        self._attach(_Connection(url))  # type: ignore[arg-type]  # same calls as sqlite3.Connection
 
-    def _migrate(self) -> None:
-        def run() -> None:
-            self.db.execute("SELECT pg_advisory_xact_lock(?)", (INTAKE_LOCK,))  # replicas starting together
-            self.db.execute("CREATE TABLE IF NOT EXISTS schema_version (version BIGINT NOT NULL)")
-            row = self.db.execute("SELECT MAX(version) FROM schema_version").fetchone()
-            version = int(row[0]) if row is not None and row[0] is not None else 0
-            for migration in pending(version):
-                for statement in filter(str.strip, migration.postgres.split(";")):
-                    self.db.execute(statement)
-                self.db.execute("INSERT INTO schema_version (version) VALUES (?)", (migration.version,))
+    def _schema_version(self) -> int:
+        """PostgreSQL keeps the version in the ``schema_version`` table; replicas starting together
+        migrate one after the other (the intake lock, held until the migration commits)."""
+        self.db.execute("SELECT pg_advisory_xact_lock(?)", (INTAKE_LOCK,))
+        self.db.execute("CREATE TABLE IF NOT EXISTS schema_version (version BIGINT NOT NULL)")
+        row = self.db.execute("SELECT MAX(version) FROM schema_version").fetchone()
+        return int(row[0]) if row is not None and row[0] is not None else 0
 
-        self._tx(run)
+    def _set_schema_version(self, version: int) -> None:
+        self.db.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
 
     def _lock_intake(self) -> None:
         self.db.execute("SELECT pg_advisory_xact_lock(?)", (INTAKE_LOCK,))

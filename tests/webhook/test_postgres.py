@@ -27,6 +27,7 @@ from gpuhealth.webhook.config import parse_config
 from gpuhealth.webhook.intake import resolve
 from gpuhealth.webhook.models import parse_notification
 from gpuhealth.webhook.policy import decide
+from gpuhealth.webhook.schema import LATEST, MIGRATIONS, SchemaTooNew
 from gpuhealth.webhook.store_postgres import PostgresJournal
 
 from gpuhealth.local.postgres import LocalPostgres, bindir
@@ -145,6 +146,62 @@ def test_two_stores_record_one_alert_once_and_claim_each_action_once(database):
     assert a.try_move(mine[1].id, ("pending",), "cancelled", "operator", "by a") is not None
     a.close()
     b.close()
+
+
+OLD_ALERT = ("0000000000000001", "2026-11-30T05:00:00.500000+00:00")  # conftest's alert(), as journaled
+
+
+@pytest.mark.parametrize("version", range(LATEST))
+def test_a_journal_migrates_from_each_older_version_keeping_its_records(database, version):
+    """A database at ``version`` (0: empty), as the webhook of that version left it with a drain
+    pending for a firing alert, is carried to the latest layout in place."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        if version:
+            conn.execute("CREATE TABLE schema_version (version BIGINT NOT NULL)")
+        for migration in MIGRATIONS[:version]:
+            for statement in migration.statements("postgres"):
+                conn.execute(statement)
+            conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (migration.version,))
+        if version:
+            conn.execute("INSERT INTO alerts (fingerprint, starts_at, status, node, gpu, alertname, labels, "
+                         "annotations, received_at, notification_id) VALUES (%s, %s, 'firing', 'gpu01', '0', "
+                         "'GPUHealthXidFatal', '{}', '{}', 1, 1)", OLD_ALERT)
+            conn.execute("INSERT INTO actions (fingerprint, starts_at, kind, node, gpu, alertname, summary, "
+                         "state, next_at, received_at, updated_at) VALUES (%s, %s, 'drain', 'gpu01', '0', "
+                         "'GPUHealthXidFatal', 'XID 79', 'pending', 1, 1, 1)", OLD_ALERT)
+    journal = PostgresJournal(database, "a", LEASE)
+    with psycopg.connect(database) as conn:
+        versions = [r[0] for r in conn.execute("SELECT version FROM schema_version ORDER BY version")]
+    assert versions == list(range(1, LATEST + 1))
+    again = parse_notification(notification(alert("gpu01", action="drain", fingerprint=OLD_ALERT[0])))
+    [result] = journal.record([(again, decide(again, parse_config({"backend": {
+        "type": "simulated", "nodes": NODES}})))], resolve)
+    if version:  # the old record is read in the new layout, and still deduplicates
+        [old] = journal.list_actions()
+        assert (old.kind, old.node, old.state, old.claimed_by) == ("drain", "gpu01", "pending", "")
+        assert result.duplicates == 1 and result.new_actions == []
+    else:
+        assert result.duplicates == 0 and len(result.new_actions) == 1
+    journal.close()
+    PostgresJournal(database, "b", LEASE).close()  # an up-to-date journal opens unchanged
+    with psycopg.connect(database) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM schema_version").fetchone() == (LATEST,)
+
+
+def test_a_journal_from_a_newer_webhook_is_refused_untouched_and_its_connection_closed(database):
+    PostgresJournal(database, "a", LEASE).close()
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (LATEST + 1,))
+        with pytest.raises(SchemaTooNew, match=f"schema version {LATEST + 1}, newer than"):
+            PostgresJournal(database, "a", LEASE)
+
+        def others() -> int:
+            row = conn.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() "
+                               "AND pid != pg_backend_pid()").fetchone()
+            return -1 if row is None else int(row[0])
+
+        wait_until(lambda: others() == 0, timeout=10, what="the refused journal's session to end")
+        assert conn.execute("SELECT MAX(version) FROM schema_version").fetchone() == (LATEST + 1,)
 
 
 def test_duplicate_delivery_to_both_replicas_yields_one_action_and_any_replica_approves(replicas):
