@@ -60,6 +60,41 @@ def _marks(values: tuple[str, ...]) -> str:
     return ", ".join("?" * len(values))
 
 
+# The columns a new alert and a new action are journaled with, in the order of the values below.
+ALERT_COLUMNS = ("fingerprint", "starts_at", "status", "node", "gpu", "alertname", "labels", "annotations",
+                 "received_at", "resolved_at")
+ACTION_COLUMNS = ("fingerprint", "starts_at", "kind", "node", "gpu", "alertname", "summary", "state",
+                  "outcome", "reason", "detail", "next_at", "received_at", "finished_at", "updated_at")
+
+_INSERT_ALERT = (f"INSERT OR IGNORE INTO alerts ({', '.join(ALERT_COLUMNS)}, notification_id) "
+                 f"VALUES ({_marks(ALERT_COLUMNS)}, ?)")
+_INSERT_ACTION = (f"INSERT OR IGNORE INTO actions ({', '.join(ACTION_COLUMNS)}) "
+                  f"VALUES ({_marks(ACTION_COLUMNS)})")
+
+
+def alert_values(alert: Alert, status: str, now: float) -> tuple[Any, ...]:
+    return (*alert.key, status, alert.node, alert.gpu, alert.alertname, json.dumps(alert.labels),
+            json.dumps(alert.annotations), now, now if status == "resolved" else None)
+
+
+def action_values(alert: Alert, kind: str, state: str, reason: str, detail: str, now: float
+                  ) -> tuple[Any, ...]:
+    """A new action's row; one refused at intake (skipped) is finished as it is journaled."""
+    finished = state == SKIPPED
+    return (*alert.key, kind, *journaled(alert.node, alert.gpu, alert.alertname),
+            clean_text(alert.annotations.get("summary", "")), state, SKIPPED if finished else "", reason,
+            detail, now, now, now if finished else None, now)
+
+
+def intake_state(decision: Decision) -> tuple[str, str, str]:
+    """The state, reason and detail of the action a new firing alert's decision journals."""
+    if decision.problem is not None:
+        return SKIPPED, *decision.problem
+    if decision.needs_approval:
+        return AWAITING_APPROVAL, "approval_required", ""
+    return PENDING, "", ""
+
+
 def _action(row: sqlite3.Row) -> Action:
     data = dict(row)
     data["progress"] = json.loads(data["progress"])
@@ -143,14 +178,7 @@ class Journal:
 
     def _insert_action(self, alert: Alert, kind: str, state: str, reason: str, now: float,
                        detail: str = "") -> int | None:
-        finished = state == SKIPPED  # refused at intake
-        cur = self.db.execute(
-            "INSERT OR IGNORE INTO actions (fingerprint, starts_at, kind, node, gpu, alertname, summary, "
-            "state, outcome, reason, detail, next_at, received_at, finished_at, updated_at) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (*alert.key, kind, *journaled(alert.node, alert.gpu, alert.alertname),
-             clean_text(alert.annotations.get("summary", "")), state,
-             SKIPPED if finished else "", reason, detail, now, now, now if finished else None, now))
+        cur = self.db.execute(_INSERT_ACTION, action_values(alert, kind, state, reason, detail, now))
         if not cur.rowcount:
             return None
         action_id = _rowid(cur)
@@ -205,11 +233,7 @@ class Journal:
         return result
 
     def _insert_alert(self, alert: Alert, status: str, now: float, notification_id: int) -> bool:
-        cur = self.db.execute(
-            "INSERT OR IGNORE INTO alerts (fingerprint, starts_at, status, node, gpu, alertname, labels, "
-            "annotations, received_at, resolved_at, notification_id) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-            (*alert.key, status, alert.node, alert.gpu, alert.alertname, json.dumps(alert.labels),
-             json.dumps(alert.annotations), now, now if status == "resolved" else None, notification_id))
+        cur = self.db.execute(_INSERT_ALERT, (*alert_values(alert, status, now), notification_id))
         return bool(cur.rowcount)
 
     def _record_firing(self, alert: Alert, decision: Decision | None, now: float,
@@ -219,16 +243,13 @@ class Journal:
             return
         if decision is None:
             return
-        if decision.problem is not None:
-            reason, detail = decision.problem
-            action_id = self._insert_action(alert, decision.kind, SKIPPED, reason, now, detail)
-            if action_id is not None:
-                result.refused.append((action_id, decision.kind, reason, detail))
+        state, reason, detail = intake_state(decision)
+        action_id = self._insert_action(alert, decision.kind, state, reason, now, detail)
+        if action_id is None:
             return
-        state = AWAITING_APPROVAL if decision.needs_approval else PENDING
-        action_id = self._insert_action(alert, decision.kind, state,
-                                        "approval_required" if decision.needs_approval else "", now)
-        if action_id is not None:
+        if state == SKIPPED:
+            result.refused.append((action_id, decision.kind, reason, detail))
+        else:
             result.new_actions.append(action_id)
 
     def _record_resolved(self, alert: Alert, resolve: Resolver, now: float, result: RecordResult) -> None:

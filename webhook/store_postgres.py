@@ -19,27 +19,105 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import psycopg
-from gpuhealth.webhook.journal import AsyncJournal, Journal, _action
+from gpuhealth.webhook.journal import (
+    ACTION_COLUMNS,
+    ALERT_COLUMNS,
+    AsyncJournal,
+    Journal,
+    _action,
+    action_values,
+    alert_values,
+    intake_state,
+)
+from gpuhealth.webhook.models import Notification
 from gpuhealth.webhook.store import (
     ACTIVE_STATES,
     PENDING,
     RUNNING,
+    SKIPPED,
     Action,
+    Decision,
     DrainedNode,
     JournalUnwritable,
+    RecordResult,
     Resolver,
 )
 
+log = logging.getLogger(__name__)
 INTAKE_LOCK = 0x67707568_0001  # advisory lock keys: "gpuh" and what they guard
 ADMISSION_LOCK = 0x67707568_0002
 _KEYS = {"drained": "node", "jobs": "job_id", "meta": "key"}  # INSERT OR REPLACE targets
 _WITH_ID = ("notifications", "actions", "transitions")
+
+
+_REAL = frozenset({"received_at", "resolved_at", "next_at", "finished_at", "updated_at"})
+
+
+def _unnest(prefix: str, columns: tuple[str, ...]) -> str:
+    """Rows from one array parameter per column (``{prefix}{column}``), numbered by ``position``."""
+    arrays = ", ".join(f"%({prefix}{c})s::{'float8' if c in _REAL else 'text'}[]" for c in columns)
+    return f"unnest({arrays}) WITH ORDINALITY AS {prefix}rows ({', '.join(columns)}, position)"
+
+
+# One notification of firing alerts in one statement: its new alerts (a conflict on the primary key,
+# fingerprint + startsAt, is a duplicate, also when another replica's intake holds the key: the insert
+# waits for that one to commit), the actions of those new alerts, their first transitions, and the
+# notification itself with its count of new alerts. It returns the notification's id, that count, and
+# the new actions.
+_RECORD_FIRING = f"""
+WITH note AS (SELECT nextval(pg_get_serial_sequence('notifications', 'id')) AS id),
+new_alerts AS (
+    INSERT INTO alerts ({', '.join(ALERT_COLUMNS)}, notification_id)
+    SELECT {', '.join(ALERT_COLUMNS)}, note.id FROM {_unnest('alert_', ALERT_COLUMNS)}, note ORDER BY position
+    ON CONFLICT DO NOTHING RETURNING fingerprint, starts_at),
+new_actions AS (
+    INSERT INTO actions ({', '.join(ACTION_COLUMNS)})
+    SELECT {', '.join(ACTION_COLUMNS)} FROM {_unnest('action_', ACTION_COLUMNS)}
+    JOIN new_alerts USING (fingerprint, starts_at) ORDER BY position
+    ON CONFLICT DO NOTHING RETURNING id, kind, state, reason, detail),
+first_transitions AS (
+    INSERT INTO transitions (action_id, at, state, reason, detail)
+    SELECT id, %(now)s, state, reason, detail FROM new_actions),
+stored AS (
+    INSERT INTO notifications (id, received_at, receiver, group_key, status, alerts, new_alerts)
+    SELECT id, %(now)s, %(receiver)s, %(group_key)s, %(status)s, %(alerts)s, (SELECT COUNT(*) FROM new_alerts)
+    FROM note)
+SELECT note.id, (SELECT COUNT(*) FROM new_alerts), a.id, a.kind, a.state, a.reason, a.detail
+FROM note LEFT JOIN new_actions a ON TRUE ORDER BY a.id
+"""
+
+
+def _firing_arguments(notification: Notification, decisions: dict[tuple[str, str], Decision],
+                      now: float) -> dict[str, Any]:
+    """``_RECORD_FIRING``'s parameters: the rows the journal's own statements would write, by column."""
+    alerts = [alert_values(alert, "firing", now) for alert in notification.alerts]
+    actions = [action_values(alert, decision.kind, *intake_state(decision), now)
+               for alert in notification.alerts if (decision := decisions.get(alert.key)) is not None]
+    arguments: dict[str, Any] = {"now": now, "receiver": notification.receiver,
+                                 "group_key": notification.group_key, "status": notification.status,
+                                 "alerts": len(notification.alerts)}
+    for prefix, columns, rows in (("alert_", ALERT_COLUMNS, alerts), ("action_", ACTION_COLUMNS, actions)):
+        arguments |= {f"{prefix}{c}": [row[i] for row in rows] for i, c in enumerate(columns)}
+    return arguments
+
+
+def _firing_result(alerts: int, rows: list[tuple[Any, ...]]) -> RecordResult:
+    result = RecordResult(int(rows[0][0]), duplicates=alerts - int(rows[0][1]))
+    for _, _, action_id, kind, state, reason, detail in rows:
+        if action_id is None:
+            continue  # no new action: the notification's only row
+        if state == SKIPPED:
+            result.refused.append((int(action_id), kind, reason, detail))
+        else:
+            result.new_actions.append(int(action_id))
+    return result
 
 
 class _Row(dict[str, Any]):
@@ -111,6 +189,24 @@ class _Connection:
                 self.conn.close()  # the next statement connects again (after a restart of the server)
             raise
 
+    def pipelined(self, statements: Sequence[tuple[str, Any]]) -> list[list[tuple[Any, ...]]]:
+        """Run ``statements`` as one transaction sent in one go (pipeline mode: one round trip, not one
+        per statement); each one's rows. Any error rolls the transaction back before it is raised."""
+        if self.conn.closed:
+            self.conn = self._connect()
+        try:
+            with self.conn.pipeline():
+                self.conn.execute("BEGIN")
+                cursors = [self.conn.execute(sql, args) for sql, args in statements]
+                self.conn.execute("COMMIT")
+            return [cursor.fetchall() if cursor.description else [] for cursor in cursors]
+        except BaseException:
+            if self.conn.broken:
+                self.conn.close()
+            elif self.conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                self.conn.execute("ROLLBACK")
+            raise
+
     def close(self) -> None:
         self.conn.close()
 
@@ -138,7 +234,32 @@ class PostgresJournal(Journal):
     def _set_schema_version(self, version: int) -> None:
         self.db.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
 
+    def record(self, batch: list[tuple[Notification, dict[tuple[str, str], Decision]]], resolve: Resolver
+               ) -> list[RecordResult | Exception]:
+        """Firing alerts, the bulk of intake, go in one statement per notification and one round trip per
+        group commit, beside the other replicas' intake (the intake lock, shared): the alerts' primary key
+        makes the second delivery of an alert a duplicate, whichever replica has it.
+
+        A batch with a resolution runs the journal's own statements holding the intake lock alone (what
+        a resolution reads and cancels must not change meanwhile), and so does a batch the database
+        refused (a notification it cannot store, isolated there in its savepoint) or one that crossed
+        another replica's on the same alerts in another order (a deadlock, which PostgreSQL broke).
+        """
+        if all(alert.status == "firing" for notification, _ in batch for alert in notification.alerts):
+            now = time.time()
+            statements: list[tuple[str, Any]] = [("SELECT pg_advisory_xact_lock_shared(%s)", (INTAKE_LOCK,))]
+            statements += [(_RECORD_FIRING, _firing_arguments(n, d, now)) for n, d in batch]
+            try:
+                stored = cast(_Connection, self.db).pipelined(statements)[1:]
+            except (*self.REFUSED, psycopg.errors.DeadlockDetected) as exc:
+                log.info("event=intake_one_by_one notifications=%d why=%r", len(batch), exc)
+            else:
+                return [_firing_result(len(n.alerts), rows)
+                        for (n, _), rows in zip(batch, stored, strict=True)]
+        return super().record(batch, resolve)
+
     def _lock_intake(self) -> None:
+        """Alone: no other replica's intake runs until this one commits."""
         self.db.execute("SELECT pg_advisory_xact_lock(?)", (INTAKE_LOCK,))
 
     def _state_of(self, action_id: int) -> str | None:

@@ -5,6 +5,7 @@ once, a database restart mid-intake loses and doubles nothing, and the breaker c
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import json
 import os
@@ -22,9 +23,10 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
-from conftest import TOKEN, alert, notification
+from conftest import TOKEN, alert, notification, resolved
 from gpuhealth.webhook.config import parse_config
 from gpuhealth.webhook.intake import resolve
+from gpuhealth.webhook.journal import Journal
 from gpuhealth.webhook.models import parse_notification
 from gpuhealth.webhook.policy import decide
 from gpuhealth.webhook.schema import LATEST, MIGRATIONS, SchemaTooNew
@@ -146,6 +148,60 @@ def test_two_stores_record_one_alert_once_and_claim_each_action_once(database):
     assert a.try_move(mine[1].id, ("pending",), "cancelled", "operator", "by a") is not None
     a.close()
     b.close()
+
+
+def test_intake_journals_what_the_sqlite_journal_does_in_one_statement_per_notification(database, tmp_path):
+    """The same batches through both stores: the same answers and the same rows (PostgreSQL journals
+    firing alerts in one statement per notification, SQLite statement by statement)."""
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES},
+                           "guardrails": {"require_approval": ["drain_reboot"]}})
+    seen = alert("gpu01", action="drain")
+    twice = alert("gpu04", action="restart_job")
+    varied = [seen, alert("gpu02", action="drain_reboot"),
+              alert("gpu03", action="drain_reset_gpu", gpu="0;reboot"), twice,
+              twice, alert("gpu05", action="no_such_action"), alert("gpu06", action="none"),
+              alert("gpu07", action="drain", summary="bell \x07 and escape \x1b[31m")]
+    batches = [[notification(seen)], [notification(*varied), notification(alert("gpu08", action="drain"))]]
+    stores = Journal(tmp_path / "journal.sqlite3"), PostgresJournal(database, "a", LEASE)
+    answers, rows = [], []
+    for store in stores:
+        answered = []
+        for batch in batches:
+            parsed = [parse_notification(body) for body in batch]
+            answered += [(len(r.new_actions), r.duplicates, [x[1:] for x in r.refused])
+                         for r in store.record([(n, decide(n, config)) for n in parsed], resolve)]
+        answers.append(answered)
+        rows.append(sorted((a.fingerprint, a.kind, a.node, a.gpu, a.alertname, a.summary, a.state, a.outcome,
+                            a.reason, a.detail, a.finished_at is not None, len(store.transitions(a.id)))
+                           for a in store.list_actions()))
+        store.close()
+    assert answers[0] == answers[1] and rows[0] == rows[1]
+    new, duplicates, refused = answers[0][1]
+    assert (new, duplicates) == (4, 2)  # gpu02, gpu04 once, gpu06 (none), gpu07; seen before and gpu04 again
+    assert [(kind, reason) for kind, reason, _ in refused] == [("drain_reset_gpu", "invalid_label"),
+                                                               ("unknown", "unknown_action")]
+    assert {r[6] for r in rows[1]} == {"pending", "awaiting_approval", "skipped"}
+
+
+def test_intake_isolates_a_notification_the_database_refuses_and_resolutions_run_alone(database):
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    journal = PostgresJournal(database, "a", LEASE)
+    first, middle, last = (parse_notification(notification(alert(n, action="drain"))) for n in NODES[:3])
+    refused = dataclasses.replace(middle, receiver="NUL \x00 inside")  # past the parser: only the database
+    results = journal.record([(n, decide(n, config)) for n in (first, refused, last)], resolve)
+    assert isinstance(results[1], psycopg.DataError)
+    assert [len(r.new_actions) for r in (results[0], results[2])] == [1, 1]  # its neighbours are journaled
+    assert sorted(a.node for a in journal.list_actions()) == [NODES[0], NODES[2]]
+    firing = alert(NODES[3], action="drain")
+    held_back = parse_notification(notification(firing))
+    [held] = journal.record([(held_back, decide(held_back, config))], resolve)
+    gone = parse_notification(notification(resolved(firing)))
+    fresh = parse_notification(notification(alert(NODES[4], action="drain")))
+    ended, started = journal.record([(n, decide(n, config)) for n in (gone, fresh)], resolve)
+    assert not isinstance(ended, Exception) and not isinstance(started, Exception)
+    assert ended.resolved == 1 and ended.cancelled == ["drain"] and len(started.new_actions) == 1
+    assert journal.get(held.new_actions[0]).state == "cancelled"
+    journal.close()
 
 
 OLD_ALERT = ("0000000000000001", "2026-11-30T05:00:00.500000+00:00")  # conftest's alert(), as journaled
