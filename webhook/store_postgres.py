@@ -3,9 +3,10 @@
 It is the SQLite journal's SQL and rules, run through psycopg 3 (``gpuhealth[postgres]``), plus
 what sharing one journal between replicas needs:
 
-- intake takes a transaction-level advisory lock, so notifications delivered to two replicas at
-  once (an Alertmanager HA pair) are journaled one after the other: the second finds the alert
-  already there and is a duplicate;
+- firing notifications are journaled in one statement per group commit, replicas side by side: the
+  alerts' primary key (fingerprint + startsAt) makes the insert of an alert another replica holds
+  uncommitted wait for it, and then find it, a duplicate; a resolution, which reads and cancels
+  actions, is journaled with the alerts table locked against every other intake;
 - actions are claimed row by row: ``due`` picks candidates ``FOR UPDATE SKIP LOCKED`` (replicas
   never wait on each other's rows) and claims them with a lease, renewed on every pass of the
   worker; a replica that dies stops renewing and, once the lease has run out, another claims its
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import re
 import time
@@ -51,73 +53,85 @@ from gpuhealth.webhook.store import (
 )
 
 log = logging.getLogger(__name__)
-INTAKE_LOCK = 0x67707568_0001  # advisory lock keys: "gpuh" and what they guard
+MIGRATION_LOCK = 0x67707568_0001  # advisory lock keys: "gpuh" and what they guard
 ADMISSION_LOCK = 0x67707568_0002
 _KEYS = {"drained": "node", "jobs": "job_id", "meta": "key"}  # INSERT OR REPLACE targets
 _WITH_ID = ("notifications", "actions", "transitions")
 
 
-_REAL = frozenset({"received_at", "resolved_at", "next_at", "finished_at", "updated_at"})
-
-
-def _unnest(prefix: str, columns: tuple[str, ...]) -> str:
-    """Rows from one array parameter per column (``{prefix}{column}``), numbered by ``position``."""
-    arrays = ", ".join(f"%({prefix}{c})s::{'float8' if c in _REAL else 'text'}[]" for c in columns)
-    return f"unnest({arrays}) WITH ORDINALITY AS {prefix}rows ({', '.join(columns)}, position)"
-
-
-# One notification of firing alerts in one statement: its new alerts (a conflict on the primary key,
-# fingerprint + startsAt, is a duplicate, also when another replica's intake holds the key: the insert
-# waits for that one to commit), the actions of those new alerts, their first transitions, and the
-# notification itself with its count of new alerts. It returns the notification's id, that count, and
-# the new actions.
+# A group commit of firing notifications in one statement, so one round trip and one transaction: the
+# notifications, their new alerts (a conflict on the primary key, fingerprint + startsAt, is a
+# duplicate, also while another replica's intake holds the key uncommitted: the insert waits for it),
+# the actions of those new alerts and their first transitions. The rows come as JSON, in the tables'
+# own columns (an alert's notification_id is its notification's position in the batch until the
+# notification has its id). One row per notification comes back (position, id, new alerts), and one
+# more per new action.
 _RECORD_FIRING = f"""
-WITH note AS (SELECT nextval(pg_get_serial_sequence('notifications', 'id')) AS id),
+WITH notes AS MATERIALIZED (
+    SELECT ordinality AS position, nextval(pg_get_serial_sequence('notifications', 'id')) AS id,
+           received_at, receiver, group_key, status, alerts
+    FROM json_populate_recordset(NULL::notifications, %(notifications)s::json) WITH ORDINALITY),
 new_alerts AS (
     INSERT INTO alerts ({', '.join(ALERT_COLUMNS)}, notification_id)
-    SELECT {', '.join(ALERT_COLUMNS)}, note.id FROM {_unnest('alert_', ALERT_COLUMNS)}, note ORDER BY position
-    ON CONFLICT DO NOTHING RETURNING fingerprint, starts_at),
+    SELECT {', '.join(f'a.{c}' for c in ALERT_COLUMNS)}, notes.id
+    FROM json_populate_recordset(NULL::alerts, %(alerts)s::json) WITH ORDINALITY AS a
+    JOIN notes ON notes.position = a.notification_id ORDER BY a.ordinality
+    ON CONFLICT DO NOTHING RETURNING fingerprint, starts_at, notification_id),
 new_actions AS (
     INSERT INTO actions ({', '.join(ACTION_COLUMNS)})
-    SELECT {', '.join(ACTION_COLUMNS)} FROM {_unnest('action_', ACTION_COLUMNS)}
-    JOIN new_alerts USING (fingerprint, starts_at) ORDER BY position
-    ON CONFLICT DO NOTHING RETURNING id, kind, state, reason, detail),
+    SELECT {', '.join(f'c.{c}' for c in ACTION_COLUMNS)}
+    FROM json_populate_recordset(NULL::actions, %(actions)s::json) WITH ORDINALITY AS c
+    JOIN new_alerts USING (fingerprint, starts_at) ORDER BY c.ordinality
+    ON CONFLICT DO NOTHING RETURNING id, fingerprint, starts_at, kind, state, reason, detail),
 first_transitions AS (
     INSERT INTO transitions (action_id, at, state, reason, detail)
     SELECT id, %(now)s, state, reason, detail FROM new_actions),
 stored AS (
     INSERT INTO notifications (id, received_at, receiver, group_key, status, alerts, new_alerts)
-    SELECT id, %(now)s, %(receiver)s, %(group_key)s, %(status)s, %(alerts)s, (SELECT COUNT(*) FROM new_alerts)
-    FROM note)
-SELECT note.id, (SELECT COUNT(*) FROM new_alerts), a.id, a.kind, a.state, a.reason, a.detail
-FROM note LEFT JOIN new_actions a ON TRUE ORDER BY a.id
+    SELECT id, received_at, receiver, group_key, status, alerts,
+           (SELECT COUNT(*) FROM new_alerts WHERE notification_id = notes.id)
+    FROM notes)
+SELECT notes.position, notes.id, (SELECT COUNT(*) FROM new_alerts WHERE notification_id = notes.id),
+       c.id, c.kind, c.state, c.reason, c.detail
+FROM notes LEFT JOIN (new_actions c JOIN new_alerts USING (fingerprint, starts_at))
+    ON new_alerts.notification_id = notes.id
+ORDER BY notes.position, c.id
 """
 
 
-def _firing_arguments(notification: Notification, decisions: dict[tuple[str, str], Decision],
-                      now: float) -> dict[str, Any]:
-    """``_RECORD_FIRING``'s parameters: the rows the journal's own statements would write, by column."""
-    alerts = [alert_values(alert, "firing", now) for alert in notification.alerts]
-    actions = [action_values(alert, decision.kind, *intake_state(decision), now)
-               for alert in notification.alerts if (decision := decisions.get(alert.key)) is not None]
-    arguments: dict[str, Any] = {"now": now, "receiver": notification.receiver,
-                                 "group_key": notification.group_key, "status": notification.status,
-                                 "alerts": len(notification.alerts)}
-    for prefix, columns, rows in (("alert_", ALERT_COLUMNS, alerts), ("action_", ACTION_COLUMNS, actions)):
-        arguments |= {f"{prefix}{c}": [row[i] for row in rows] for i, c in enumerate(columns)}
-    return arguments
+def _firing_arguments(batch: list[tuple[Notification, dict[tuple[str, str], Decision]]], now: float
+                      ) -> dict[str, Any]:
+    """``_RECORD_FIRING``'s parameters: the rows the journal's own statements would write."""
+    notifications, alerts, actions = [], [], []
+    for position, (notification, decisions) in enumerate(batch, start=1):
+        notifications.append({"received_at": now, "receiver": notification.receiver,
+                              "group_key": notification.group_key, "status": notification.status,
+                              "alerts": len(notification.alerts)})
+        for alert in notification.alerts:
+            alerts.append(dict(zip(ALERT_COLUMNS, alert_values(alert, "firing", now), strict=True),
+                               notification_id=position))
+            if (decision := decisions.get(alert.key)) is not None:
+                actions.append(dict(zip(ACTION_COLUMNS, action_values(alert, decision.kind,
+                                                                      *intake_state(decision), now),
+                                        strict=True)))
+    return {"now": now, "notifications": json.dumps(notifications), "alerts": json.dumps(alerts),
+            "actions": json.dumps(actions)}
 
 
-def _firing_result(alerts: int, rows: list[tuple[Any, ...]]) -> RecordResult:
-    result = RecordResult(int(rows[0][0]), duplicates=alerts - int(rows[0][1]))
-    for _, _, action_id, kind, state, reason, detail in rows:
+def _firing_results(batch: list[tuple[Notification, dict[tuple[str, str], Decision]]],
+                    rows: list[tuple[Any, ...]]) -> list[RecordResult | Exception]:
+    results: dict[int, RecordResult] = {}
+    for position, notification_id, new_alerts, action_id, kind, state, reason, detail in rows:
+        if position not in results:
+            alerts = len(batch[position - 1][0].alerts)
+            results[position] = RecordResult(int(notification_id), duplicates=alerts - int(new_alerts))
         if action_id is None:
-            continue  # no new action: the notification's only row
+            continue  # a notification with no new action
         if state == SKIPPED:
-            result.refused.append((int(action_id), kind, reason, detail))
+            results[position].refused.append((int(action_id), kind, reason, detail))
         else:
-            result.new_actions.append(int(action_id))
-    return result
+            results[position].new_actions.append(int(action_id))
+    return [results[position] for position in range(1, len(batch) + 1)]
 
 
 class _Row(dict[str, Any]):
@@ -180,32 +194,22 @@ class _Connection:
         return psycopg.connect(self.url, autocommit=True, connect_timeout=5)
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> _Cursor:
+        return _Cursor(self._execute(_translate(sql), tuple(args)))
+
+    def _execute(self, sql: str, args: Sequence[Any] | dict[str, Any]) -> psycopg.Cursor[Any]:
         if self.conn.closed:
             self.conn = self._connect()
         try:
-            return _Cursor(self.conn.execute(_translate(sql), tuple(args)))
+            return self.conn.execute(sql, args)
         except psycopg.OperationalError:
             if self.conn.broken:
                 self.conn.close()  # the next statement connects again (after a restart of the server)
             raise
 
-    def pipelined(self, statements: Sequence[tuple[str, Any]]) -> list[list[tuple[Any, ...]]]:
-        """Run ``statements`` as one transaction sent in one go (pipeline mode: one round trip, not one
-        per statement); each one's rows. Any error rolls the transaction back before it is raised."""
-        if self.conn.closed:
-            self.conn = self._connect()
-        try:
-            with self.conn.pipeline():
-                self.conn.execute("BEGIN")
-                cursors = [self.conn.execute(sql, args) for sql, args in statements]
-                self.conn.execute("COMMIT")
-            return [cursor.fetchall() if cursor.description else [] for cursor in cursors]
-        except BaseException:
-            if self.conn.broken:
-                self.conn.close()
-            elif self.conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-                self.conn.execute("ROLLBACK")
-            raise
+    def record_firing(self, arguments: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """``_RECORD_FIRING``, alone in its transaction (autocommit): one round trip."""
+        rows: list[tuple[Any, ...]] = self._execute(_RECORD_FIRING, arguments).fetchall()
+        return rows
 
     def close(self) -> None:
         self.conn.close()
@@ -225,8 +229,8 @@ class PostgresJournal(Journal):
 
     def _schema_version(self) -> int:
         """PostgreSQL keeps the version in the ``schema_version`` table; replicas starting together
-        migrate one after the other (the intake lock, held until the migration commits)."""
-        self.db.execute("SELECT pg_advisory_xact_lock(?)", (INTAKE_LOCK,))
+        migrate one after the other (a lock held until the migration commits)."""
+        self.db.execute("SELECT pg_advisory_xact_lock(?)", (MIGRATION_LOCK,))
         self.db.execute("CREATE TABLE IF NOT EXISTS schema_version (version BIGINT NOT NULL)")
         row = self.db.execute("SELECT MAX(version) FROM schema_version").fetchone()
         return int(row[0]) if row is not None and row[0] is not None else 0
@@ -236,31 +240,28 @@ class PostgresJournal(Journal):
 
     def record(self, batch: list[tuple[Notification, dict[tuple[str, str], Decision]]], resolve: Resolver
                ) -> list[RecordResult | Exception]:
-        """Firing alerts, the bulk of intake, go in one statement per notification and one round trip per
-        group commit, beside the other replicas' intake (the intake lock, shared): the alerts' primary key
-        makes the second delivery of an alert a duplicate, whichever replica has it.
+        """Firing alerts, the bulk of intake, go in one statement per group commit (one round trip),
+        beside the other replicas' intake: the alerts' primary key makes the second delivery of an alert
+        a duplicate, whichever replica has it.
 
-        A batch with a resolution runs the journal's own statements holding the intake lock alone (what
-        a resolution reads and cancels must not change meanwhile), and so does a batch the database
-        refused (a notification it cannot store, isolated there in its savepoint) or one that crossed
-        another replica's on the same alerts in another order (a deadlock, which PostgreSQL broke).
+        A batch with a resolution runs the journal's own statements with the alerts table locked against
+        every other intake (what a resolution reads and cancels must not change meanwhile), and so does
+        a batch the database refused (a notification it cannot store, isolated there in its savepoint)
+        or one that crossed another replica's on the same alerts in another order (a deadlock, which
+        PostgreSQL broke).
         """
         if all(alert.status == "firing" for notification, _ in batch for alert in notification.alerts):
-            now = time.time()
-            statements: list[tuple[str, Any]] = [("SELECT pg_advisory_xact_lock_shared(%s)", (INTAKE_LOCK,))]
-            statements += [(_RECORD_FIRING, _firing_arguments(n, d, now)) for n, d in batch]
             try:
-                stored = cast(_Connection, self.db).pipelined(statements)[1:]
+                rows = cast(_Connection, self.db).record_firing(_firing_arguments(batch, time.time()))
             except (*self.REFUSED, psycopg.errors.DeadlockDetected) as exc:
                 log.info("event=intake_one_by_one notifications=%d why=%r", len(batch), exc)
             else:
-                return [_firing_result(len(n.alerts), rows)
-                        for (n, _), rows in zip(batch, stored, strict=True)]
+                return _firing_results(batch, rows)
         return super().record(batch, resolve)
 
     def _lock_intake(self) -> None:
-        """Alone: no other replica's intake runs until this one commits."""
-        self.db.execute("SELECT pg_advisory_xact_lock(?)", (INTAKE_LOCK,))
+        """Alone: intake elsewhere (which inserts alerts) waits until this transaction commits."""
+        self.db.execute("LOCK TABLE alerts IN SHARE ROW EXCLUSIVE MODE")
 
     def _state_of(self, action_id: int) -> str | None:
         """The state, with the row locked until commit: replicas change one action one at a time.

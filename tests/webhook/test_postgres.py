@@ -161,7 +161,8 @@ def test_intake_journals_what_the_sqlite_journal_does_in_one_statement_per_notif
               alert("gpu03", action="drain_reset_gpu", gpu="0;reboot"), twice,
               twice, alert("gpu05", action="no_such_action"), alert("gpu06", action="none"),
               alert("gpu07", action="drain", summary="bell \x07 and escape \x1b[31m")]
-    batches = [[notification(seen)], [notification(*varied), notification(alert("gpu08", action="drain"))]]
+    batches = [[notification(seen)],  # then the same alert again, in one notification and across two:
+               [notification(*varied), notification(alert("gpu08", action="drain"), twice)]]
     stores = Journal(tmp_path / "journal.sqlite3"), PostgresJournal(database, "a", LEASE)
     answers, rows = [], []
     for store in stores:
@@ -181,6 +182,50 @@ def test_intake_journals_what_the_sqlite_journal_does_in_one_statement_per_notif
     assert [(kind, reason) for kind, reason, _ in refused] == [("drain_reset_gpu", "invalid_label"),
                                                                ("unknown", "unknown_action")]
     assert {r[6] for r in rows[1]} == {"pending", "awaiting_approval", "skipped"}
+
+
+def test_intake_that_deadlocks_with_another_is_journaled_again_one_notification_at_a_time(database, caplog):
+    """Replica a's group commit waits on an alert another session holds uncommitted, b's on one of a's,
+    and that session then on one of b's: PostgreSQL cancels a's statement (the first to wait) and a
+    journals its notifications again one by one, with the alerts table to itself. Every alert ends up
+    journaled once, with one action, and every notification answered."""
+    caplog.set_level("INFO", logger="gpuhealth.webhook.store_postgres")
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    a, b = PostgresJournal(database, "a", LEASE), PostgresJournal(database, "b", LEASE)
+    k0, k1, k2 = (alert(n, action="drain", fingerprint=f"{i:016x}") for i, n in enumerate(NODES[:3], 100))
+    parsed = {key: parse_notification(notification(x)) for key, x in (("k0", k0), ("k1", k1), ("k2", k2))}
+
+    def batch(*keys: str) -> list[tuple[Any, Any]]:
+        return [(parsed[k], decide(parsed[k], config)) for k in keys]
+
+    def insert_alert(conn: psycopg.Connection[Any], fingerprint: str) -> None:
+        conn.execute("INSERT INTO alerts (fingerprint, starts_at, status, labels, annotations, received_at, "
+                     "notification_id) VALUES (%s, %s, 'firing', '{}', '{}', 0, 0) ON CONFLICT DO NOTHING",
+                     (fingerprint, OLD_ALERT[1]))
+
+    with psycopg.connect(database) as other, psycopg.connect(database, autocommit=True) as watch, \
+            concurrent.futures.ThreadPoolExecutor(3) as pool:
+        def waiting() -> int:
+            row = watch.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                "AND wait_event_type = 'Lock'").fetchone()
+            return 0 if row is None else int(row[0])
+
+        insert_alert(other, k1["fingerprint"])  # held, uncommitted
+        by_a = pool.submit(a.record, batch("k0", "k1"), resolve)
+        wait_until(lambda: waiting() == 1, timeout=10, what="a waiting on k1")
+        by_b = pool.submit(b.record, batch("k2", "k0"), resolve)
+        wait_until(lambda: waiting() == 2, timeout=10, what="b waiting on k0")
+        closing = pool.submit(insert_alert, other, k2["fingerprint"])  # closes the cycle
+        answers_b = by_b.result(timeout=30)  # a gave way: b journals both
+        closing.result(timeout=30)
+        other.rollback()  # the other session's alerts were never journaled: a journals k1
+        answers_a = by_a.result(timeout=30)
+    assert [(len(x.new_actions), x.duplicates) for x in answers_b] == [(1, 0), (1, 0)]
+    assert [(len(x.new_actions), x.duplicates) for x in answers_a] == [(0, 1), (1, 0)]
+    assert sorted(x.node for x in a.list_actions()) == NODES[:3]
+    assert any("event=intake_one_by_one notifications=2" in r.getMessage() for r in caplog.records)
+    a.close()
+    b.close()
 
 
 def test_intake_isolates_a_notification_the_database_refuses_and_resolutions_run_alone(database):
