@@ -111,6 +111,7 @@ class Journal:
     # What one notification's text can raise when the database refuses it: that one gets a 400.
     REFUSED: tuple[type[Exception], ...] = (ValueError, sqlite3.DataError, sqlite3.IntegrityError)
     DIALECT = "sqlite"  # which SQL of each migration this database runs
+    LOCK_ROWS = ""  # what a read of rows about to change adds to stay theirs until commit (BEGIN IMMEDIATE)
 
     def __init__(self, path: Path, busy_timeout: float = 5.0, power_safe: bool = True,
                  replica: str = "") -> None:
@@ -265,8 +266,9 @@ class Journal:
         self.db.execute("UPDATE alerts SET status = 'resolved', resolved_at = ? WHERE fingerprint = ? "
                         "AND starts_at = ?", (now, *alert.key))
         result.resolved += 1
-        actions = [_action(r) for r in self.db.execute("SELECT * FROM actions WHERE fingerprint = ? AND "
-                                                         "starts_at = ? ORDER BY id", alert.key)]
+        rows = self.db.execute(f"SELECT * FROM actions WHERE fingerprint = ? AND starts_at = ? ORDER BY id"
+                               f"{self.LOCK_ROWS}", alert.key)
+        actions = [_action(r) for r in rows]
         resolution = resolve(actions)
         for action in actions:
             if action.id in resolution.cancel:

@@ -220,6 +220,7 @@ class PostgresJournal(Journal):
 
     REFUSED = (ValueError, psycopg.DataError, psycopg.IntegrityError)
     DIALECT = "postgres"
+    LOCK_ROWS = " FOR UPDATE"  # a resolution's actions: a replica's worker cannot start one meanwhile
 
     def __init__(self, url: str, replica: str, lease_seconds: float) -> None:
         self.replica, self.lease_seconds = replica, lease_seconds

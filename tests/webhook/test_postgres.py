@@ -184,6 +184,38 @@ def test_intake_journals_what_the_sqlite_journal_does_in_one_statement_per_notif
     assert {r[6] for r in rows[1]} == {"pending", "awaiting_approval", "skipped"}
 
 
+def _lock_waiters(conn: psycopg.Connection[Any]) -> int:
+    """How many sessions of this database wait for a lock."""
+    row = conn.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() "
+                       "AND wait_event_type = 'Lock'").fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def test_a_resolution_waits_for_a_replica_starting_its_action_and_leaves_it_running(database):
+    """A replica's worker holds an action's row while it starts it; the alert's resolution, journaled
+    meanwhile, waits for that commit and finds the action running: it is not cancelled under way (its
+    node is undrained after it, as for any drain that ran)."""
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    journal = PostgresJournal(database, "a", LEASE)
+    firing = alert(NODES[0], action="drain")
+    fired, gone = parse_notification(notification(firing)), parse_notification(notification(resolved(firing)))
+    [recorded] = journal.record([(fired, decide(fired, config))], resolve)
+    assert not isinstance(recorded, Exception)
+    [action_id] = recorded.new_actions
+    with psycopg.connect(database) as worker, psycopg.connect(database, autocommit=True) as watch, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        worker.execute("SELECT state FROM actions WHERE id = %s FOR UPDATE", (action_id,))
+        resolving = pool.submit(journal.record, [(gone, decide(gone, config))], resolve)
+        wait_until(lambda: _lock_waiters(watch) == 1, timeout=10, what="the resolution waiting on the row")
+        worker.execute("UPDATE actions SET state = 'running', started_at = 1 WHERE id = %s", (action_id,))
+        worker.commit()
+        [ended] = resolving.result(timeout=30)
+    assert not isinstance(ended, Exception)
+    assert ended.resolved == 1 and ended.cancelled == [] and len(ended.new_actions) == 1  # the undrain
+    assert journal.get(action_id).state == "running"
+    journal.close()
+
+
 def test_intake_that_deadlocks_with_another_is_journaled_again_one_notification_at_a_time(database, caplog):
     """Replica a's group commit waits on an alert another session holds uncommitted, b's on one of a's,
     and that session then on one of b's: PostgreSQL cancels a's statement (the first to wait) and a
@@ -205,16 +237,11 @@ def test_intake_that_deadlocks_with_another_is_journaled_again_one_notification_
 
     with psycopg.connect(database) as other, psycopg.connect(database, autocommit=True) as watch, \
             concurrent.futures.ThreadPoolExecutor(3) as pool:
-        def waiting() -> int:
-            row = watch.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() "
-                                "AND wait_event_type = 'Lock'").fetchone()
-            return 0 if row is None else int(row[0])
-
         insert_alert(other, k1["fingerprint"])  # held, uncommitted
         by_a = pool.submit(a.record, batch("k0", "k1"), resolve)
-        wait_until(lambda: waiting() == 1, timeout=10, what="a waiting on k1")
+        wait_until(lambda: _lock_waiters(watch) == 1, timeout=10, what="a waiting on k1")
         by_b = pool.submit(b.record, batch("k2", "k0"), resolve)
-        wait_until(lambda: waiting() == 2, timeout=10, what="b waiting on k0")
+        wait_until(lambda: _lock_waiters(watch) == 2, timeout=10, what="b waiting on k0")
         closing = pool.submit(insert_alert, other, k2["fingerprint"])  # closes the cycle
         answers_b = by_b.result(timeout=30)  # a gave way: b journals both
         closing.result(timeout=30)
