@@ -222,6 +222,10 @@ def test_intake_that_deadlocks_with_another_is_journaled_again_one_notification_
     journals its notifications again one by one, with the alerts table to itself. Every alert ends up
     journaled once, with one action, and every notification answered."""
     caplog.set_level("INFO", logger="gpuhealth.webhook.store_postgres")
+    # A deadlock is found by a session that has waited deadlock_timeout: with 5 s that is a, the first
+    # to wait, however slowly a loaded machine closes the cycle.
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(f"ALTER DATABASE {database.rsplit('/', 1)[1]} SET deadlock_timeout = '5s'")
     config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
     a, b = PostgresJournal(database, "a", LEASE), PostgresJournal(database, "b", LEASE)
     k0, k1, k2 = (alert(n, action="drain", fingerprint=f"{i:016x}") for i, n in enumerate(NODES[:3], 100))
