@@ -13,9 +13,15 @@ With ``--journal postgres`` it runs instead, in one run on one PostgreSQL starte
 replicas sharing the journal (each sender alternates between them, as an Alertmanager HA pair
 delivers to both) beside one replica on SQLite, under the same load; and checks that the shared
 journal holds exactly one action per alert sent. Targets (issue 16): >= 1,000 alerts/s in total,
-p99 < 50 ms, no loss.
+p99 < 50 ms, no loss. ``--baseline REV`` adds a second pair running the webhook as it was at git
+revision REV (on its own database of the same PostgreSQL), driven in turn with the others, so a
+change is measured before and after in one run, under one load.
 
-    .venv/bin/python bench/webhook.py [--notifications 3000] [--concurrency 8] [--journal postgres]
+SIGINT (Ctrl-C) and SIGTERM stop every PostgreSQL and webhook the benchmark started, and remove its
+files.
+
+    .venv/bin/python bench/webhook.py [--notifications 3000] [--concurrency 8]
+                                      [--journal postgres [--baseline REV]]
 """
 
 from __future__ import annotations
@@ -23,13 +29,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import io
 import itertools
 import os
+import shutil
+import signal
 import sqlite3
 import statistics
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +52,7 @@ import yaml
 
 from gpuhealth.local.process import ManagedProcess, free_port, http_ok
 
+REPO = Path(__file__).resolve().parent.parent
 TOKEN = "bench-token"
 NODES = 1000
 _alert_ids = itertools.count(1)
@@ -65,10 +78,15 @@ def _notification(size: int) -> dict[str, Any]:
             "externalURL": "http://alertmanager:9093", "alerts": alerts}
 
 
-async def _load(url: str | list[str], bodies: list[dict[str, Any]], concurrency: int
-                ) -> tuple[float, list[float]]:
+def _load(url: str | list[str], bodies: list[dict[str, Any]], concurrency: int) -> tuple[float, list[float]]:
     """POST every body with ``concurrency`` clients, to ``url`` or in turn to each of a list of them;
-    wall time and per-request latencies."""
+    wall time and per-request latencies. The event loop lives only while it sends: the servers are
+    started and stopped outside it, so an interrupt anywhere unwinds through their teardown."""
+    return asyncio.run(_send(url, bodies, concurrency))
+
+
+async def _send(url: str | list[str], bodies: list[dict[str, Any]], concurrency: int
+                ) -> tuple[float, list[float]]:
     queue = list(reversed(bodies))
     targets = itertools.cycle([url] if isinstance(url, str) else url)
     latencies: list[float] = []
@@ -95,9 +113,11 @@ def _p(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=1000)[int(q * 1000) - 1] if len(values) > 1 else values[0]
 
 
-def _report(name: str, alerts: int, wall: float, latencies: list[float], cpu: float) -> None:
-    print(f"{name:<26} {alerts:>6} {alerts / wall:8.0f} {_p(latencies, 0.5) * 1000:7.1f} "
-          f"{_p(latencies, 0.99) * 1000:7.1f} {cpu / alerts * 1e6:9.0f} {alerts / cpu:10.0f}")
+def _report(name: str, alerts: int, wall: float, latencies: list[float], cpu: float,
+            load: float | None = None) -> None:
+    print(f"{name:<{34 if load is not None else 26}} {alerts:>6} {alerts / wall:8.0f} "
+          f"{_p(latencies, 0.5) * 1000:7.1f} {_p(latencies, 0.99) * 1000:7.1f} {cpu / alerts * 1e6:12.0f} "
+          f"{alerts / cpu:12.0f}" + ("" if load is None else f" {load:5.1f}"), flush=True)
 
 
 def _journal_counts(path: Path) -> tuple[int, int]:
@@ -108,9 +128,10 @@ def _journal_counts(path: Path) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def _webhook(workdir: Path, approval: bool, journal: dict[str, Any] | None = None
+def _webhook(workdir: Path, approval: bool, journal: dict[str, Any] | None = None, code: Path | None = None
              ) -> Iterator[tuple[str, psutil.Process]]:
-    """The real service on loopback; with ``approval`` every action waits, so the worker stays idle."""
+    """The real service on loopback; with ``approval`` every action waits, so the worker stays idle.
+    ``code``: a folder of the packages to run instead of the installed ones (``_checkout``)."""
     workdir.mkdir()
     port = free_port()
     config = workdir / "webhook.yaml"
@@ -124,7 +145,9 @@ def _webhook(workdir: Path, approval: bool, journal: dict[str, Any] | None = Non
     }))
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "gpuhealth.webhook.main", "--config", str(config)]
-    with ManagedProcess("webhook", argv, workdir / "webhook.log") as proc:
+    env = None if code is None else {**os.environ, "PYTHONPATH": str(code)}
+    # run from its own folder: ``-m`` puts the working directory first on the path
+    with ManagedProcess("webhook", argv, workdir / "webhook.log", env=env, cwd=workdir) as proc:
         proc.start()
         proc.wait_ready(lambda: http_ok(f"{url}/healthz"), timeout=30)
         assert proc.proc is not None
@@ -136,79 +159,117 @@ def _cpu(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-async def intake(workdir: Path, notifications: int, concurrency: int) -> None:
+def _checkout(rev: str, into: Path) -> Path:
+    """The packages at git revision ``rev``, laid out as installed (``pyproject.toml``'s package-dir):
+    a folder to put first on PYTHONPATH."""
+    try:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True,
+                                 check=True).stdout
+    except subprocess.CalledProcessError as exc:
+        raise SystemExit(f"--baseline {rev}: {exc.stderr.decode().strip()}") from None
+    tree, site = into / "tree", into / "site"
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(tree, filter="data")
+    layout = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for package, folder in sorted(layout.items()):  # "gpuhealth" before "gpuhealth.webhook"
+        shutil.copytree(tree / folder, site / package.replace(".", "/"), dirs_exist_ok=True)
+    return site
+
+
+def intake(workdir: Path, notifications: int, concurrency: int) -> None:
     """Accepted and journaled alerts per second, the worker idle (every action awaits approval)."""
     with _webhook(workdir, approval=True) as (url, server):
-        await _load(url, [_notification(1) for _ in range(200)], concurrency)  # warm-up
+        _load(url, [_notification(1) for _ in range(200)], concurrency)  # warm-up
         print(f"{'intake, worker idle':<26} {'alerts':>6} {'alerts/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
               f"{'CPU us/alert':>12} {'alerts/CPU-s':>12}")
         for size in (1, 10):
             count = notifications // size
             bodies = [_notification(size) for _ in range(count)]
             cpu = _cpu(server)
-            wall, latencies = await _load(url, bodies, concurrency)
+            wall, latencies = _load(url, bodies, concurrency)
             _report(f"{count} x {size}-alert notification", count * size, wall, latencies, _cpu(server) - cpu)
 
 
-async def storm(workdir: Path) -> int:
+def storm(workdir: Path) -> int:
     """One notification of 10,000 alerts on 1,000 nodes: all journaled, then all acted on."""
     with _webhook(workdir, approval=False) as (url, server):
         cpu = _cpu(server)
-        wall, _ = await _load(url, [_notification(10_000)], 1)
+        wall, _ = _load(url, [_notification(10_000)], 1)
         print(f"one 10,000-alert notification: answered in {wall * 1000:.0f} ms, server CPU "
               f"{(_cpu(server) - cpu) * 1000:.0f} ms")
         journal = workdir / "state" / "journal.sqlite3"
         total, _ = _journal_counts(journal)
         started = time.perf_counter()
         while _journal_counts(journal)[1]:
-            await asyncio.sleep(0.2)
+            time.sleep(0.2)
         acted = time.perf_counter() - started
         print(f"journaled actions: {total} of 10000 ({'no loss' if total == 10_000 else 'LOSS'}); the worker "
               f"finished them all {acted:.1f} s later ({total / acted:.0f} actions/s, simulated cluster)")
         return 0 if total == 10_000 else 1
 
 
-async def replicas(workdir: Path, notifications: int, concurrency: int) -> int:
-    """Two replicas on one PostgreSQL journal beside one on SQLite, the same load on each side."""
+def replicas(workdir: Path, notifications: int, concurrency: int, baseline: str | None) -> int:
+    """Two replicas on one PostgreSQL journal beside one on SQLite, the same load on each side; with
+    ``baseline``, also two replicas of the webhook at that revision, on a database of their own."""
     import psycopg  # the postgres extra
 
     from gpuhealth.local.postgres import LocalPostgres
 
     workdir.mkdir()
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
-    with LocalPostgres(workdir / "postgres.log") as pg, contextlib.ExitStack() as stack:
-        pair = [stack.enter_context(_webhook(workdir / name, True, {"url": pg.url, "replica": name}))
-                for name in ("a", "b")]
-        single = stack.enter_context(_webhook(workdir / "sqlite", True))
-        urls = [url for url, _ in pair]
-        print(f"{'intake, worker idle':<26} {'alerts':>6} {'alerts/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
-              f"{'CPU us/alert':>12} {'alerts/CPU-s':>12}")
-        await _load(urls, [_notification(1) for _ in range(200)], concurrency)  # warm-up
-        await _load(single[0], [_notification(1) for _ in range(200)], concurrency)
-        on_postgres = 200
+    with contextlib.ExitStack() as stack:
+        pg = LocalPostgres(workdir / "postgres.log")
+        stack.callback(pg.__exit__)  # registered before it starts: an interrupt mid-start stops it too
+        pg.start()
+        sides: list[tuple[str, str | None, list[tuple[str, psutil.Process]]]] = []  # name, database, servers
+        if baseline is not None:
+            code = _checkout(baseline, workdir / "baseline")
+            with psycopg.connect(pg.url, autocommit=True) as conn:
+                conn.execute("CREATE DATABASE baseline")
+            url = pg.url.rsplit("/", 1)[0] + "/baseline"
+            sides.append((f"2 on PostgreSQL @{baseline}", url, [stack.enter_context(_webhook(
+                workdir / f"baseline-{name}", True, {"url": url, "replica": name}, code))
+                for name in ("a", "b")]))
+        sides.append(("2 on PostgreSQL", pg.url, [stack.enter_context(_webhook(
+            workdir / name, True, {"url": pg.url, "replica": name})) for name in ("a", "b")]))
+        sides.append(("1 on SQLite", None, [stack.enter_context(_webhook(workdir / "sqlite", True))]))
+        for _, _, servers in sides:
+            _load([url for url, _ in servers], [_notification(1) for _ in range(200)], concurrency)  # warm-up
+        print(f"{'intake, worker idle':<34} {'alerts':>6} {'alerts/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
+              f"{'CPU us/alert':>12} {'alerts/CPU-s':>12} {'load':>5}")
         for size in (1, 10):
             count = notifications // size
-            single_servers = [single[1]]
-            for name, target, servers in (("2 on PostgreSQL", urls, [p for _, p in pair]),
-                                          ("1 on SQLite", single[0], single_servers)):
+            for name, _, servers in sides:
                 bodies = [_notification(size) for _ in range(count)]
-                cpu = sum(_cpu(p) for p in servers)
-                wall, latencies = await _load(target, bodies, concurrency)
+                load = os.getloadavg()[0]
+                cpu = sum(_cpu(p) for _, p in servers)
+                wall, latencies = _load([url for url, _ in servers], bodies, concurrency)
                 _report(f"{name}, {count} x {size}", count * size, wall, latencies,
-                        sum(_cpu(p) for p in servers) - cpu)
-                on_postgres += count * size if servers is not single_servers else 0
-        with psycopg.connect(pg.url) as conn:
-            row = conn.execute("SELECT COUNT(*), COUNT(DISTINCT fingerprint) FROM actions").fetchone()
-        total, distinct = row if row is not None else (0, 0)
-        print(f"PostgreSQL journal: {total} actions for {on_postgres} alerts sent to the pair "
-              f"({'no loss, no double' if total == distinct == on_postgres else 'MISMATCH'})")
-        return 0 if total == distinct == on_postgres else 1
+                        sum(_cpu(p) for _, p in servers) - cpu, load)
+        failed = 0
+        for name, database, _ in sides:
+            if database is None:
+                continue
+            with psycopg.connect(database) as conn:
+                row = conn.execute("SELECT COUNT(*), COUNT(DISTINCT fingerprint) FROM actions").fetchone()
+            total, distinct = row if row is not None else (0, 0)
+            sent = 200 + notifications // 1 + notifications // 10 * 10
+            whole = total == distinct == sent
+            failed |= not whole
+            print(f"{name}: {total} actions for {sent} alerts sent to the pair "
+                  f"({'no loss, no double' if whole else 'MISMATCH'})")
+        return 1 if failed else 0
 
 
-async def run(workdir: Path, notifications: int, concurrency: int) -> int:
+def run(workdir: Path, notifications: int, concurrency: int) -> int:
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
-    await intake(workdir / "intake", notifications, concurrency)
-    return await storm(workdir / "storm")
+    intake(workdir / "intake", notifications, concurrency)
+    return storm(workdir / "storm")
+
+
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM unwinds like Ctrl-C, through the teardown of everything started."""
+    raise KeyboardInterrupt
 
 
 def main() -> int:
@@ -217,11 +278,22 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8, help="concurrent senders")
     parser.add_argument("--journal", choices=("sqlite", "postgres"), default="sqlite",
                         help="postgres: two replicas on a shared PostgreSQL journal beside one on SQLite")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="with --journal postgres: also two replicas of the webhook at git revision REV "
+                             "(e.g. main), driven in turn with the others")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="gpuhealth-bench-") as tmp:
-        if args.journal == "postgres":
-            return asyncio.run(replicas(Path(tmp) / "replicas", args.notifications, args.concurrency))
-        return asyncio.run(run(Path(tmp), args.notifications, args.concurrency))
+    if args.baseline is not None and args.journal != "postgres":
+        parser.error("--baseline needs --journal postgres")
+    signal.signal(signal.SIGTERM, _terminated)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpuhealth-bench-") as tmp:
+            if args.journal == "postgres":
+                return replicas(Path(tmp) / "replicas", args.notifications, args.concurrency, args.baseline)
+            return run(Path(tmp), args.notifications, args.concurrency)
+    except KeyboardInterrupt:
+        print("interrupted: every server it started is stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

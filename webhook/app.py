@@ -26,6 +26,7 @@ from gpuhealth.webhook.backends import Backend, create_backend
 from gpuhealth.webhook.backends.helpers import TracksHelpers
 from gpuhealth.webhook.config import Config
 from gpuhealth.webhook.engine import Engine
+from gpuhealth.webhook.intake import wakes_worker
 from gpuhealth.webhook.journal import JOURNAL_ERRORS
 from gpuhealth.webhook.metrics import Metrics
 from gpuhealth.webhook.models import PayloadError, decode_body, parse_notification, rfc3339
@@ -155,7 +156,8 @@ async def post_alerts(request: web.Request) -> web.Response:
         metrics.notifications.labels("malformed").inc()
         log.warning("event=notification_rejected remote=%s error=%r", request.remote, str(exc)[:300])
         raise _json_error(web.HTTPBadRequest, f"notification cannot be stored: {exc}") from None
-    request.app[WORKER].wake()
+    if wakes_worker(result, decisions):
+        request.app[WORKER].wake()
     for kind in result.cancelled:
         metrics.action(kind, Outcome.CANCELLED, Reason.RESOLVED)
     for action_id, kind, reason, detail in result.refused:

@@ -8,11 +8,20 @@ undrain, which the guardrails admit only once no other firing alert keeps the no
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from gpuhealth.webhook.actions import KINDS, UNDRAIN
 from gpuhealth.webhook.outcomes import Reason
-from gpuhealth.webhook.store import AWAITING_APPROVAL, CANCELLED, PENDING, SKIPPED, Action, Resolution
+from gpuhealth.webhook.store import (
+    AWAITING_APPROVAL,
+    CANCELLED,
+    PENDING,
+    SKIPPED,
+    Action,
+    Decision,
+    RecordResult,
+    Resolution,
+)
 
 
 def holds_node(action: Action) -> bool:
@@ -39,3 +48,14 @@ def resolve(actions: Sequence[Action]) -> Resolution:
 def keeps_drained(firing: Iterable[Action]) -> bool:
     """Whether any of the actions of alerts still firing keeps the node drained."""
     return any(holds_node(a) for a in firing)
+
+
+def wakes_worker(result: RecordResult, decisions: Mapping[tuple[str, str], Decision]) -> bool:
+    """Whether a journaled notification gave the worker something to start: a new action that needs
+    no approval (or the undrain a resolution calls for), or a cancelled one its node's queue waited
+    behind. A duplicate, or an action held for approval (approving it wakes the worker), does not:
+    on a shared journal each wake-up costs the worker a pass over the queue."""
+    if result.cancelled:
+        return True
+    return bool(result.new_actions) and (result.resolved > 0 or any(
+        d.problem is None and not d.needs_approval for d in decisions.values()))

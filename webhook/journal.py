@@ -60,6 +60,41 @@ def _marks(values: tuple[str, ...]) -> str:
     return ", ".join("?" * len(values))
 
 
+# The columns a new alert and a new action are journaled with, in the order of the values below.
+ALERT_COLUMNS = ("fingerprint", "starts_at", "status", "node", "gpu", "alertname", "labels", "annotations",
+                 "received_at", "resolved_at")
+ACTION_COLUMNS = ("fingerprint", "starts_at", "kind", "node", "gpu", "alertname", "summary", "state",
+                  "outcome", "reason", "detail", "next_at", "received_at", "finished_at", "updated_at")
+
+_INSERT_ALERT = (f"INSERT OR IGNORE INTO alerts ({', '.join(ALERT_COLUMNS)}, notification_id) "
+                 f"VALUES ({_marks(ALERT_COLUMNS)}, ?)")
+_INSERT_ACTION = (f"INSERT OR IGNORE INTO actions ({', '.join(ACTION_COLUMNS)}) "
+                  f"VALUES ({_marks(ACTION_COLUMNS)})")
+
+
+def alert_values(alert: Alert, status: str, now: float) -> tuple[Any, ...]:
+    return (*alert.key, status, alert.node, alert.gpu, alert.alertname, json.dumps(alert.labels),
+            json.dumps(alert.annotations), now, now if status == "resolved" else None)
+
+
+def action_values(alert: Alert, kind: str, state: str, reason: str, detail: str, now: float
+                  ) -> tuple[Any, ...]:
+    """A new action's row; one refused at intake (skipped) is finished as it is journaled."""
+    finished = state == SKIPPED
+    return (*alert.key, kind, *journaled(alert.node, alert.gpu, alert.alertname),
+            clean_text(alert.annotations.get("summary", "")), state, SKIPPED if finished else "", reason,
+            detail, now, now, now if finished else None, now)
+
+
+def intake_state(decision: Decision) -> tuple[str, str, str]:
+    """The state, reason and detail of the action a new firing alert's decision journals."""
+    if decision.problem is not None:
+        return SKIPPED, *decision.problem
+    if decision.needs_approval:
+        return AWAITING_APPROVAL, "approval_required", ""
+    return PENDING, "", ""
+
+
 def _action(row: sqlite3.Row) -> Action:
     data = dict(row)
     data["progress"] = json.loads(data["progress"])
@@ -75,38 +110,55 @@ class Journal:
 
     # What one notification's text can raise when the database refuses it: that one gets a 400.
     REFUSED: tuple[type[Exception], ...] = (ValueError, sqlite3.DataError, sqlite3.IntegrityError)
+    DIALECT = "sqlite"  # which SQL of each migration this database runs
+    LOCK_ROWS = ""  # what a read of rows about to change adds to stay theirs until commit (BEGIN IMMEDIATE)
 
     def __init__(self, path: Path, busy_timeout: float = 5.0, power_safe: bool = True,
                  replica: str = "") -> None:
         self.replica = replica
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
+        db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA journal_mode=WAL")
         # FULL: a commit survives power loss. NORMAL (WAL): it survives a crash of this process, and
         # the next FULL commit makes it power-safe too, since the WAL is synced in order.
-        self.db.execute(f"PRAGMA synchronous={'FULL' if power_safe else 'NORMAL'}")
-        self.db.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
+        db.execute(f"PRAGMA synchronous={'FULL' if power_safe else 'NORMAL'}")
+        db.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
+        self._attach(db)
+
+    def _attach(self, db: sqlite3.Connection) -> None:
+        """Take ``db`` as this journal's connection once it is migrated; closed again when it cannot be
+        (a journal newer than this webhook, a failing database), so a refused journal leaves nothing open."""
+        self.db = db
         try:
             self._migrate()
         except BaseException:
-            self.db.close()
+            db.close()
             raise
 
     def _migrate(self) -> None:
-        """Bring the file to the latest layout, in one transaction (``schema.MIGRATIONS``)."""
+        """The one migration runner: apply the migrations of ``schema.MIGRATIONS`` the journal has not
+        seen, in one transaction; only how the version is read and written differs by database."""
         def run() -> None:
-            version = int(self.db.execute("PRAGMA user_version").fetchone()[0])
-            if version == 0 and self.db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND "
-                                                 "name = 'actions'").fetchone():
-                version = 1  # written before the journal recorded its version
-            for migration in pending(version):
-                for statement in filter(str.strip, migration.sqlite.split(";")):
+            for migration in pending(self._schema_version()):
+                for statement in migration.statements(self.DIALECT):
                     self.db.execute(statement)
-                self.db.execute(f"PRAGMA user_version = {migration.version}")
+                self._set_schema_version(migration.version)
                 log.info("event=journal_migrated version=%d why=%r", migration.version, migration.why)
 
         self._tx(run)
+
+    def _schema_version(self) -> int:
+        """SQLite keeps the version in ``PRAGMA user_version``; a file with tables but version 0 was
+        written before the journal recorded its version, and is version 1."""
+        version = int(self.db.execute("PRAGMA user_version").fetchone()[0])
+        if version == 0 and self.db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND "
+                                            "name = 'actions'").fetchone():
+            return 1
+        return version
+
+    def _set_schema_version(self, version: int) -> None:
+        self.db.execute(f"PRAGMA user_version = {int(version)}")
 
     def close(self) -> None:
         self.db.close()
@@ -127,14 +179,7 @@ class Journal:
 
     def _insert_action(self, alert: Alert, kind: str, state: str, reason: str, now: float,
                        detail: str = "") -> int | None:
-        finished = state == SKIPPED  # refused at intake
-        cur = self.db.execute(
-            "INSERT OR IGNORE INTO actions (fingerprint, starts_at, kind, node, gpu, alertname, summary, "
-            "state, outcome, reason, detail, next_at, received_at, finished_at, updated_at) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (*alert.key, kind, *journaled(alert.node, alert.gpu, alert.alertname),
-             clean_text(alert.annotations.get("summary", "")), state,
-             SKIPPED if finished else "", reason, detail, now, now, now if finished else None, now))
+        cur = self.db.execute(_INSERT_ACTION, action_values(alert, kind, state, reason, detail, now))
         if not cur.rowcount:
             return None
         action_id = _rowid(cur)
@@ -189,11 +234,7 @@ class Journal:
         return result
 
     def _insert_alert(self, alert: Alert, status: str, now: float, notification_id: int) -> bool:
-        cur = self.db.execute(
-            "INSERT OR IGNORE INTO alerts (fingerprint, starts_at, status, node, gpu, alertname, labels, "
-            "annotations, received_at, resolved_at, notification_id) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-            (*alert.key, status, alert.node, alert.gpu, alert.alertname, json.dumps(alert.labels),
-             json.dumps(alert.annotations), now, now if status == "resolved" else None, notification_id))
+        cur = self.db.execute(_INSERT_ALERT, (*alert_values(alert, status, now), notification_id))
         return bool(cur.rowcount)
 
     def _record_firing(self, alert: Alert, decision: Decision | None, now: float,
@@ -203,16 +244,13 @@ class Journal:
             return
         if decision is None:
             return
-        if decision.problem is not None:
-            reason, detail = decision.problem
-            action_id = self._insert_action(alert, decision.kind, SKIPPED, reason, now, detail)
-            if action_id is not None:
-                result.refused.append((action_id, decision.kind, reason, detail))
+        state, reason, detail = intake_state(decision)
+        action_id = self._insert_action(alert, decision.kind, state, reason, now, detail)
+        if action_id is None:
             return
-        state = AWAITING_APPROVAL if decision.needs_approval else PENDING
-        action_id = self._insert_action(alert, decision.kind, state,
-                                        "approval_required" if decision.needs_approval else "", now)
-        if action_id is not None:
+        if state == SKIPPED:
+            result.refused.append((action_id, decision.kind, reason, detail))
+        else:
             result.new_actions.append(action_id)
 
     def _record_resolved(self, alert: Alert, resolve: Resolver, now: float, result: RecordResult) -> None:
@@ -228,8 +266,9 @@ class Journal:
         self.db.execute("UPDATE alerts SET status = 'resolved', resolved_at = ? WHERE fingerprint = ? "
                         "AND starts_at = ?", (now, *alert.key))
         result.resolved += 1
-        actions = [_action(r) for r in self.db.execute("SELECT * FROM actions WHERE fingerprint = ? AND "
-                                                         "starts_at = ? ORDER BY id", alert.key)]
+        rows = self.db.execute(f"SELECT * FROM actions WHERE fingerprint = ? AND starts_at = ? ORDER BY id"
+                               f"{self.LOCK_ROWS}", alert.key)
+        actions = [_action(r) for r in rows]
         resolution = resolve(actions)
         for action in actions:
             if action.id in resolution.cancel:

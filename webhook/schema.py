@@ -23,6 +23,11 @@ class Migration:
     sqlite: str
     postgres: str
 
+    def statements(self, dialect: str) -> list[str]:
+        """This migration's statements for ``dialect``: ``sqlite`` or ``postgres``."""
+        sql = {"sqlite": self.sqlite, "postgres": self.postgres}[dialect]
+        return [statement for statement in sql.split(";") if statement.strip()]
+
 
 _V1_SQLITE = """
 CREATE TABLE IF NOT EXISTS notifications (

@@ -3,9 +3,10 @@
 It is the SQLite journal's SQL and rules, run through psycopg 3 (``gpuhealth[postgres]``), plus
 what sharing one journal between replicas needs:
 
-- intake takes a transaction-level advisory lock, so notifications delivered to two replicas at
-  once (an Alertmanager HA pair) are journaled one after the other: the second finds the alert
-  already there and is a duplicate;
+- firing notifications are journaled in one statement per group commit, replicas side by side: the
+  alerts' primary key (fingerprint + startsAt) makes the insert of an alert another replica holds
+  uncommitted wait for it, and then find it, a duplicate; a resolution, which reads and cancels
+  actions, is journaled with the alerts table locked against every other intake;
 - actions are claimed row by row: ``due`` picks candidates ``FOR UPDATE SKIP LOCKED`` (replicas
   never wait on each other's rows) and claims them with a lease, renewed on every pass of the
   worker; a replica that dies stops renewing and, once the lease has run out, another claims its
@@ -19,28 +20,118 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import psycopg
-from gpuhealth.webhook.journal import AsyncJournal, Journal, _action
-from gpuhealth.webhook.schema import pending
+from gpuhealth.webhook.journal import (
+    ACTION_COLUMNS,
+    ALERT_COLUMNS,
+    AsyncJournal,
+    Journal,
+    _action,
+    action_values,
+    alert_values,
+    intake_state,
+)
+from gpuhealth.webhook.models import Notification
 from gpuhealth.webhook.store import (
     ACTIVE_STATES,
     PENDING,
     RUNNING,
+    SKIPPED,
     Action,
+    Decision,
     DrainedNode,
     JournalUnwritable,
+    RecordResult,
     Resolver,
 )
 
-INTAKE_LOCK = 0x67707568_0001  # advisory lock keys: "gpuh" and what they guard
+log = logging.getLogger(__name__)
+MIGRATION_LOCK = 0x67707568_0001  # advisory lock keys: "gpuh" and what they guard
 ADMISSION_LOCK = 0x67707568_0002
 _KEYS = {"drained": "node", "jobs": "job_id", "meta": "key"}  # INSERT OR REPLACE targets
 _WITH_ID = ("notifications", "actions", "transitions")
+
+
+# A group commit of firing notifications in one statement, so one round trip and one transaction: the
+# notifications, their new alerts (a conflict on the primary key, fingerprint + startsAt, is a
+# duplicate, also while another replica's intake holds the key uncommitted: the insert waits for it),
+# the actions of those new alerts and their first transitions. The rows come as JSON, in the tables'
+# own columns (an alert's notification_id is its notification's position in the batch until the
+# notification has its id). One row per notification comes back (position, id, new alerts), and one
+# more per new action.
+_RECORD_FIRING = f"""
+WITH notes AS MATERIALIZED (
+    SELECT ordinality AS position, nextval(pg_get_serial_sequence('notifications', 'id')) AS id,
+           received_at, receiver, group_key, status, alerts
+    FROM json_populate_recordset(NULL::notifications, %(notifications)s::json) WITH ORDINALITY),
+new_alerts AS (
+    INSERT INTO alerts ({', '.join(ALERT_COLUMNS)}, notification_id)
+    SELECT {', '.join(f'a.{c}' for c in ALERT_COLUMNS)}, notes.id
+    FROM json_populate_recordset(NULL::alerts, %(alerts)s::json) WITH ORDINALITY AS a
+    JOIN notes ON notes.position = a.notification_id ORDER BY a.ordinality
+    ON CONFLICT DO NOTHING RETURNING fingerprint, starts_at, notification_id),
+new_actions AS (
+    INSERT INTO actions ({', '.join(ACTION_COLUMNS)})
+    SELECT {', '.join(f'c.{c}' for c in ACTION_COLUMNS)}
+    FROM json_populate_recordset(NULL::actions, %(actions)s::json) WITH ORDINALITY AS c
+    JOIN new_alerts USING (fingerprint, starts_at) ORDER BY c.ordinality
+    ON CONFLICT DO NOTHING RETURNING id, fingerprint, starts_at, kind, state, reason, detail),
+first_transitions AS (
+    INSERT INTO transitions (action_id, at, state, reason, detail)
+    SELECT id, %(now)s, state, reason, detail FROM new_actions),
+stored AS (
+    INSERT INTO notifications (id, received_at, receiver, group_key, status, alerts, new_alerts)
+    SELECT id, received_at, receiver, group_key, status, alerts,
+           (SELECT COUNT(*) FROM new_alerts WHERE notification_id = notes.id)
+    FROM notes)
+SELECT notes.position, notes.id, (SELECT COUNT(*) FROM new_alerts WHERE notification_id = notes.id),
+       c.id, c.kind, c.state, c.reason, c.detail
+FROM notes LEFT JOIN (new_actions c JOIN new_alerts USING (fingerprint, starts_at))
+    ON new_alerts.notification_id = notes.id
+ORDER BY notes.position, c.id
+"""
+
+
+def _firing_arguments(batch: list[tuple[Notification, dict[tuple[str, str], Decision]]], now: float
+                      ) -> dict[str, Any]:
+    """``_RECORD_FIRING``'s parameters: the rows the journal's own statements would write."""
+    notifications, alerts, actions = [], [], []
+    for position, (notification, decisions) in enumerate(batch, start=1):
+        notifications.append({"received_at": now, "receiver": notification.receiver,
+                              "group_key": notification.group_key, "status": notification.status,
+                              "alerts": len(notification.alerts)})
+        for alert in notification.alerts:
+            alerts.append(dict(zip(ALERT_COLUMNS, alert_values(alert, "firing", now), strict=True),
+                               notification_id=position))
+            if (decision := decisions.get(alert.key)) is not None:
+                actions.append(dict(zip(ACTION_COLUMNS, action_values(alert, decision.kind,
+                                                                      *intake_state(decision), now),
+                                        strict=True)))
+    return {"now": now, "notifications": json.dumps(notifications), "alerts": json.dumps(alerts),
+            "actions": json.dumps(actions)}
+
+
+def _firing_results(batch: list[tuple[Notification, dict[tuple[str, str], Decision]]],
+                    rows: list[tuple[Any, ...]]) -> list[RecordResult | Exception]:
+    results: dict[int, RecordResult] = {}
+    for position, notification_id, new_alerts, action_id, kind, state, reason, detail in rows:
+        if position not in results:
+            alerts = len(batch[position - 1][0].alerts)
+            results[position] = RecordResult(int(notification_id), duplicates=alerts - int(new_alerts))
+        if action_id is None:
+            continue  # a notification with no new action
+        if state == SKIPPED:
+            results[position].refused.append((int(action_id), kind, reason, detail))
+        else:
+            results[position].new_actions.append(int(action_id))
+    return [results[position] for position in range(1, len(batch) + 1)]
 
 
 class _Row(dict[str, Any]):
@@ -103,14 +194,22 @@ class _Connection:
         return psycopg.connect(self.url, autocommit=True, connect_timeout=5)
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> _Cursor:
+        return _Cursor(self._execute(_translate(sql), tuple(args)))
+
+    def _execute(self, sql: str, args: Sequence[Any] | dict[str, Any]) -> psycopg.Cursor[Any]:
         if self.conn.closed:
             self.conn = self._connect()
         try:
-            return _Cursor(self.conn.execute(_translate(sql), tuple(args)))
+            return self.conn.execute(sql, args)
         except psycopg.OperationalError:
             if self.conn.broken:
                 self.conn.close()  # the next statement connects again (after a restart of the server)
             raise
+
+    def record_firing(self, arguments: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """``_RECORD_FIRING``, alone in its transaction (autocommit): one round trip."""
+        rows: list[tuple[Any, ...]] = self._execute(_RECORD_FIRING, arguments).fetchall()
+        return rows
 
     def close(self) -> None:
         self.conn.close()
@@ -120,33 +219,50 @@ class PostgresJournal(Journal):
     """``Journal`` on one PostgreSQL connection, with claims for replicas."""
 
     REFUSED = (ValueError, psycopg.DataError, psycopg.IntegrityError)
+    DIALECT = "postgres"
+    LOCK_ROWS = " FOR UPDATE"  # a resolution's actions: a replica's worker cannot start one meanwhile
 
     def __init__(self, url: str, replica: str, lease_seconds: float) -> None:
         self.replica, self.lease_seconds = replica, lease_seconds
         self._renewed_at = float("-inf")  # when this replica last renewed its claims
         self._fenced = False  # set while the worker's own transitions run: they need the claim
-        self.db = _Connection(url)  # type: ignore[assignment]  # same calls as sqlite3.Connection
-        try:
-            self._migrate()
-        except BaseException:
-            self.db.close()
-            raise
+        self._attach(_Connection(url))  # type: ignore[arg-type]  # same calls as sqlite3.Connection
 
-    def _migrate(self) -> None:
-        def run() -> None:
-            self.db.execute("SELECT pg_advisory_xact_lock(?)", (INTAKE_LOCK,))  # replicas starting together
-            self.db.execute("CREATE TABLE IF NOT EXISTS schema_version (version BIGINT NOT NULL)")
-            row = self.db.execute("SELECT MAX(version) FROM schema_version").fetchone()
-            version = int(row[0]) if row is not None and row[0] is not None else 0
-            for migration in pending(version):
-                for statement in filter(str.strip, migration.postgres.split(";")):
-                    self.db.execute(statement)
-                self.db.execute("INSERT INTO schema_version (version) VALUES (?)", (migration.version,))
+    def _schema_version(self) -> int:
+        """PostgreSQL keeps the version in the ``schema_version`` table; replicas starting together
+        migrate one after the other (a lock held until the migration commits)."""
+        self.db.execute("SELECT pg_advisory_xact_lock(?)", (MIGRATION_LOCK,))
+        self.db.execute("CREATE TABLE IF NOT EXISTS schema_version (version BIGINT NOT NULL)")
+        row = self.db.execute("SELECT MAX(version) FROM schema_version").fetchone()
+        return int(row[0]) if row is not None and row[0] is not None else 0
 
-        self._tx(run)
+    def _set_schema_version(self, version: int) -> None:
+        self.db.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+
+    def record(self, batch: list[tuple[Notification, dict[tuple[str, str], Decision]]], resolve: Resolver
+               ) -> list[RecordResult | Exception]:
+        """Firing alerts, the bulk of intake, go in one statement per group commit (one round trip),
+        beside the other replicas' intake: the alerts' primary key makes the second delivery of an alert
+        a duplicate, whichever replica has it.
+
+        A batch with a resolution runs the journal's own statements with the alerts table locked against
+        every other intake (what a resolution reads and cancels must not change meanwhile), and so does
+        a batch the database refused (a notification it cannot store, isolated there in its savepoint)
+        or one that crossed another replica's on the same alerts in another order (a deadlock, which
+        PostgreSQL broke).
+        """
+        if all(alert.status == "firing" for notification, _ in batch for alert in notification.alerts):
+            try:
+                rows = cast(_Connection, self.db).record_firing(_firing_arguments(batch, time.time()))
+            except (*self.REFUSED, psycopg.errors.DeadlockDetected) as exc:
+                log.info("event=intake_one_by_one notifications=%d why=%r", len(batch), exc)
+            else:
+                return _firing_results(batch, rows)
+        return super().record(batch, resolve)
 
     def _lock_intake(self) -> None:
-        self.db.execute("SELECT pg_advisory_xact_lock(?)", (INTAKE_LOCK,))
+        """Alone: intake elsewhere (which inserts alerts) waits until this transaction commits."""
+        self.db.execute("LOCK TABLE alerts IN SHARE ROW EXCLUSIVE MODE")
 
     def _state_of(self, action_id: int) -> str | None:
         """The state, with the row locked until commit: replicas change one action one at a time.

@@ -47,9 +47,13 @@ class LocalPostgres:
             account = pwd.getpwnam("postgres")
             os.chown(self.root, account.pw_uid, account.pw_gid)
             self._as = ["setpriv", f"--reuid={account.pw_uid}", f"--regid={account.pw_gid}", "--clear-groups"]
-        subprocess.run([*self._as, str(self.bindir / "initdb"), "-D", str(self.data), "-U", "gpuhealth",
-                        "--auth=trust", "-E", "UTF8", "--no-sync"],
-                       check=True, capture_output=True, cwd=self.root)
+        try:
+            subprocess.run([*self._as, str(self.bindir / "initdb"), "-D", str(self.data), "-U", "gpuhealth",
+                            "--auth=trust", "-E", "UTF8", "--no-sync"],
+                           check=True, capture_output=True, cwd=self.root)
+        except BaseException:  # a failed or interrupted initdb leaves no folder behind
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise
         self.process: ManagedProcess | None = None
 
     @property

@@ -19,12 +19,12 @@ from gpuhealth.webhook.backends.base import BackendError
 from gpuhealth.webhook.backends.simulated import SimulatedBackend
 from gpuhealth.webhook.config import parse_config
 from gpuhealth.webhook.guardrails import Admission
-from gpuhealth.webhook.intake import resolve
+from gpuhealth.webhook.intake import resolve, wakes_worker
 from gpuhealth.webhook.journal import AsyncJournal
 from gpuhealth.webhook.metrics import Metrics
 from gpuhealth.webhook.models import parse_notification
 from gpuhealth.webhook.policy import decide, drain_reason
-from gpuhealth.webhook.store import Action, DrainedNode
+from gpuhealth.webhook.store import Action, Decision, DrainedNode, RecordResult
 
 BASE = {"backend": {"type": "simulated", "nodes": ["gpu[01-16]"]},
         "guardrails": {"node_cooldown_seconds": 0, "breaker_max_nodes": 16, "breaker_max_fraction": 1.0,
@@ -275,3 +275,16 @@ def test_a_resolution_cancels_what_has_not_started_and_undoes_what_drained():
     assert resolve([row("replace", "done", "ok")]).follow_up is None  # a human decides
     assert resolve([row("restart_job", "done", "ok")]).follow_up is None
     assert resolve([row("unknown", "skipped", "unknown_action")]) == resolve([])
+
+
+def test_the_worker_is_woken_only_for_what_it_can_start():
+    key = ("0000000000000001", "2026-11-30T05:00:00+00:00")
+    runnable, held = {key: Decision("drain", False)}, {key: Decision("drain", True)}
+    refused = {key: Decision("drain_reset_gpu", False, ("no_gpu", "no gpu label"))}
+    assert wakes_worker(RecordResult(1, new_actions=[7]), runnable)
+    assert not wakes_worker(RecordResult(1, duplicates=1), runnable)  # a second delivery
+    assert not wakes_worker(RecordResult(1, new_actions=[7]), held)  # approving it wakes the worker
+    assert not wakes_worker(RecordResult(1, refused=[(7, "drain_reset_gpu", "no_gpu", "")]), refused)
+    assert wakes_worker(RecordResult(1, new_actions=[8], resolved=1), {})  # the undrain
+    assert wakes_worker(RecordResult(1, resolved=1, cancelled=["drain"]), {})  # its node's queue moves
+    assert not wakes_worker(RecordResult(1, resolved=1), {})

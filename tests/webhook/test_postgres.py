@@ -5,6 +5,7 @@ once, a database restart mid-intake loses and doubles nothing, and the breaker c
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import json
 import os
@@ -22,11 +23,13 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
-from conftest import TOKEN, alert, notification
+from conftest import TOKEN, alert, notification, resolved
 from gpuhealth.webhook.config import parse_config
 from gpuhealth.webhook.intake import resolve
+from gpuhealth.webhook.journal import Journal
 from gpuhealth.webhook.models import parse_notification
 from gpuhealth.webhook.policy import decide
+from gpuhealth.webhook.schema import LATEST, MIGRATIONS, SchemaTooNew
 from gpuhealth.webhook.store_postgres import PostgresJournal
 
 from gpuhealth.local.postgres import LocalPostgres, bindir
@@ -145,6 +148,192 @@ def test_two_stores_record_one_alert_once_and_claim_each_action_once(database):
     assert a.try_move(mine[1].id, ("pending",), "cancelled", "operator", "by a") is not None
     a.close()
     b.close()
+
+
+def test_intake_journals_what_the_sqlite_journal_does_in_one_statement_per_notification(database, tmp_path):
+    """The same batches through both stores: the same answers and the same rows (PostgreSQL journals
+    firing alerts in one statement per notification, SQLite statement by statement)."""
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES},
+                           "guardrails": {"require_approval": ["drain_reboot"]}})
+    seen = alert("gpu01", action="drain")
+    twice = alert("gpu04", action="restart_job")
+    varied = [seen, alert("gpu02", action="drain_reboot"),
+              alert("gpu03", action="drain_reset_gpu", gpu="0;reboot"), twice,
+              twice, alert("gpu05", action="no_such_action"), alert("gpu06", action="none"),
+              alert("gpu07", action="drain", summary="bell \x07 and escape \x1b[31m")]
+    batches = [[notification(seen)],  # then the same alert again, in one notification and across two:
+               [notification(*varied), notification(alert("gpu08", action="drain"), twice)]]
+    stores = Journal(tmp_path / "journal.sqlite3"), PostgresJournal(database, "a", LEASE)
+    answers, rows = [], []
+    for store in stores:
+        answered = []
+        for batch in batches:
+            parsed = [parse_notification(body) for body in batch]
+            answered += [(len(r.new_actions), r.duplicates, [x[1:] for x in r.refused])
+                         for r in store.record([(n, decide(n, config)) for n in parsed], resolve)]
+        answers.append(answered)
+        rows.append(sorted((a.fingerprint, a.kind, a.node, a.gpu, a.alertname, a.summary, a.state, a.outcome,
+                            a.reason, a.detail, a.finished_at is not None, len(store.transitions(a.id)))
+                           for a in store.list_actions()))
+        store.close()
+    assert answers[0] == answers[1] and rows[0] == rows[1]
+    new, duplicates, refused = answers[0][1]
+    assert (new, duplicates) == (4, 2)  # gpu02, gpu04 once, gpu06 (none), gpu07; seen before and gpu04 again
+    assert [(kind, reason) for kind, reason, _ in refused] == [("drain_reset_gpu", "invalid_label"),
+                                                               ("unknown", "unknown_action")]
+    assert {r[6] for r in rows[1]} == {"pending", "awaiting_approval", "skipped"}
+
+
+def _lock_waiters(conn: psycopg.Connection[Any]) -> int:
+    """How many sessions of this database wait for a lock."""
+    row = conn.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() "
+                       "AND wait_event_type = 'Lock'").fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def test_a_resolution_waits_for_a_replica_starting_its_action_and_leaves_it_running(database):
+    """A replica's worker holds an action's row while it starts it; the alert's resolution, journaled
+    meanwhile, waits for that commit and finds the action running: it is not cancelled under way (its
+    node is undrained after it, as for any drain that ran)."""
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    journal = PostgresJournal(database, "a", LEASE)
+    firing = alert(NODES[0], action="drain")
+    fired, gone = parse_notification(notification(firing)), parse_notification(notification(resolved(firing)))
+    [recorded] = journal.record([(fired, decide(fired, config))], resolve)
+    assert not isinstance(recorded, Exception)
+    [action_id] = recorded.new_actions
+    with psycopg.connect(database) as worker, psycopg.connect(database, autocommit=True) as watch, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        worker.execute("SELECT state FROM actions WHERE id = %s FOR UPDATE", (action_id,))
+        resolving = pool.submit(journal.record, [(gone, decide(gone, config))], resolve)
+        wait_until(lambda: _lock_waiters(watch) == 1, timeout=10, what="the resolution waiting on the row")
+        worker.execute("UPDATE actions SET state = 'running', started_at = 1 WHERE id = %s", (action_id,))
+        worker.commit()
+        [ended] = resolving.result(timeout=30)
+    assert not isinstance(ended, Exception)
+    assert ended.resolved == 1 and ended.cancelled == [] and len(ended.new_actions) == 1  # the undrain
+    assert journal.get(action_id).state == "running"
+    journal.close()
+
+
+def test_intake_that_deadlocks_with_another_is_journaled_again_one_notification_at_a_time(database, caplog):
+    """Replica a's group commit waits on an alert another session holds uncommitted, b's on one of a's,
+    and that session then on one of b's: PostgreSQL cancels a's statement (the first to wait) and a
+    journals its notifications again one by one, with the alerts table to itself. Every alert ends up
+    journaled once, with one action, and every notification answered."""
+    caplog.set_level("INFO", logger="gpuhealth.webhook.store_postgres")
+    # A deadlock is found by a session that has waited deadlock_timeout: with 5 s that is a, the first
+    # to wait, however slowly a loaded machine closes the cycle.
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute(f"ALTER DATABASE {database.rsplit('/', 1)[1]} SET deadlock_timeout = '5s'")
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    a, b = PostgresJournal(database, "a", LEASE), PostgresJournal(database, "b", LEASE)
+    k0, k1, k2 = (alert(n, action="drain", fingerprint=f"{i:016x}") for i, n in enumerate(NODES[:3], 100))
+    parsed = {key: parse_notification(notification(x)) for key, x in (("k0", k0), ("k1", k1), ("k2", k2))}
+
+    def batch(*keys: str) -> list[tuple[Any, Any]]:
+        return [(parsed[k], decide(parsed[k], config)) for k in keys]
+
+    def insert_alert(conn: psycopg.Connection[Any], fingerprint: str) -> None:
+        conn.execute("INSERT INTO alerts (fingerprint, starts_at, status, labels, annotations, received_at, "
+                     "notification_id) VALUES (%s, %s, 'firing', '{}', '{}', 0, 0) ON CONFLICT DO NOTHING",
+                     (fingerprint, OLD_ALERT[1]))
+
+    with psycopg.connect(database) as other, psycopg.connect(database, autocommit=True) as watch, \
+            concurrent.futures.ThreadPoolExecutor(3) as pool:
+        insert_alert(other, k1["fingerprint"])  # held, uncommitted
+        by_a = pool.submit(a.record, batch("k0", "k1"), resolve)
+        wait_until(lambda: _lock_waiters(watch) == 1, timeout=10, what="a waiting on k1")
+        by_b = pool.submit(b.record, batch("k2", "k0"), resolve)
+        wait_until(lambda: _lock_waiters(watch) == 2, timeout=10, what="b waiting on k0")
+        closing = pool.submit(insert_alert, other, k2["fingerprint"])  # closes the cycle
+        answers_b = by_b.result(timeout=30)  # a gave way: b journals both
+        closing.result(timeout=30)
+        other.rollback()  # the other session's alerts were never journaled: a journals k1
+        answers_a = by_a.result(timeout=30)
+    assert [(len(x.new_actions), x.duplicates) for x in answers_b] == [(1, 0), (1, 0)]
+    assert [(len(x.new_actions), x.duplicates) for x in answers_a] == [(0, 1), (1, 0)]
+    assert sorted(x.node for x in a.list_actions()) == NODES[:3]
+    assert any("event=intake_one_by_one notifications=2" in r.getMessage() for r in caplog.records)
+    a.close()
+    b.close()
+
+
+def test_intake_isolates_a_notification_the_database_refuses_and_resolutions_run_alone(database):
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    journal = PostgresJournal(database, "a", LEASE)
+    first, middle, last = (parse_notification(notification(alert(n, action="drain"))) for n in NODES[:3])
+    refused = dataclasses.replace(middle, receiver="NUL \x00 inside")  # past the parser: only the database
+    results = journal.record([(n, decide(n, config)) for n in (first, refused, last)], resolve)
+    assert isinstance(results[1], psycopg.DataError)
+    assert [len(r.new_actions) for r in (results[0], results[2])] == [1, 1]  # its neighbours are journaled
+    assert sorted(a.node for a in journal.list_actions()) == [NODES[0], NODES[2]]
+    firing = alert(NODES[3], action="drain")
+    held_back = parse_notification(notification(firing))
+    [held] = journal.record([(held_back, decide(held_back, config))], resolve)
+    gone = parse_notification(notification(resolved(firing)))
+    fresh = parse_notification(notification(alert(NODES[4], action="drain")))
+    ended, started = journal.record([(n, decide(n, config)) for n in (gone, fresh)], resolve)
+    assert not isinstance(ended, Exception) and not isinstance(started, Exception)
+    assert ended.resolved == 1 and ended.cancelled == ["drain"] and len(started.new_actions) == 1
+    assert journal.get(held.new_actions[0]).state == "cancelled"
+    journal.close()
+
+
+OLD_ALERT = ("0000000000000001", "2026-11-30T05:00:00.500000+00:00")  # conftest's alert(), as journaled
+
+
+@pytest.mark.parametrize("version", range(LATEST))
+def test_a_journal_migrates_from_each_older_version_keeping_its_records(database, version):
+    """A database at ``version`` (0: empty), as the webhook of that version left it with a drain
+    pending for a firing alert, is carried to the latest layout in place."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        if version:
+            conn.execute("CREATE TABLE schema_version (version BIGINT NOT NULL)")
+        for migration in MIGRATIONS[:version]:
+            for statement in migration.statements("postgres"):
+                conn.execute(statement)
+            conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (migration.version,))
+        if version:
+            conn.execute("INSERT INTO alerts (fingerprint, starts_at, status, node, gpu, alertname, labels, "
+                         "annotations, received_at, notification_id) VALUES (%s, %s, 'firing', 'gpu01', '0', "
+                         "'GPUHealthXidFatal', '{}', '{}', 1, 1)", OLD_ALERT)
+            conn.execute("INSERT INTO actions (fingerprint, starts_at, kind, node, gpu, alertname, summary, "
+                         "state, next_at, received_at, updated_at) VALUES (%s, %s, 'drain', 'gpu01', '0', "
+                         "'GPUHealthXidFatal', 'XID 79', 'pending', 1, 1, 1)", OLD_ALERT)
+    journal = PostgresJournal(database, "a", LEASE)
+    with psycopg.connect(database) as conn:
+        versions = [r[0] for r in conn.execute("SELECT version FROM schema_version ORDER BY version")]
+    assert versions == list(range(1, LATEST + 1))
+    again = parse_notification(notification(alert("gpu01", action="drain", fingerprint=OLD_ALERT[0])))
+    [result] = journal.record([(again, decide(again, parse_config({"backend": {
+        "type": "simulated", "nodes": NODES}})))], resolve)
+    if version:  # the old record is read in the new layout, and still deduplicates
+        [old] = journal.list_actions()
+        assert (old.kind, old.node, old.state, old.claimed_by) == ("drain", "gpu01", "pending", "")
+        assert result.duplicates == 1 and result.new_actions == []
+    else:
+        assert result.duplicates == 0 and len(result.new_actions) == 1
+    journal.close()
+    PostgresJournal(database, "b", LEASE).close()  # an up-to-date journal opens unchanged
+    with psycopg.connect(database) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM schema_version").fetchone() == (LATEST,)
+
+
+def test_a_journal_from_a_newer_webhook_is_refused_untouched_and_its_connection_closed(database):
+    PostgresJournal(database, "a", LEASE).close()
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (LATEST + 1,))
+        with pytest.raises(SchemaTooNew, match=f"schema version {LATEST + 1}, newer than"):
+            PostgresJournal(database, "a", LEASE)
+
+        def others() -> int:
+            row = conn.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() "
+                               "AND pid != pg_backend_pid()").fetchone()
+            return -1 if row is None else int(row[0])
+
+        wait_until(lambda: others() == 0, timeout=10, what="the refused journal's session to end")
+        assert conn.execute("SELECT MAX(version) FROM schema_version").fetchone() == (LATEST + 1,)
 
 
 def test_duplicate_delivery_to_both_replicas_yields_one_action_and_any_replica_approves(replicas):
