@@ -123,7 +123,10 @@ class Escalation:
         except JournalUnwritable:
             pass  # logged by the journal; the chain is still as journaled and is taken up again
         except Exception as exc:  # a cluster that does not answer, or a bug: look again later, never spin
-            if not isinstance(exc, BackendError):
+            if isinstance(exc, BackendError):
+                log.warning("event=chain_check_failed chain=%s node=%s error=%r", chain.id, chain.node,
+                            str(exc))
+            else:
                 log.exception("event=chain_error chain=%s node=%s", chain.id, chain.node)
             with contextlib.suppress(JournalUnwritable):
                 await self.store.move_chain(chain.id, chain.state, chain.state, f"verification error: {exc}",

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from conftest import NODES, alert, resolved
+from gpuhealth.webhook.backends.base import BackendError
 from gpuhealth.webhook.backends.simulated import SimulatedBackend
 from gpuhealth.webhook.config import ConfigError, parse_config
 from waiting import eventually
@@ -257,3 +258,28 @@ def test_escalation_settings_are_checked_all_at_once():
                      "escalation.step_timeout_seconds.drain: not one of the steps",
                      "escalation.step_timeout_seconds.restart_job"):
         assert expected in errors, errors
+
+
+class FlakyJobs(SimulatedBackend):
+    """A cluster whose job queries fail until told otherwise (a controller that does not answer)."""
+
+    answering = False
+
+    async def job_state(self, job_id: str) -> Any:
+        if not self.answering:
+            raise BackendError("squeue: slurm_load_jobs error: Unable to contact slurm controller")
+        return await super().job_state(job_id)
+
+
+async def test_a_cluster_that_does_not_answer_delays_the_verification_without_ending_the_chain(webhook):
+    sim = FlakyJobs(NODES, {"gpu14": ["1401"]})
+    hook = await webhook(backend=sim, escalation=escalation(step_timeout_seconds={"restart_job": 60}))
+    await hook.post(alert("gpu14", action="restart_job", alertname="GPUHealthXidRestartJob"))
+    chain = await eventually(lambda: listing(hook), lambda b: b["chains"] and "Unable to contact" in
+                             b["chains"][0]["detail"], timeout=20, what="the failing job query recorded")
+    assert chain["chains"][0]["state"] == "verifying"
+    sim.answering = True
+    sim.start_job("1401", "gpu15")
+    await eventually(lambda: listing(hook), lambda b: b["chains"][0]["detail"] ==
+                     "verifying restart_job: GPUHealthXidRestartJob still firing", timeout=20,
+                     what="the job check passing once the cluster answers again")
