@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from gpuhealth.webhook.actions import KINDS
+from gpuhealth.webhook.actions import KINDS, UNDRAIN
 from gpuhealth.webhook.announce import Announcer
 from gpuhealth.webhook.backends.base import Backend, BackendError
 from gpuhealth.webhook.config import Config
@@ -165,7 +165,8 @@ class Escalation:
             return
         ok, why = await self._checks(chain)
         if ok:
-            await self._end(chain, SUCCEEDED, f"{chain.step} verified: {why}")
+            await self._end(chain, SUCCEEDED, f"{chain.step} verified: {why}",
+                            UNDRAIN if await self._drained_by_chain(chain) else None)
         elif chain.deadline is not None and now >= chain.deadline:
             limit = cfg.timeout(chain.step)
             await self._escalate(chain, f"{chain.step} not verified within {limit:g}s: {why}")
@@ -214,8 +215,17 @@ class Escalation:
         if moved is not None:
             await self._tell(moved, "chain_escalated", moved.detail, step=step, from_step=chain.step)
 
-    async def _end(self, chain: Chain, state: str, detail: str) -> None:
-        moved = await self.store.move_chain(chain.id, chain.state, state, detail)
+    async def _drained_by_chain(self, chain: Chain) -> bool:
+        """A step of this chain keeps the node drained: the alert has resolved (the chain succeeded), so
+        its undrain is asked for again, in case it ran before that step drained the node once more."""
+        entry = (await self.store.drained()).get(chain.node)
+        if entry is None or entry.keep:
+            return False
+        owner = await self.store.get(entry.action_id)
+        return owner is not None and owner.alert == chain.alert
+
+    async def _end(self, chain: Chain, state: str, detail: str, follow_up: str | None = None) -> None:
+        moved = await self.store.move_chain(chain.id, chain.state, state, detail, follow_up=follow_up)
         if moved is not None:
             await self._tell(moved, f"chain_{state}", detail)
 

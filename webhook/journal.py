@@ -543,17 +543,40 @@ class Journal:
 
     def move_chain(self, chain_id: int, expect: str, state: str, detail: str, *,
                    step_done_at: float | None = None, verify_at: float | None = None,
-                   deadline: float | None = None) -> Chain | None:
+                   deadline: float | None = None, follow_up: str | None = None) -> Chain | None:
+        """``follow_up``: an action kind of the chain's alert to make pending in the same commit (a new
+        one, or the alert's finished one of that kind armed again)."""
         extra = {k: v for k, v in (("step_done_at", step_done_at), ("verify_at", verify_at),
                                    ("deadline", deadline)) if v is not None}
 
         def run() -> Chain | None:
             if self._chain_state_of(chain_id) != expect:
                 return None
-            self._set_chain(chain_id, time.time(), state=state, detail=detail, **extra)
-            return self.get_chain(chain_id)
+            now = time.time()
+            self._set_chain(chain_id, now, state=state, detail=detail, **extra)
+            chain = self.get_chain(chain_id)
+            if chain is not None and follow_up is not None:
+                row = self.db.execute("SELECT id, state FROM actions WHERE fingerprint = ? AND starts_at = ? "
+                                      "AND kind = ?", (*chain.alert, follow_up)).fetchone()
+                if row is None:
+                    self._insert_chain_action(chain, follow_up, PENDING, detail, now)
+                elif row["state"] in FINISHED_STATES:
+                    self._set_state(row["id"], PENDING, "", "", detail, now, next_at=now, finished_at=None)
+            return chain
 
         return self._tx(run)
+
+    def _insert_chain_action(self, chain: Chain, kind: str, state: str, detail: str, now: float) -> int:
+        """An action of the chain's alert, journaled as an alert's action is: admitted by the worker."""
+        reason = "approval_required" if state == AWAITING_APPROVAL else ""
+        cur = self.db.execute(
+            "INSERT INTO actions (fingerprint, starts_at, kind, node, gpu, alertname, summary, state, "
+            "reason, next_at, received_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (chain.fingerprint, chain.starts_at, kind, chain.node, chain.gpu, chain.alertname,
+             chain.summary, state, reason, now, now, now))
+        action_id = _rowid(cur)
+        self._transition(action_id, state, "escalation", detail, now)
+        return action_id
 
     def escalate_chain(self, chain_id: int, expect: str, kind: str, action_state: str,
                        detail: str) -> Chain | None:
@@ -562,14 +585,7 @@ class Journal:
             if chain is None or self._chain_state_of(chain_id) != expect:
                 return None
             now = time.time()
-            reason = "approval_required" if action_state == AWAITING_APPROVAL else ""
-            cur = self.db.execute(
-                "INSERT INTO actions (fingerprint, starts_at, kind, node, gpu, alertname, summary, state, "
-                "reason, next_at, received_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                (chain.fingerprint, chain.starts_at, kind, chain.node, chain.gpu, chain.alertname,
-                 chain.summary, action_state, reason, now, now, now))
-            action_id = _rowid(cur)
-            self._transition(action_id, action_state, "escalated", detail, now)
+            action_id = self._insert_chain_action(chain, kind, action_state, detail, now)
             self._set_chain(chain_id, now, state=RUNNING, step=kind, action_id=action_id, detail=detail,
                             step_done_at=None, deadline=None, verify_at=now)
             return self.get_chain(chain_id)
@@ -814,10 +830,10 @@ class AsyncJournal:
 
     async def move_chain(self, chain_id: int, expect: str, state: str, detail: str, *,
                          step_done_at: float | None = None, verify_at: float | None = None,
-                         deadline: float | None = None) -> Chain | None:
+                         deadline: float | None = None, follow_up: str | None = None) -> Chain | None:
         return await self._write(lambda: self._db.move_chain(chain_id, expect, state, detail,
                                                              step_done_at=step_done_at, verify_at=verify_at,
-                                                             deadline=deadline))
+                                                             deadline=deadline, follow_up=follow_up))
 
     async def escalate_chain(self, chain_id: int, expect: str, kind: str, action_state: str,
                              detail: str) -> Chain | None:

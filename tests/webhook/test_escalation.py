@@ -283,3 +283,22 @@ async def test_a_cluster_that_does_not_answer_delays_the_verification_without_en
     await eventually(lambda: listing(hook), lambda b: b["chains"][0]["detail"] ==
                      "verifying restart_job: GPUHealthXidRestartJob still firing", timeout=20,
                      what="the job check passing once the cluster answers again")
+
+
+async def test_a_node_a_late_step_drained_returns_once_the_chain_succeeded(webhook, tmp_path):
+    """The alert resolved before the step that drained the node: its undrain is asked for by the chain."""
+    check, _ = health_check(tmp_path, passing=True)
+    timeouts = {"restart_job": 0.5, "drain_reset_gpu": 60}
+    hook = await webhook(jobs={"gpu16": ["1601"]}, undrain={"health_check": check},
+                         escalation=escalation(step_timeout_seconds=timeouts))
+    firing = alert("gpu16", action="restart_job", gpu="5", alertname="GPUHealthXidRestartJob")
+    await hook.post(firing)
+    await chain_in(hook, "verifying")
+    await hook.post(resolved(firing))  # resolved, but job 1601 never runs again: the restart did not work
+    chain = await chain_in(hook, "succeeded", timeout=30)
+    assert chain["step"] == "drain_reset_gpu"
+    actions = await hook.until(lambda acts: acts[-1]["kind"] == "undrain" and acts[-1]["state"] == "done",
+                               "the undrain the chain asked for")
+    assert kinds(actions) == ["restart_job", "drain_reset_gpu", "undrain"]
+    assert [op[0] for op in hook.backend.history] == ["requeue", "drain", "reset_gpu", "resume"]
+    assert hook.drained == {} and (await hook.call("GET", "/status"))["drained_by_us"] == []
