@@ -3,13 +3,14 @@ each step verified before the next is tried.
 
 An alert's own action that is a step of the chain opens one at that step (an alert that already asks
 for a reset starts there). When a step's action ends, the chain waits ``settle_seconds`` and then
-verifies it until its timeout: the alert that opened the chain resolved, the jobs a restart requeued
-are running again, and after a reset or reboot the configured health check (``undrain.health_check``,
-e.g. ``gpuhealth-validate``) passes. A passing verification closes the chain (succeeded); a failing
-one at the timeout, the same alert firing again within ``window_seconds`` of the step, or a step that
-failed starts the next step; after the last step (``replace``: a person decides) the chain is
-exhausted. The next step is an ordinary journaled action, admitted through every guardrail as an
-alert's action is, never a side door: this module only decides when to ask for it.
+verifies it until its timeout: the alert that opened the chain no longer fires, the jobs a restart
+requeued are running again, and after a reset or reboot the configured health check
+(``undrain.health_check``, e.g. ``gpuhealth-validate``) passes. A passing verification closes the
+chain (succeeded); a failing one at the timeout, the same alert firing again within ``window_seconds``
+of the step (even after the chain succeeded: it is reopened), or a step that failed starts the next
+step; after the last step (``replace``: a person decides) the chain is exhausted. The next step is an
+ordinary journaled action, admitted through every guardrail as an alert's action is, never a side
+door: this module only decides when to ask for it.
 """
 
 from __future__ import annotations
@@ -85,7 +86,9 @@ class Escalation:
             return None
         free = CONCURRENCY - len(self._tasks)
         if free > 0:
-            for chain in await self.store.due_chains(time.time(), self._tasks, free):
+            now = time.time()
+            reopen_since = now - self.config.escalation.window_seconds
+            for chain in await self.store.due_chains(now, self._tasks, free, reopen_since):
                 task = asyncio.create_task(self._advance(chain), name=f"chain-{chain.id}")
                 self._tasks[chain.id] = task
 
@@ -118,8 +121,11 @@ class Escalation:
         try:
             if chain.state == RUNNING:
                 await self._step_ended(chain)
-            else:
+            elif chain.state == VERIFYING:
                 await self._verify(chain)
+            else:  # succeeded, and the same alert fired again within the window: the step did not hold
+                await self._escalate(chain, f"{chain.alertname} fired again on {chain.node} within "
+                                            f"{self.config.escalation.window_seconds:g}s of {chain.step}")
         except JournalUnwritable:
             pass  # logged by the journal; the chain is still as journaled and is taken up again
         except Exception as exc:  # a cluster that does not answer, or a bug: look again later, never spin
@@ -193,7 +199,7 @@ class Escalation:
                 if state.waiting:
                     return False, f"job {job_id} is {state.state}, not running again yet"
             found.append(f"requeued jobs running ({','.join(jobs) or 'none'})")
-        if await self.store.alert_firing(chain.alert):
+        if await self.store.alert_firing(chain.node, chain.gpu, chain.alertname):
             return False, f"{chain.alertname} still firing"
         return True, "; ".join([f"{chain.alertname} resolved", *found])
 

@@ -38,6 +38,7 @@ from gpuhealth.webhook.store import (
     RUNNING,
     SKIPPED,
     STATES,
+    SUCCEEDED,
     VERIFYING,
     Action,
     Chain,
@@ -587,19 +588,26 @@ class Journal:
             now = time.time()
             action_id = self._insert_chain_action(chain, kind, action_state, detail, now)
             self._set_chain(chain_id, now, state=RUNNING, step=kind, action_id=action_id, detail=detail,
-                            step_done_at=None, deadline=None, verify_at=now)
+                            step_done_at=None, deadline=None, verify_at=now, finished_at=None)
             return self.get_chain(chain_id)
 
         return self._tx(run)
 
-    def due_chains(self, now: float, busy: Iterable[int], limit: int) -> list[Chain]:
-        rows = self.db.execute(self._DUE_CHAINS, (now, *FINISHED_STATES))
+    def due_chains(self, now: float, busy: Iterable[int], limit: int, reopen_since: float) -> list[Chain]:
+        rows = self.db.execute(self._DUE_CHAINS, (now, *FINISHED_STATES, reopen_since))
         skip = set(busy)
         return [_chain(r) for r in rows if r["id"] not in skip][:limit]
 
-    _DUE_CHAINS = (f"SELECT c.* FROM chains c JOIN actions a ON a.id = c.action_id WHERE c.verify_at <= ? "
+    # due: a verifying chain whose time came, a running one whose step's action ended, or the newest
+    # chain of its node and GPU, succeeded since ``reopen_since``, whose alert fired again since
+    _DUE_CHAINS = (f"SELECT c.* FROM chains c JOIN actions a ON a.id = c.action_id WHERE (c.verify_at <= ? "
                    f"AND (c.state = '{VERIFYING}' OR (c.state = '{RUNNING}' AND a.state IN "
-                   f"({_marks(FINISHED_STATES)}))) ORDER BY c.id")
+                   f"({_marks(FINISHED_STATES)})))) OR (c.state = '{SUCCEEDED}' AND c.finished_at >= ? AND "
+                   "EXISTS (SELECT 1 FROM alerts al WHERE al.node = c.node AND al.alertname = c.alertname "
+                   "AND (c.gpu = '' OR al.gpu = c.gpu) AND al.status = 'firing' "
+                   "AND al.received_at > c.finished_at) "
+                   "AND c.id = (SELECT MAX(l.id) FROM chains l WHERE l.node = c.node AND l.gpu = c.gpu)) "
+                   "ORDER BY c.id")
 
     def next_chain_at(self) -> float | None:
         row = self.db.execute(f"SELECT MIN(verify_at) FROM chains WHERE state = '{VERIFYING}'").fetchone()
@@ -614,10 +622,11 @@ class Journal:
         rows = self.db.execute("SELECT state, COUNT(*) FROM chains GROUP BY state").fetchall()
         return {state: 0 for state in CHAIN_STATES} | {r[0]: r[1] for r in rows}
 
-    def alert_firing(self, alert: tuple[str, str]) -> bool:
-        row = self.db.execute("SELECT status FROM alerts WHERE fingerprint = ? AND starts_at = ?",
-                              alert).fetchone()
-        return row is not None and row["status"] == "firing"
+    def alert_firing(self, node: str, gpu: str, alertname: str) -> bool:
+        gpu_clause, args = ("AND gpu = ? ", (gpu,)) if gpu else ("", ())
+        row = self.db.execute(f"SELECT 1 FROM alerts WHERE node = ? AND alertname = ? {gpu_clause}AND "
+                              "status = 'firing' LIMIT 1", (node, alertname, *args)).fetchone()
+        return row is not None
 
     def refired(self, node: str, gpu: str, alertname: str, after: float, until: float,
                 exclude: tuple[str, str]) -> bool:
@@ -840,9 +849,10 @@ class AsyncJournal:
         return await self._write(lambda: self._db.escalate_chain(chain_id, expect, kind, action_state,
                                                                  detail))
 
-    async def due_chains(self, now: float, busy: Iterable[int], limit: int) -> list[Chain]:
-        skip = tuple(busy)
-        return await self._write(lambda: self._db.due_chains(now, skip, limit))  # claims on a shared journal
+    async def due_chains(self, now: float, busy: Iterable[int], limit: int,
+                         reopen_since: float) -> list[Chain]:
+        skip = tuple(busy)  # a write: on a shared journal it claims them
+        return await self._write(lambda: self._db.due_chains(now, skip, limit, reopen_since))
 
     async def next_chain_at(self) -> float | None:
         return await self._read(self._db.next_chain_at)
@@ -853,8 +863,8 @@ class AsyncJournal:
     async def chain_counts(self) -> dict[str, int]:
         return await self._read(self._db.chain_counts)
 
-    async def alert_firing(self, alert: tuple[str, str]) -> bool:
-        return await self._read(lambda: self._db.alert_firing(alert))
+    async def alert_firing(self, node: str, gpu: str, alertname: str) -> bool:
+        return await self._read(lambda: self._db.alert_firing(node, gpu, alertname))
 
     async def refired(self, node: str, gpu: str, alertname: str, after: float, until: float,
                       exclude: tuple[str, str]) -> bool:

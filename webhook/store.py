@@ -234,9 +234,11 @@ class Store(Protocol):
         """Journal the next step's action (``kind``, in ``action_state``) and make it the chain's
         current step (running), in one commit; None when the chain is no longer in ``expect``."""
 
-    async def due_chains(self, now: float, busy: Iterable[int], limit: int) -> list[Chain]:
-        """Active chains to look at now: verifying ones whose time came, running ones whose step's
-        action ended. On a shared journal they are claimed for this replica."""
+    async def due_chains(self, now: float, busy: Iterable[int], limit: int,
+                         reopen_since: float) -> list[Chain]:
+        """Chains to look at now: verifying ones whose time came, running ones whose step's action
+        ended, and the newest of a node and GPU that succeeded since ``reopen_since`` and whose alert
+        fired again since. On a shared journal they are claimed for this replica."""
 
     async def next_chain_at(self) -> float | None: ...
 
@@ -244,7 +246,8 @@ class Store(Protocol):
 
     async def chain_counts(self) -> dict[str, int]: ...
 
-    async def alert_firing(self, alert: tuple[str, str]) -> bool: ...
+    async def alert_firing(self, node: str, gpu: str, alertname: str) -> bool:
+        """Whether an alert of ``alertname`` fires on the node (and GPU, when given)."""
 
     async def refired(self, node: str, gpu: str, alertname: str, after: float, until: float,
                       exclude: tuple[str, str]) -> bool:

@@ -255,7 +255,7 @@ class PostgresJournal(Journal):
         with self._fence():
             return super().escalate_chain(chain_id, expect, kind, action_state, detail)
 
-    def due_chains(self, now: float, busy: Iterable[int], limit: int) -> list[Chain]:
+    def due_chains(self, now: float, busy: Iterable[int], limit: int, reopen_since: float) -> list[Chain]:
         """Claim the due chains no live replica holds (``FOR UPDATE SKIP LOCKED``), and renew this
         replica's claims on the chains it is still verifying."""
         def run() -> list[Chain]:
@@ -263,7 +263,7 @@ class PostgresJournal(Journal):
             self.db.execute(f"UPDATE chains SET lease_until = ? WHERE claimed_by = ? AND state IN "
                             f"({', '.join('?' * len(CHAIN_ACTIVE))})", (lease, self.replica, *CHAIN_ACTIVE))
             rows = self.db.execute(self._DUE_CHAINS + " FOR UPDATE OF c SKIP LOCKED",
-                                   (now, *FINISHED_STATES)).fetchall()
+                                   (now, *FINISHED_STATES, reopen_since)).fetchall()
             skip, chosen = set(busy), []
             for row in rows:
                 if row["id"] in skip:

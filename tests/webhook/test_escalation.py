@@ -73,8 +73,10 @@ async def test_a_failing_verification_at_every_step_escalates_until_the_chain_is
     assert hook.backend.history[2][2] == "3", "the reset is of the alert's GPU"
     [drained] = (await hook.call("GET", "/status"))["drained_by_us"]
     assert (drained["node"], drained["left_for_human"]) == ("gpu01", True), "after replace a person decides"
-    events = [r["event"] for r in audit(tmp_path) if r["event"].startswith("chain_")]
-    assert events == ["chain_opened", *["chain_verifying", "chain_escalated"] * 3, "chain_exhausted"]
+    async def events() -> list[str]:  # each line lands just after the journal's commit
+        return [r["event"] for r in audit(tmp_path) if r["event"].startswith("chain_")]
+    assert await eventually(events, lambda got: "chain_exhausted" in got, timeout=10, what="the audit") == [
+        "chain_opened", *["chain_verifying", "chain_escalated"] * 3, "chain_exhausted"]
     escalations = [r["detail"] for r in audit(tmp_path) if r["event"] == "chain_escalated"]
     assert "job 101 is PENDING, not running again yet" in escalations[0]
     assert "health check failed: exit 1: validated gpu01" in escalations[1]
@@ -123,19 +125,46 @@ async def test_a_restart_that_runs_the_jobs_again_and_resolves_succeeds_at_once(
     assert kinds(await hook.settle()) == ["restart_job"]
 
 
-async def test_the_same_alert_firing_again_escalates_before_the_timeout(webhook, tmp_path):
-    hook = await webhook(escalation=escalation(step_timeout_seconds={"restart_job": 600}))
+async def test_the_same_alert_firing_again_during_verification_escalates_at_once(webhook, tmp_path):
+    hook = await webhook(jobs={"gpu04": ["401"]},
+                         escalation=escalation(step_timeout_seconds={"restart_job": 600}))
+    await hook.post(alert("gpu04", action="restart_job", alertname="GPUHealthXidRestartJob"))
+    await chain_in(hook, "verifying")
+    # another instance of the same alert (its own fingerprint) while the restart is being verified
+    await hook.post(alert("gpu04", action="restart_job", alertname="GPUHealthXidRestartJob"))
+    await eventually(lambda: listing(hook), lambda b: b["chains"][0]["step"] == "drain_reset_gpu",
+                     timeout=20, what="the chain at its reset step")
+
+    async def escalations() -> list[dict[str, Any]]:
+        return [r for r in audit(tmp_path) if r["event"] == "chain_escalated"]
+    [escalated] = await eventually(escalations, bool, timeout=10, what="the escalation in the audit log")
+    assert "GPUHealthXidRestartJob fired again on gpu04 after restart_job" in escalated["detail"]
+
+
+async def test_the_same_alert_firing_again_within_the_window_reopens_a_succeeded_chain(webhook, tmp_path):
+    hook = await webhook(escalation=escalation(step_timeout_seconds={"restart_job": 600}),
+                         guardrails={"node_cooldown_seconds": 3600})
     first = alert("gpu04", action="restart_job", alertname="GPUHealthXidRestartJob",
                   fingerprint="00000000000000aa")
     await hook.post(first)
     await chain_in(hook, "verifying")
     await hook.post(resolved(first))
+    succeeded = await chain_in(hook, "succeeded")
     await hook.post(alert("gpu04", action="restart_job", alertname="GPUHealthXidRestartJob",
                           fingerprint="00000000000000aa", starts_at="2026-11-30T05:10:00Z"))
-    await eventually(lambda: listing(hook), lambda b: b["chains"][0]["step"] == "drain_reset_gpu",
-                     timeout=20, what="the chain at its reset step")
-    [escalated] = [r for r in audit(tmp_path) if r["event"] == "chain_escalated"]
-    assert "GPUHealthXidRestartJob fired again on gpu04 after restart_job" in escalated["detail"]
+    body = await eventually(lambda: listing(hook), lambda b: b["chains"][0]["step"] == "drain_reset_gpu",
+                            timeout=20, what="the chain reopened at its reset step")
+    assert [c["id"] for c in body["chains"]] == [succeeded["id"]], "the same chain, reopened"
+
+    async def escalations() -> list[dict[str, Any]]:
+        return [r for r in audit(tmp_path) if r["event"] == "chain_escalated"]
+    [escalated] = await eventually(escalations, bool, timeout=10, what="the escalation in the audit log")
+    assert "fired again on gpu04 within 3600s of restart_job" in escalated["detail"]
+    actions = await hook.until(lambda acts: acts[-1]["kind"] == "drain_reset_gpu" and
+                               acts[-1]["state"] == "done", "the reset step done")
+    own = [a for a in actions if a["starts_at"].startswith("2026-11-30T05:10")]
+    assert [(a["kind"], a["state"], a["reason"]) for a in own] == [("restart_job", "pending", "cooldown")], \
+        "the new alert's own restart is held by the cooldown, not run again"
 
 
 async def test_a_hard_xid_after_a_predictive_drain_is_not_held_by_the_cooldown(webhook):

@@ -162,15 +162,15 @@ def test_one_replica_at_a_time_claims_and_advances_a_chain(database):
                   action_id, "running", "", None, now, None, now, now, None)
     chain.id = a.open_chain(chain)
     assert chain.id is not None and b.open_chain(chain) is None, "one active chain per node and GPU"
-    [mine] = a.due_chains(now, (), 10)
+    [mine] = a.due_chains(now, (), 10, now)
     assert (mine.id, mine.claimed_by) == (chain.id, "a")
-    assert b.due_chains(now, (), 10) == [], "a live claim is left to its replica"
+    assert b.due_chains(now, (), 10, now) == [], "a live claim is left to its replica"
     assert b.move_chain(chain.id, "running", "verifying", "b") is None, "fenced off a's chain"
     assert b.escalate_chain(chain.id, "running", "drain_reset_gpu", "pending", "b") is None
     moved = a.move_chain(chain.id, "running", "verifying", "a verifies", step_done_at=now, verify_at=now,
                          deadline=now + 60)
     assert moved is not None and moved.state == "verifying"
-    [taken] = b.due_chains(now + LEASE + 1, (), 10)  # a went silent: its lease ran out
+    [taken] = b.due_chains(now + LEASE + 1, (), 10, now)  # a went silent: its lease ran out
     assert taken.claimed_by == "b"
     assert a.escalate_chain(chain.id, "verifying", "drain_reset_gpu", "pending", "a") is None, "a is fenced"
     escalated = b.escalate_chain(chain.id, "verifying", "drain_reset_gpu", "pending", "b escalates")
@@ -206,9 +206,13 @@ def test_two_replicas_advance_a_chain_through_every_step_once(replicas):
     effects = Counter((op[0], op[1]) for op in a.history())
     assert effects == Counter({("requeue", "gpu04-a"): 1, ("requeue", "gpu04-b"): 1, ("drain", "gpu04"): 1,
                                ("reset_gpu", "gpu04"): 1, ("reboot", "gpu04"): 1})
-    events = Counter(json.loads(line)["event"] for replica in (a, b)
-                     for line in (replica.dir / "state" / "audit.jsonl").read_text().splitlines())
-    assert (events["chain_opened"], events["chain_escalated"], events["chain_exhausted"]) == (1, 3, 1)
+    logs = [replica.dir / "state" / "audit.jsonl" for replica in (a, b)]
+
+    def events() -> Counter[str]:
+        return Counter(json.loads(line)["event"] for log in logs if log.exists()
+                       for line in log.read_text().splitlines())
+    wait_until(lambda: events()["chain_exhausted"], timeout=10, interval=0.1, what="the audit line")
+    assert (events()["chain_opened"], events()["chain_escalated"], events()["chain_exhausted"]) == (1, 3, 1)
     assert "gpuhealth_webhook_chains{state=\"exhausted\"} 1.0" in b.request("/metrics")
 
 
