@@ -79,6 +79,15 @@ class Escalation:
         if chain_id is not None:
             chain.id = chain_id
             await self._tell(chain, "chain_opened", chain.detail)
+            return
+        active = await self.store.active_chain(a.node, a.gpu)
+        if active is not None and steps.index(a.kind) > steps.index(active.step):
+            # another alert already asked for a stronger step and it ran: that is the chain's step now
+            moved = await self.store.move_chain(active.id, active.state, RUNNING,
+                                                f"action {a.id} ({a.kind}) of {a.alertname} ran",
+                                                verify_at=now, adopt=(a.kind, a.id))
+            if moved is not None:
+                await self._tell(moved, "chain_escalated", moved.detail, step=a.kind, from_step=active.step)
 
     async def tick(self, on_done: Callable[[], None]) -> float | None:
         """Start advancing the chains whose time came, each in its own task; when the next comes due."""

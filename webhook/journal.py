@@ -526,6 +526,11 @@ class Journal:
         row = self.db.execute("SELECT * FROM chains WHERE id = ?", (chain_id,)).fetchone()
         return None if row is None else _chain(row)
 
+    def active_chain(self, node: str, gpu: str) -> Chain | None:
+        row = self.db.execute(f"SELECT * FROM chains WHERE node = ? AND gpu = ? AND state IN "
+                              f"({_marks(CHAIN_ACTIVE)})", (node, gpu, *CHAIN_ACTIVE)).fetchone()
+        return None if row is None else _chain(row)
+
     def chain_for_action(self, action_id: int) -> Chain | None:
         row = self.db.execute(f"SELECT * FROM chains WHERE action_id = ? AND state IN "
                               f"({_marks(CHAIN_ACTIVE)})", (action_id, *CHAIN_ACTIVE)).fetchone()
@@ -544,11 +549,15 @@ class Journal:
 
     def move_chain(self, chain_id: int, expect: str, state: str, detail: str, *,
                    step_done_at: float | None = None, verify_at: float | None = None,
-                   deadline: float | None = None, follow_up: str | None = None) -> Chain | None:
+                   deadline: float | None = None, follow_up: str | None = None,
+                   adopt: tuple[str, int] | None = None) -> Chain | None:
         """``follow_up``: an action kind of the chain's alert to make pending in the same commit (a new
-        one, or the alert's finished one of that kind armed again)."""
-        extra = {k: v for k, v in (("step_done_at", step_done_at), ("verify_at", verify_at),
-                                   ("deadline", deadline)) if v is not None}
+        one, or the alert's finished one of that kind armed again). ``adopt``: (step, action id), an
+        action that becomes the chain's current step."""
+        extra: dict[str, Any] = {k: v for k, v in (("step_done_at", step_done_at), ("verify_at", verify_at),
+                                                   ("deadline", deadline)) if v is not None}
+        if adopt is not None:
+            extra.update(step=adopt[0], action_id=adopt[1])
 
         def run() -> Chain | None:
             if self._chain_state_of(chain_id) != expect:
@@ -839,10 +848,15 @@ class AsyncJournal:
 
     async def move_chain(self, chain_id: int, expect: str, state: str, detail: str, *,
                          step_done_at: float | None = None, verify_at: float | None = None,
-                         deadline: float | None = None, follow_up: str | None = None) -> Chain | None:
+                         deadline: float | None = None, follow_up: str | None = None,
+                         adopt: tuple[str, int] | None = None) -> Chain | None:
         return await self._write(lambda: self._db.move_chain(chain_id, expect, state, detail,
                                                              step_done_at=step_done_at, verify_at=verify_at,
-                                                             deadline=deadline, follow_up=follow_up))
+                                                             deadline=deadline, follow_up=follow_up,
+                                                             adopt=adopt))
+
+    async def active_chain(self, node: str, gpu: str) -> Chain | None:
+        return await self._read(lambda: self._db.active_chain(node, gpu))
 
     async def escalate_chain(self, chain_id: int, expect: str, kind: str, action_state: str,
                              detail: str) -> Chain | None:

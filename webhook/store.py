@@ -224,10 +224,14 @@ class Store(Protocol):
 
     async def move_chain(self, chain_id: int, expect: str, state: str, detail: str, *,
                          step_done_at: float | None = None, verify_at: float | None = None,
-                         deadline: float | None = None, follow_up: str | None = None) -> Chain | None:
+                         deadline: float | None = None, follow_up: str | None = None,
+                         adopt: tuple[str, int] | None = None) -> Chain | None:
         """Move a chain from ``expect`` to ``state``; None, changing nothing, when it is no longer in
         ``expect`` (cancelled meanwhile, or another replica advanced it). ``follow_up``: an action kind of
-        the chain's alert made pending in the same commit (new, or its finished one armed again)."""
+        the chain's alert made pending in the same commit (new, or its finished one armed again);
+        ``adopt``: (step, action id) of an action that becomes the chain's current step."""
+
+    async def active_chain(self, node: str, gpu: str) -> Chain | None: ...
 
     async def escalate_chain(self, chain_id: int, expect: str, kind: str, action_state: str,
                              detail: str) -> Chain | None:

@@ -244,11 +244,13 @@ class PostgresJournal(Journal):
 
     def move_chain(self, chain_id: int, expect: str, state: str, detail: str, *,
                    step_done_at: float | None = None, verify_at: float | None = None,
-                   deadline: float | None = None, follow_up: str | None = None) -> Chain | None:
+                   deadline: float | None = None, follow_up: str | None = None,
+                   adopt: tuple[str, int] | None = None) -> Chain | None:
         """Fenced as the worker's own transitions are; a cancel is not (an operator's, from any replica)."""
         with self._fence() if state != CANCELLED else contextlib.nullcontext():
             return super().move_chain(chain_id, expect, state, detail, step_done_at=step_done_at,
-                                      verify_at=verify_at, deadline=deadline, follow_up=follow_up)
+                                      verify_at=verify_at, deadline=deadline, follow_up=follow_up,
+                                      adopt=adopt)
 
     def escalate_chain(self, chain_id: int, expect: str, kind: str, action_state: str,
                        detail: str) -> Chain | None:

@@ -331,3 +331,19 @@ async def test_a_node_a_late_step_drained_returns_once_the_chain_succeeded(webho
     assert kinds(actions) == ["restart_job", "drain_reset_gpu", "undrain"]
     assert [op[0] for op in hook.backend.history] == ["requeue", "drain", "reset_gpu", "resume"]
     assert hook.drained == {} and (await hook.call("GET", "/status"))["drained_by_us"] == []
+
+
+async def test_a_stronger_alert_action_on_the_node_becomes_the_chains_step(webhook):
+    timeouts = {"restart_job": 600, "drain_reset_gpu": 600}
+    hook = await webhook(escalation=escalation(step_timeout_seconds=timeouts),
+                         guardrails={"node_cooldown_seconds": 3600})
+    await hook.post(alert("gpu12", action="restart_job", gpu="7", alertname="GPUHealthXidRestartJob"))
+    await chain_in(hook, "verifying")
+    await hook.post(alert("gpu12", action="drain_reset_gpu", gpu="7", alertname="GPUHealthXidResetGpu"))
+    body = await eventually(lambda: listing(hook), lambda b: b["chains"][0]["step"] == "drain_reset_gpu" and
+                            b["chains"][0]["state"] == "verifying", timeout=20, what="the reset adopted")
+    [chain] = body["chains"]
+    reset = [a for a in body["actions"] if a["kind"] == "drain_reset_gpu"]
+    assert [a["alertname"] for a in reset] == ["GPUHealthXidResetGpu"], "the alert's own reset, no second one"
+    assert chain["action_id"] == reset[0]["id"]
+    assert [op[0] for op in hook.backend.history] == ["drain", "reset_gpu"]
