@@ -34,6 +34,7 @@ ALERTS = {
     Outcome.FAILED.value: ("Failed", "warning"),
     "left_for_human": ("LeftForHuman", "warning"),
     "jobs_exhausted": ("Exhausted", "warning"),
+    "chain_exhausted": ("ChainExhausted", "warning"),
     "breaker_tripped": ("BreakerOpen", "critical"),
 }
 FOR_HUMANS = (Reason.HEALTH_CHECK_FAILED, Reason.LEFT_FOR_HUMAN)

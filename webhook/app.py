@@ -174,6 +174,7 @@ async def post_alerts(request: web.Request) -> web.Response:
                               "duplicates": result.duplicates, "resolved": result.resolved})
 
 
+CHAINS_SHOWN = 100  # the newest escalation chains in /actions and on the page
 UNIX_SECONDS = re.compile(r"[0-9]{1,12}(?:\.[0-9]{1,9})?")
 ACTION_ID = re.compile(r"[0-9]{1,18}")  # fits SQLite's 64-bit integer
 
@@ -204,7 +205,9 @@ async def get_actions(request: web.Request) -> web.Response:
     journal = request.app[JOURNAL]
     since = _since(query.get("since"))
     actions = await journal.list_actions(query.get("node"), state, since, int(limit))
-    return web.json_response({"actions": [a.as_json() for a in actions]})
+    chains = await journal.chains(query.get("node"), CHAINS_SHOWN)
+    return web.json_response({"actions": [a.as_json() for a in actions],
+                              "chains": [c.as_json() for c in chains]})
 
 
 def _action_id(request: web.Request) -> int:
@@ -230,10 +233,13 @@ async def _move(request: web.Request, from_states: tuple[str, ...], to: str, ver
     who = request[ACTOR]
     moved = await journal.try_move(action_id, from_states, to, "operator" if to == CANCELLED else "approved",
                                    f"{verb} by {who}", outcome)
+    chain = await request.app[ENGINE].escalation.cancel(action_id, who) if to == CANCELLED else None
     if moved is None:
         current = await journal.get(action_id)
         if current is None:
             raise _json_error(web.HTTPNotFound, "no such action")
+        if chain is not None:  # the step ended; its chain stops before the next one
+            return web.json_response(current.as_json() | {"chain": chain.as_json()})
         raise _json_error(web.HTTPConflict, f"action {action_id} is {current.state}; only "
                                             f"{' or '.join(from_states)} actions can be {verb}")
     log.warning("event=action_%s id=%s kind=%s node=%s by=%s", verb, action_id, moved.kind, moved.node, who)
@@ -241,7 +247,7 @@ async def _move(request: web.Request, from_states: tuple[str, ...], to: str, ver
         request.app[METRICS].action(moved.kind, Outcome.CANCELLED, Reason.OPERATOR)
     await request.app[ENGINE].announcer.transition(moved, verb, f"{verb} by {who}", by=who)
     request.app[WORKER].wake()
-    return web.json_response(moved.as_json())
+    return web.json_response(moved.as_json() | ({"chain": chain.as_json()} if chain is not None else {}))
 
 
 async def approve(request: web.Request) -> web.Response:
@@ -279,6 +285,9 @@ async def _status(app: web.Application) -> dict[str, Any]:
     for replica in {app[CONFIG].replica, *claims}:
         metrics.claimed_actions.labels(replica).set(len(claims.get(replica, ())))
     held = await app[ENGINE].held_by_breaker()
+    chains = await journal.chain_counts()
+    for state, count in chains.items():
+        metrics.chains.labels(state).set(count)
     return {
         "replica": app[CONFIG].replica,
         "claims": claims,
@@ -294,6 +303,7 @@ async def _status(app: web.Application) -> dict[str, Any]:
                                  "last_at": j.last_at} for j in jobs],
         "held_by_breaker": [{"id": a.id, "kind": a.kind, "node": a.node, "alertname": a.alertname,
                              "since": a.updated_at} for a in held],
+        "chains": chains,
         "worker_alive": app[WORKER].alive,
     }
 
@@ -330,8 +340,9 @@ async def status_page(request: web.Request) -> web.Response:
     status = await _status(request.app)
     actions = await journal.list_actions(limit=50)
     waiting = await journal.list_actions(state=AWAITING_APPROVAL, limit=100)
+    chains = await journal.chains(limit=CHAINS_SHOWN)
     html = _TEMPLATES.get_template("status.html").render(status=status, actions=actions, waiting=waiting,
-                                                          when=_when, now=_when(time.time()))
+                                                          chains=chains, when=_when, now=_when(time.time()))
     return web.Response(text=html, content_type="text/html")
 
 

@@ -217,6 +217,49 @@ class CheckpointConfig(Model):
         return found
 
 
+DEFAULT_STEP_TIMEOUT_SECONDS = 3600.0  # for a step step_timeout_seconds does not name
+
+
+class EscalationConfig(Model):
+    """The escalation chain: per node and GPU, each step's action is verified after it ends, and a
+    failed verification, a timeout or the same alert firing again starts the next, stronger step.
+
+    Off by default: on, the webhook resets GPUs and reboots nodes of its own accord (through every
+    guardrail, as an alert's action would).
+    """
+
+    enabled: bool = False
+    steps: Annotated[tuple[Action, ...], Field(strict=False, min_length=1)] = (
+        "restart_job", "drain_reset_gpu", "drain_reboot", "replace")
+    # how long each step's verification may take, from the end of its action; longer than the alert's
+    # own time to resolve (the XID alerts' increase window), or a fixed problem still escalates
+    step_timeout_seconds: dict[Action, Seconds] = Field(default_factory=lambda: {
+        "restart_job": 1800.0, "drain_reset_gpu": 3600.0, "drain_reboot": 3600.0})
+    settle_seconds: SecondsOrZero = 120.0  # after a step's action ends, before its first verification
+    window_seconds: Seconds = 3600.0  # the same alert firing again this soon after a step fails the step
+    poll_seconds: Seconds = 15.0  # a verification that neither passed nor failed is tried again after this
+
+    @classmethod
+    def cross_check(cls, data: dict[str, Any]) -> list[tuple[Location, str]]:
+        found: list[tuple[Location, str]] = []
+        steps = data.get("steps")
+        if isinstance(steps, list | tuple) and all(isinstance(s, str) and s in ACTIONS for s in steps):
+            if "none" in steps:
+                found.append((("steps",), "none is not a step (it does nothing to escalate)"))
+            order = [ACTIONS.index(s) for s in steps]
+            if order != sorted(set(order)):
+                found.append((("steps",), "each step must be stronger than the one before it, in the order "
+                                          + ", ".join(a for a in ACTIONS if a != "none")))
+            timeouts = data.get("step_timeout_seconds")
+            if isinstance(timeouts, dict):
+                for name in sorted(set(timeouts) - set(steps)):
+                    found.append((("step_timeout_seconds", name), "not one of the steps"))
+        return found
+
+    def timeout(self, step: str) -> float:
+        return self.step_timeout_seconds.get(step, DEFAULT_STEP_TIMEOUT_SECONDS)
+
+
 class AnnounceConfig(Model):
     """Where action transitions are told: the audit log always, Alertmanager when URLs are given."""
 
@@ -249,6 +292,7 @@ class Config(Model):
     retry: RetryConfig = RetryConfig()
     undrain: UndrainConfig = UndrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    escalation: EscalationConfig = EscalationConfig()
     announce: AnnounceConfig = AnnounceConfig()
 
     @property

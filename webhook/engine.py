@@ -22,6 +22,7 @@ from gpuhealth.webhook.actions import DRAINING, KINDS, NONE, STEPS, UNDRAIN
 from gpuhealth.webhook.announce import FOR_HUMANS, Announcer
 from gpuhealth.webhook.backends.base import Backend, BackendError
 from gpuhealth.webhook.config import Config
+from gpuhealth.webhook.escalation import Escalation
 from gpuhealth.webhook.guardrails import BREAKER, Admission, Verdict
 from gpuhealth.webhook.metrics import Metrics
 from gpuhealth.webhook.outcomes import Outcome, Reason
@@ -81,6 +82,7 @@ class Engine:
             "checkpoint": self._checkpoint, "drain": self._drain, "requeue": self._requeue,
             "reset_gpu": self._reset_gpu, "reboot": self._reboot,
             "resume": self._resume}  # one per step of the action table
+        self.escalation = Escalation(config, store, backend, announcer, self._health_check)
 
     async def breaker(self) -> dict[str, Any]:
         return await guardrails.breaker_state(self.store)
@@ -383,6 +385,8 @@ class Engine:
         elif v.outcome is Outcome.SKIPPED and v.reason in FOR_HUMANS:
             event = "left_for_human"
         await self.announcer.transition(a, event, v.detail, outcome=v.outcome.value, reason=v.reason.value)
+        if state == DONE:
+            await self.escalation.action_ended(a)
         level = logging.WARNING if v.outcome in (Outcome.FAILED, Outcome.SKIPPED) else logging.INFO
         log.log(level, "event=action_%s id=%s kind=%s node=%s gpu=%s alertname=%s reason=%s detail=%r",
                 v.outcome.value, a.id, a.kind, a.node, a.gpu, a.alertname, v.reason.value, v.detail)

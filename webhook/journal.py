@@ -30,12 +30,18 @@ from gpuhealth.webhook.store import (
     ACTIVE_STATES,
     AWAITING_APPROVAL,
     CANCELLED,
+    CHAIN_ACTIVE,
+    CHAIN_FINISHED,
+    CHAIN_STATES,
     FINISHED_STATES,
     PENDING,
     RUNNING,
     SKIPPED,
     STATES,
+    SUCCEEDED,
+    VERIFYING,
     Action,
+    Chain,
     Decision,
     DrainedNode,
     JobRecord,
@@ -99,6 +105,10 @@ def _action(row: sqlite3.Row) -> Action:
     data = dict(row)
     data["progress"] = json.loads(data["progress"])
     return Action(**data)
+
+
+def _chain(row: sqlite3.Row) -> Chain:
+    return Chain(**dict(row))
 
 
 class Journal:
@@ -518,6 +528,8 @@ class Journal:
             "alerts": ("DELETE FROM alerts WHERE status = 'resolved' AND resolved_at < ?", (before,)),
             "notifications": ("DELETE FROM notifications WHERE received_at < ?", (before,)),
             "jobs": ("DELETE FROM jobs WHERE last_at < ?", (before,)),
+            "chains": (f"DELETE FROM chains WHERE state IN ({_marks(CHAIN_FINISHED)}) AND finished_at < ?",
+                       (*CHAIN_FINISHED, before)),
         }
         return self._tx(lambda: {table: self.db.execute(sql, args).rowcount
                                  for table, (sql, args) in statements.items()})
@@ -532,6 +544,146 @@ class Journal:
 
     def set_meta(self, key: str, value: Any) -> None:
         self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, json.dumps(value)))
+
+    # -- escalation chains -------------------------------------------------------------------------
+
+    def open_chain(self, chain: Chain) -> int | None:
+        """A new chain; None when the node and GPU have an active one (the partial unique index)."""
+        def run() -> int | None:
+            cur = self.db.execute(
+                "INSERT OR IGNORE INTO chains (node, gpu, alertname, fingerprint, starts_at, summary, step, "
+                "action_id, state, detail, step_done_at, verify_at, deadline, started_at, updated_at) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (chain.node, chain.gpu, chain.alertname, chain.fingerprint, chain.starts_at, chain.summary,
+                 chain.step, chain.action_id, chain.state, chain.detail, chain.step_done_at, chain.verify_at,
+                 chain.deadline, chain.started_at, chain.updated_at))
+            return _rowid(cur) if cur.rowcount else None
+
+        return self._tx(run)
+
+    def get_chain(self, chain_id: int) -> Chain | None:
+        row = self.db.execute("SELECT * FROM chains WHERE id = ?", (chain_id,)).fetchone()
+        return None if row is None else _chain(row)
+
+    def active_chain(self, node: str, gpu: str) -> Chain | None:
+        row = self.db.execute(f"SELECT * FROM chains WHERE node = ? AND gpu = ? AND state IN "
+                              f"({_marks(CHAIN_ACTIVE)})", (node, gpu, *CHAIN_ACTIVE)).fetchone()
+        return None if row is None else _chain(row)
+
+    def chain_for_action(self, action_id: int) -> Chain | None:
+        row = self.db.execute(f"SELECT * FROM chains WHERE action_id = ? AND state IN "
+                              f"({_marks(CHAIN_ACTIVE)})", (action_id, *CHAIN_ACTIVE)).fetchone()
+        return None if row is None else _chain(row)
+
+    def _chain_state_of(self, chain_id: int) -> str | None:
+        row = self.db.execute("SELECT state FROM chains WHERE id = ?", (chain_id,)).fetchone()
+        return None if row is None else str(row["state"])
+
+    def _set_chain(self, chain_id: int, now: float, **columns: Any) -> None:
+        columns["updated_at"] = now
+        if columns.get("state") in CHAIN_FINISHED:
+            columns["finished_at"] = now
+        assignments = ", ".join(f"{k} = ?" for k in columns)
+        self.db.execute(f"UPDATE chains SET {assignments} WHERE id = ?", (*columns.values(), chain_id))
+
+    def move_chain(self, chain_id: int, expect: str, state: str, detail: str, *,
+                   step_done_at: float | None = None, verify_at: float | None = None,
+                   deadline: float | None = None, follow_up: str | None = None,
+                   adopt: tuple[str, int] | None = None) -> Chain | None:
+        """``follow_up``: an action kind of the chain's alert to make pending in the same commit (a new
+        one, or the alert's finished one of that kind armed again). ``adopt``: (step, action id), an
+        action that becomes the chain's current step."""
+        extra: dict[str, Any] = {k: v for k, v in (("step_done_at", step_done_at), ("verify_at", verify_at),
+                                                   ("deadline", deadline)) if v is not None}
+        if adopt is not None:
+            extra.update(step=adopt[0], action_id=adopt[1])
+
+        def run() -> Chain | None:
+            if self._chain_state_of(chain_id) != expect:
+                return None
+            now = time.time()
+            self._set_chain(chain_id, now, state=state, detail=detail, **extra)
+            chain = self.get_chain(chain_id)
+            if chain is not None and follow_up is not None:
+                row = self.db.execute("SELECT id, state FROM actions WHERE fingerprint = ? AND starts_at = ? "
+                                      "AND kind = ?", (*chain.alert, follow_up)).fetchone()
+                if row is None:
+                    self._insert_chain_action(chain, follow_up, PENDING, detail, now)
+                elif row["state"] in FINISHED_STATES:
+                    self._set_state(row["id"], PENDING, "", "", detail, now, next_at=now, finished_at=None)
+            return chain
+
+        return self._tx(run)
+
+    def _insert_chain_action(self, chain: Chain, kind: str, state: str, detail: str, now: float) -> int:
+        """An action of the chain's alert, journaled as an alert's action is: admitted by the worker."""
+        reason = "approval_required" if state == AWAITING_APPROVAL else ""
+        cur = self.db.execute(
+            "INSERT INTO actions (fingerprint, starts_at, kind, node, gpu, alertname, summary, state, "
+            "reason, next_at, received_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (chain.fingerprint, chain.starts_at, kind, chain.node, chain.gpu, chain.alertname,
+             chain.summary, state, reason, now, now, now))
+        action_id = _rowid(cur)
+        self._transition(action_id, state, "escalation", detail, now)
+        return action_id
+
+    def escalate_chain(self, chain_id: int, expect: str, kind: str, action_state: str,
+                       detail: str) -> Chain | None:
+        def run() -> Chain | None:
+            chain = self.get_chain(chain_id)
+            if chain is None or self._chain_state_of(chain_id) != expect:
+                return None
+            now = time.time()
+            action_id = self._insert_chain_action(chain, kind, action_state, detail, now)
+            self._set_chain(chain_id, now, state=RUNNING, step=kind, action_id=action_id, detail=detail,
+                            step_done_at=None, deadline=None, verify_at=now, finished_at=None)
+            return self.get_chain(chain_id)
+
+        return self._tx(run)
+
+    def due_chains(self, now: float, busy: Iterable[int], limit: int, reopen_since: float) -> list[Chain]:
+        rows = self.db.execute(self._DUE_CHAINS, (now, *FINISHED_STATES, reopen_since))
+        skip = set(busy)
+        return [_chain(r) for r in rows if r["id"] not in skip][:limit]
+
+    # due: a verifying chain whose time came, a running one whose step's action ended, or the newest
+    # chain of its node and GPU, succeeded since ``reopen_since``, whose alert fired again since
+    _DUE_CHAINS = (f"SELECT c.* FROM chains c JOIN actions a ON a.id = c.action_id WHERE (c.verify_at <= ? "
+                   f"AND (c.state = '{VERIFYING}' OR (c.state = '{RUNNING}' AND a.state IN "
+                   f"({_marks(FINISHED_STATES)})))) OR (c.state = '{SUCCEEDED}' AND c.finished_at >= ? AND "
+                   "EXISTS (SELECT 1 FROM alerts al WHERE al.node = c.node AND al.alertname = c.alertname "
+                   "AND (c.gpu = '' OR al.gpu = c.gpu) AND al.status = 'firing' "
+                   "AND al.received_at > c.finished_at) "
+                   "AND c.id = (SELECT MAX(l.id) FROM chains l WHERE l.node = c.node AND l.gpu = c.gpu)) "
+                   "ORDER BY c.id")
+
+    def next_chain_at(self) -> float | None:
+        row = self.db.execute(f"SELECT MIN(verify_at) FROM chains WHERE state = '{VERIFYING}'").fetchone()
+        return None if row[0] is None else float(row[0])
+
+    def chains(self, node: str | None = None, limit: int = 100) -> list[Chain]:
+        where, args = ("WHERE node = ? ", (node,)) if node is not None else ("", ())
+        rows = self.db.execute(f"SELECT * FROM chains {where}ORDER BY id DESC LIMIT ?", (*args, limit))
+        return [_chain(r) for r in rows]
+
+    def chain_counts(self) -> dict[str, int]:
+        rows = self.db.execute("SELECT state, COUNT(*) FROM chains GROUP BY state").fetchall()
+        return {state: 0 for state in CHAIN_STATES} | {r[0]: r[1] for r in rows}
+
+    def alert_firing(self, node: str, gpu: str, alertname: str) -> bool:
+        gpu_clause, args = ("AND gpu = ? ", (gpu,)) if gpu else ("", ())
+        row = self.db.execute(f"SELECT 1 FROM alerts WHERE node = ? AND alertname = ? {gpu_clause}AND "
+                              "status = 'firing' LIMIT 1", (node, alertname, *args)).fetchone()
+        return row is not None
+
+    def refired(self, node: str, gpu: str, alertname: str, after: float, until: float,
+                exclude: tuple[str, str]) -> bool:
+        gpu_clause, args = ("AND gpu = ? ", (gpu,)) if gpu else ("", ())
+        row = self.db.execute(
+            f"SELECT 1 FROM alerts WHERE node = ? AND alertname = ? {gpu_clause}AND received_at > ? AND "
+            "received_at <= ? AND NOT (fingerprint = ? AND starts_at = ?) LIMIT 1",
+            (node, alertname, *args, after, until, *exclude)).fetchone()
+        return row is not None
 
 
 class AsyncJournal:
@@ -726,6 +878,50 @@ class AsyncJournal:
 
     async def prune(self, before: float) -> dict[str, int]:
         return await self._write(lambda: self._db.prune(before))
+
+    async def open_chain(self, chain: Chain) -> int | None:
+        return await self._write(lambda: self._db.open_chain(chain))
+
+    async def chain_for_action(self, action_id: int) -> Chain | None:
+        return await self._read(lambda: self._db.chain_for_action(action_id))
+
+    async def move_chain(self, chain_id: int, expect: str, state: str, detail: str, *,
+                         step_done_at: float | None = None, verify_at: float | None = None,
+                         deadline: float | None = None, follow_up: str | None = None,
+                         adopt: tuple[str, int] | None = None) -> Chain | None:
+        return await self._write(lambda: self._db.move_chain(chain_id, expect, state, detail,
+                                                             step_done_at=step_done_at, verify_at=verify_at,
+                                                             deadline=deadline, follow_up=follow_up,
+                                                             adopt=adopt))
+
+    async def active_chain(self, node: str, gpu: str) -> Chain | None:
+        return await self._read(lambda: self._db.active_chain(node, gpu))
+
+    async def escalate_chain(self, chain_id: int, expect: str, kind: str, action_state: str,
+                             detail: str) -> Chain | None:
+        return await self._write(lambda: self._db.escalate_chain(chain_id, expect, kind, action_state,
+                                                                 detail))
+
+    async def due_chains(self, now: float, busy: Iterable[int], limit: int,
+                         reopen_since: float) -> list[Chain]:
+        skip = tuple(busy)  # a write: on a shared journal it claims them
+        return await self._write(lambda: self._db.due_chains(now, skip, limit, reopen_since))
+
+    async def next_chain_at(self) -> float | None:
+        return await self._read(self._db.next_chain_at)
+
+    async def chains(self, node: str | None = None, limit: int = 100) -> list[Chain]:
+        return await self._read(lambda: self._db.chains(node, limit))
+
+    async def chain_counts(self) -> dict[str, int]:
+        return await self._read(self._db.chain_counts)
+
+    async def alert_firing(self, node: str, gpu: str, alertname: str) -> bool:
+        return await self._read(lambda: self._db.alert_firing(node, gpu, alertname))
+
+    async def refired(self, node: str, gpu: str, alertname: str, after: float, until: float,
+                      exclude: tuple[str, str]) -> bool:
+        return await self._read(lambda: self._db.refired(node, gpu, alertname, after, until, exclude))
 
     async def probe(self) -> None:
         await self._write(self._db.probe)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gpuhealth.webhook.actions import KINDS, UNKNOWN
 from gpuhealth.webhook.outcomes import VALID, Outcome, Reason
+from gpuhealth.webhook.store import CHAIN_STATES
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 NOTIFICATION_OUTCOMES = ("accepted", "duplicate", "malformed", "unauthorized", "too_large", "journal_error")
@@ -36,6 +37,12 @@ class Metrics:
             "gpuhealth_webhook_claimed_actions",
             "Unfinished actions each webhook replica holds a live claim on (the journal's view, shared by "
             "all replicas).", ["replica"], registry=self.registry)
+        self.chains = Gauge(
+            "gpuhealth_webhook_chains",
+            "Escalation chains by state (running, verifying, succeeded, exhausted, cancelled), as the "
+            "journal holds them.", ["state"], registry=self.registry)
+        for state in CHAIN_STATES:
+            self.chains.labels(state)
         self.journal_write_failures = Counter(
             "gpuhealth_webhook_journal_write_failures",
             "Journal writes refused (disk full, read-only, I/O error); nothing starts while they fail.",

@@ -22,6 +22,13 @@ ACTIVE_STATES = (PENDING, AWAITING_APPROVAL, RUNNING)
 FINISHED_STATES = (DONE, SKIPPED, FAILED, CANCELLED)
 STATES = (*ACTIVE_STATES, *FINISHED_STATES)
 
+# An escalation chain: its current step's action runs (running), then is checked (verifying), until a
+# check passes (succeeded), the last step is spent (exhausted) or an operator or the cluster stops it.
+VERIFYING, SUCCEEDED, EXHAUSTED = "verifying", "succeeded", "exhausted"
+CHAIN_ACTIVE = (RUNNING, VERIFYING)
+CHAIN_FINISHED = (SUCCEEDED, EXHAUSTED, CANCELLED)
+CHAIN_STATES = (*CHAIN_ACTIVE, *CHAIN_FINISHED)
+
 
 class JournalUnwritable(Exception):
     """The store refused a write; whatever depends on it must wait, never run twice."""
@@ -54,6 +61,38 @@ class Action:
     @property
     def alert(self) -> tuple[str, str]:
         """The identity of the alert that asked for this action."""
+        return self.fingerprint, self.starts_at
+
+    def as_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Chain:
+    """One escalation chain of a node and GPU: the alert that opened it, its step and what it waits for."""
+
+    id: int
+    node: str
+    gpu: str
+    alertname: str
+    fingerprint: str  # the alert that opened the chain; every step's action is journaled under it
+    starts_at: str
+    summary: str
+    step: str  # the action kind of the current step
+    action_id: int  # the current step's action
+    state: str
+    detail: str
+    step_done_at: float | None  # when the current step's action ended; verification counts from here
+    verify_at: float  # when the chain is looked at next
+    deadline: float | None  # the current step's verification must pass by then
+    started_at: float
+    updated_at: float
+    finished_at: float | None
+    claimed_by: str = ""
+    lease_until: float | None = None
+
+    @property
+    def alert(self) -> tuple[str, str]:
         return self.fingerprint, self.starts_at
 
     def as_json(self) -> dict[str, Any]:
@@ -176,6 +215,48 @@ class Store(Protocol):
     async def exhausted_jobs(self) -> list[JobRecord]: ...
 
     async def get_meta(self, key: str) -> Any: ...
+
+    async def open_chain(self, chain: Chain) -> int | None:
+        """A new chain; None when the node and GPU have an active one already."""
+
+    async def chain_for_action(self, action_id: int) -> Chain | None:
+        """The active chain whose current step is ``action_id``."""
+
+    async def move_chain(self, chain_id: int, expect: str, state: str, detail: str, *,
+                         step_done_at: float | None = None, verify_at: float | None = None,
+                         deadline: float | None = None, follow_up: str | None = None,
+                         adopt: tuple[str, int] | None = None) -> Chain | None:
+        """Move a chain from ``expect`` to ``state``; None, changing nothing, when it is no longer in
+        ``expect`` (cancelled meanwhile, or another replica advanced it). ``follow_up``: an action kind of
+        the chain's alert made pending in the same commit (new, or its finished one armed again);
+        ``adopt``: (step, action id) of an action that becomes the chain's current step."""
+
+    async def active_chain(self, node: str, gpu: str) -> Chain | None: ...
+
+    async def escalate_chain(self, chain_id: int, expect: str, kind: str, action_state: str,
+                             detail: str) -> Chain | None:
+        """Journal the next step's action (``kind``, in ``action_state``) and make it the chain's
+        current step (running), in one commit; None when the chain is no longer in ``expect``."""
+
+    async def due_chains(self, now: float, busy: Iterable[int], limit: int,
+                         reopen_since: float) -> list[Chain]:
+        """Chains to look at now: verifying ones whose time came, running ones whose step's action
+        ended, and the newest of a node and GPU that succeeded since ``reopen_since`` and whose alert
+        fired again since. On a shared journal they are claimed for this replica."""
+
+    async def next_chain_at(self) -> float | None: ...
+
+    async def chains(self, node: str | None = None, limit: int = 100) -> list[Chain]: ...
+
+    async def chain_counts(self) -> dict[str, int]: ...
+
+    async def alert_firing(self, node: str, gpu: str, alertname: str) -> bool:
+        """Whether an alert of ``alertname`` fires on the node (and GPU, when given)."""
+
+    async def refired(self, node: str, gpu: str, alertname: str, after: float, until: float,
+                      exclude: tuple[str, str]) -> bool:
+        """Whether an alert of ``alertname`` on the node (and GPU, when the chain has one), other than
+        ``exclude``, was received in (``after``, ``until``]."""
 
     async def set_meta(self, key: str, value: Any) -> None: ...
 

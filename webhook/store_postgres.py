@@ -34,6 +34,7 @@ from gpuhealth.webhook.journal import (
     AsyncJournal,
     Journal,
     _action,
+    _chain,
     action_values,
     alert_values,
     intake_state,
@@ -41,10 +42,14 @@ from gpuhealth.webhook.journal import (
 from gpuhealth.webhook.models import Notification
 from gpuhealth.webhook.store import (
     ACTIVE_STATES,
+    CANCELLED,
+    CHAIN_ACTIVE,
+    FINISHED_STATES,
     PENDING,
     RUNNING,
     SKIPPED,
     Action,
+    Chain,
     Decision,
     DrainedNode,
     JournalUnwritable,
@@ -56,7 +61,7 @@ log = logging.getLogger(__name__)
 MIGRATION_LOCK = 0x67707568_0001  # advisory lock keys: "gpuh" and what they guard
 ADMISSION_LOCK = 0x67707568_0002
 _KEYS = {"drained": "node", "jobs": "job_id", "meta": "key"}  # INSERT OR REPLACE targets
-_WITH_ID = ("notifications", "actions", "transitions")
+_WITH_ID = ("notifications", "actions", "transitions", "chains")
 
 
 # A group commit of firing notifications in one statement, so one round trip and one transaction: the
@@ -341,6 +346,59 @@ class PostgresJournal(Journal):
         """Pending -> running, only while this replica holds the claim."""
         with self._fence():
             return super().start(action_id, reserve)
+
+    # -- escalation chains: claimed as actions are, so that exactly one replica advances each ----------
+
+    def _chain_state_of(self, chain_id: int) -> str | None:
+        """The chain's state, its row locked until commit; one another replica claims reads as that."""
+        row = self.db.execute("SELECT state, claimed_by, lease_until FROM chains WHERE id = ? FOR UPDATE",
+                              (chain_id,)).fetchone()
+        if row is None:
+            return None
+        if self._fenced and row["claimed_by"] not in ("", self.replica):
+            return f"claimed by {row['claimed_by']}"
+        return str(row["state"])
+
+    def move_chain(self, chain_id: int, expect: str, state: str, detail: str, *,
+                   step_done_at: float | None = None, verify_at: float | None = None,
+                   deadline: float | None = None, follow_up: str | None = None,
+                   adopt: tuple[str, int] | None = None) -> Chain | None:
+        """Fenced as the worker's own transitions are; a cancel is not (an operator's, from any replica)."""
+        with self._fence() if state != CANCELLED else contextlib.nullcontext():
+            return super().move_chain(chain_id, expect, state, detail, step_done_at=step_done_at,
+                                      verify_at=verify_at, deadline=deadline, follow_up=follow_up,
+                                      adopt=adopt)
+
+    def escalate_chain(self, chain_id: int, expect: str, kind: str, action_state: str,
+                       detail: str) -> Chain | None:
+        with self._fence():
+            return super().escalate_chain(chain_id, expect, kind, action_state, detail)
+
+    def due_chains(self, now: float, busy: Iterable[int], limit: int, reopen_since: float) -> list[Chain]:
+        """Claim the due chains no live replica holds (``FOR UPDATE SKIP LOCKED``), and renew this
+        replica's claims on the chains it is still verifying."""
+        def run() -> list[Chain]:
+            lease = now + self.lease_seconds
+            self.db.execute(f"UPDATE chains SET lease_until = ? WHERE claimed_by = ? AND state IN "
+                            f"({', '.join('?' * len(CHAIN_ACTIVE))})", (lease, self.replica, *CHAIN_ACTIVE))
+            rows = self.db.execute(self._DUE_CHAINS + " FOR UPDATE OF c SKIP LOCKED",
+                                   (now, *FINISHED_STATES, reopen_since)).fetchall()
+            skip, chosen = set(busy), []
+            for row in rows:
+                if row["id"] in skip:
+                    continue
+                if row["claimed_by"] not in ("", self.replica) and (row["lease_until"] or 0) > now:
+                    continue  # another live replica advances this one
+                chosen.append(int(row["id"]))
+                if len(chosen) >= limit:
+                    break
+            claimed = self.db.execute(
+                "UPDATE chains SET claimed_by = ?, lease_until = ? WHERE id = ANY(?) RETURNING *",
+                (self.replica, lease, chosen)) if chosen else None
+            return sorted((_chain(r) for r in claimed or ()), key=lambda c: c.id)
+
+        result: list[Chain] = self._tx(run)
+        return result
 
 
 class AsyncPostgresJournal(AsyncJournal):

@@ -63,6 +63,7 @@ class Worker:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        await self.engine.escalation.stop()
         running = list(self._busy.values())
         if running:
             _, late = await asyncio.wait(running, timeout=grace)
@@ -117,10 +118,10 @@ class Worker:
         if free > 0:
             for action in await self.journal.due(time.time(), self._busy, free, YIELDING_REASONS):
                 self._launch(action)
-        next_at = await self.journal.next_due_at()
-        if next_at is not None and next_at > time.time():
-            return min(IDLE_POLL_SECONDS, next_at - time.time())
-        return IDLE_POLL_SECONDS
+        chain_at = await self.engine.escalation.tick(self.wake)  # chains verified in tasks of their own
+        now = time.time()
+        future = [t for t in (await self.journal.next_due_at(), chain_at) if t is not None and t > now]
+        return min([IDLE_POLL_SECONDS, *(t - now for t in future)])
 
     def _launch(self, action: Action) -> None:
         task = asyncio.create_task(self.engine.run(action), name=f"action-{action.id}")

@@ -100,3 +100,29 @@ async def test_outcomes_and_breaker_trips_reach_alertmanager(webhook, tmp_path):
                 "the started alert resolves when the action ends"
     finally:
         am.stop()
+
+
+@pytest.mark.slow
+async def test_an_exhausted_escalation_chain_reaches_alertmanager(webhook, tmp_path):
+    am = AlertmanagerServer(tmp_path / "am", _am_config())
+    am.start()
+    try:
+        hook = await webhook(announce={"alertmanager_urls": [am.url]},
+                             escalation={"enabled": True, "settle_seconds": 0, "poll_seconds": 0.05,
+                                         "steps": ["drain_reset_gpu", "replace"],
+                                         "step_timeout_seconds": {"drain_reset_gpu": 0.2}})
+        await hook.post(alert("gpu06", action="drain_reset_gpu", gpu="4", alertname="GPUHealthXidResetGpu"))
+        async with aiohttp.ClientSession() as session:
+            alerts = await eventually(lambda: _am_alerts(session, am.url),
+                                      lambda got: any(a["labels"]["alertname"].endswith("ChainExhausted")
+                                                      for a in got), timeout=30, what="the exhausted chain")
+        [exhausted] = [a for a in alerts if a["labels"]["alertname"] == "GPUHealthRemediationChainExhausted"]
+        assert exhausted["labels"] | {"action_id": "x"} == {
+            "alertname": "GPUHealthRemediationChainExhausted", "severity": "warning", "node": "gpu06",
+            "gpu": "4", "remediation": "replace", "source_alertname": "GPUHealthXidResetGpu",
+            "action_id": "x"}
+        assert "a person decides" in exhausted["annotations"]["description"]
+        assert [r["event"] for r in audit(tmp_path) if r["event"].startswith("chain_")] == [
+            "chain_opened", "chain_verifying", "chain_escalated", "chain_exhausted"]
+    finally:
+        am.stop()

@@ -81,3 +81,24 @@ def test_alerts_whose_action_acts_on_a_gpu_carry_the_gpu_label():
         assert action == data["alerts"][name]["action"], name
         if KINDS[action].needs_gpu:
             assert "gpu" in re.findall(r"[a-z_]+", labels), f"{name} ({action}) has no gpu label"
+
+
+def test_the_contract_lists_every_webhook_metric_with_its_labels_and_type():
+    from gpuhealth.webhook.metrics import Metrics
+
+    section = CONTRACT[CONTRACT.index("## Webhook metrics"):]
+    listed = {}
+    for line in section.splitlines()[3:]:
+        if not line.startswith("| `gpuhealth_webhook_"):
+            break
+        metric, kind = (cell.strip().strip("`") for cell in line.strip("|").split("|"))
+        name, _, labels = metric.partition("{")
+        listed[name] = (kind, tuple(sorted(filter(None, labels.rstrip("}").split(",")))))
+    metrics = Metrics()
+    metrics.claimed_actions.labels("replica-a")  # its series appear once a replica is known
+    published = {}
+    for family in metrics.registry.collect():
+        suffix = "_total" if family.type == "counter" else ""
+        labels = {label for sample in family.samples for label in sample.labels if label != "le"}
+        published[family.name + suffix] = (family.type, tuple(sorted(labels)))
+    assert listed == published

@@ -30,6 +30,7 @@ from gpuhealth.webhook.journal import Journal
 from gpuhealth.webhook.models import parse_notification
 from gpuhealth.webhook.policy import decide
 from gpuhealth.webhook.schema import LATEST, MIGRATIONS, SchemaTooNew
+from gpuhealth.webhook.store import Chain
 from gpuhealth.webhook.store_postgres import PostgresJournal
 
 from gpuhealth.local.postgres import LocalPostgres, bindir
@@ -255,6 +256,39 @@ def test_intake_that_deadlocks_with_another_is_journaled_again_one_notification_
     assert [(len(x.new_actions), x.duplicates) for x in answers_a] == [(0, 1), (1, 0)]
     assert sorted(x.node for x in a.list_actions()) == NODES[:3]
     assert any("event=intake_one_by_one notifications=2" in r.getMessage() for r in caplog.records)
+
+
+def test_one_replica_at_a_time_claims_and_advances_a_chain(database):
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    parsed = parse_notification(notification(alert("gpu03", action="restart_job", gpu="1")))
+    a, b = PostgresJournal(database, "a", LEASE), PostgresJournal(database, "b", LEASE)
+    [action_id] = a.record([(parsed, decide(parsed, config))], resolve)[0].new_actions
+    a.due(time.time(), (), 1)
+    assert a.start(action_id, None)
+    assert a.update(action_id, "done", expect="running", outcome="done", reason="ok")
+    action = a.get(action_id)
+    now = time.time()
+    chain = Chain(0, "gpu03", "1", action.alertname, action.fingerprint, action.starts_at, "", "restart_job",
+                  action_id, "running", "", None, now, None, now, now, None)
+    chain.id = a.open_chain(chain)
+    assert chain.id is not None and b.open_chain(chain) is None, "one active chain per node and GPU"
+    [mine] = a.due_chains(now, (), 10, now)
+    assert (mine.id, mine.claimed_by) == (chain.id, "a")
+    assert b.due_chains(now, (), 10, now) == [], "a live claim is left to its replica"
+    assert b.move_chain(chain.id, "running", "verifying", "b") is None, "fenced off a's chain"
+    assert b.escalate_chain(chain.id, "running", "drain_reset_gpu", "pending", "b") is None
+    moved = a.move_chain(chain.id, "running", "verifying", "a verifies", step_done_at=now, verify_at=now,
+                         deadline=now + 60)
+    assert moved is not None and moved.state == "verifying"
+    [taken] = b.due_chains(now + LEASE + 1, (), 10, now)  # a went silent: its lease ran out
+    assert taken.claimed_by == "b"
+    assert a.escalate_chain(chain.id, "verifying", "drain_reset_gpu", "pending", "a") is None, "a is fenced"
+    escalated = b.escalate_chain(chain.id, "verifying", "drain_reset_gpu", "pending", "b escalates")
+    assert escalated is not None and escalated.step == "drain_reset_gpu" and escalated.state == "running"
+    step = b.get(escalated.action_id)
+    assert (step.kind, step.state, step.node, step.gpu) == ("drain_reset_gpu", "pending", "gpu03", "1")
+    assert a.move_chain(chain.id, "running", "cancelled", "cancelled by an operator on a") is not None
+    assert b.chain_counts()["cancelled"] == 1 and b.chain_for_action(escalated.action_id) is None
     a.close()
     b.close()
 
@@ -334,6 +368,39 @@ def test_a_journal_from_a_newer_webhook_is_refused_untouched_and_its_connection_
 
         wait_until(lambda: others() == 0, timeout=10, what="the refused journal's session to end")
         assert conn.execute("SELECT MAX(version) FROM schema_version").fetchone() == (LATEST + 1,)
+
+
+ESCALATING = {"escalation": {"enabled": True, "settle_seconds": 0, "poll_seconds": 0.1,
+                             "step_timeout_seconds": {"restart_job": 0.5, "drain_reset_gpu": 0.5,
+                                                      "drain_reboot": 0.5}},
+              "guardrails": {"node_cooldown_seconds": 3600}}
+
+
+@pytest.mark.parametrize("replicas", [ESCALATING], indirect=True)
+def test_two_replicas_advance_a_chain_through_every_step_once(replicas):
+    a, b = replicas
+    b.request("/alerts", notification(alert("gpu04", action="restart_job", gpu="2",
+                                            alertname="GPUHealthXidRestartJob")))
+
+    def chain() -> dict[str, Any]:
+        chains = a.request("/actions")["chains"]
+        return chains[0] if chains else {}
+
+    wait_until(lambda: chain().get("state") == "exhausted", timeout=90, interval=0.1,
+               what="the chain to run through every step")
+    assert [x["kind"] for x in sorted(b.actions(), key=lambda x: x["id"])] == [
+        "restart_job", "drain_reset_gpu", "drain_reboot", "replace"]
+    effects = Counter((op[0], op[1]) for op in a.history())
+    assert effects == Counter({("requeue", "gpu04-a"): 1, ("requeue", "gpu04-b"): 1, ("drain", "gpu04"): 1,
+                               ("reset_gpu", "gpu04"): 1, ("reboot", "gpu04"): 1})
+    logs = [replica.dir / "state" / "audit.jsonl" for replica in (a, b)]
+
+    def events() -> Counter[str]:
+        return Counter(json.loads(line)["event"] for log in logs if log.exists()
+                       for line in log.read_text().splitlines())
+    wait_until(lambda: events()["chain_exhausted"], timeout=10, interval=0.1, what="the audit line")
+    assert (events()["chain_opened"], events()["chain_escalated"], events()["chain_exhausted"]) == (1, 3, 1)
+    assert "gpuhealth_webhook_chains{state=\"exhausted\"} 1.0" in b.request("/metrics")
 
 
 def test_duplicate_delivery_to_both_replicas_yields_one_action_and_any_replica_approves(replicas):

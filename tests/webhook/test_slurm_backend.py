@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 
@@ -496,3 +497,86 @@ async def test_a_full_journal_disk_never_sends_a_drain_twice(on_slurm, slurm, tm
     assert len([c for c in calls.read_text().splitlines() if "State=DRAIN" in c]) == 1
     assert reason_updates(slurm, "gpu01") == drains + 1
     assert (await hook.client.get("/healthz")).status == 200
+
+
+# --- the escalation chain on Slurm: each step a real scontrol/squeue action, verified before the next ---
+
+ESCALATION_STEPS = ["restart_job", "drain_reset_gpu", "drain_reboot", "replace"]
+
+
+def site_scripts(tmp_path, passing: bool) -> tuple[list[str], list[str], dict]:
+    """A reset command that records its arguments, a health check (stands in for ssh {node}
+    gpuhealth-validate) whose verdict is a file's content, and where they write."""
+    files = {"resets": tmp_path / "resets", "checks": tmp_path / "checks", "verdict": tmp_path / "verdict"}
+    files["verdict"].write_text("0" if passing else "1")
+    reset = tmp_path / "reset-gpu"
+    reset.write_text(f'#!/bin/sh\necho "$1 $2" >> {files["resets"]}\n')
+    check = tmp_path / "validate"
+    check.write_text(f'#!/bin/sh\necho "$1" >> {files["checks"]}\nexit "$(cat {files["verdict"]})"\n')
+    for script in (reset, check):
+        script.chmod(0o755)
+    return [str(reset), "{node}", "{gpu}"], [str(check), "{node}"], files
+
+
+async def chain_of(hook) -> dict:
+    chains = (await (await hook.client.get("/actions")).json())["chains"]
+    return chains[0] if chains else {}
+
+
+async def test_escalation_on_slurm_fails_every_verification_until_the_chain_is_exhausted(on_slurm, slurm,
+                                                                                        tmp_path):
+    job = slurm.sbatch("--requeue", "--nodes=1", "--wrap", "sleep 600")
+    [bad] = slurm.wait_job(job, lambda j: j.state == "RUNNING").nodes  # no --nodelist: it may run elsewhere
+    reset, check, files = site_scripts(tmp_path, passing=False)
+    reboots = slurm.reboot_requests()
+    hook = await on_slurm(
+        slurm={"reset_gpu_command": reset}, undrain={"health_check": check},
+        guardrails={"node_cooldown_seconds": 3600},  # each step is stronger: never held by it
+        escalation={"enabled": True, "settle_seconds": 0, "poll_seconds": 0.2,
+                    "step_timeout_seconds": {"restart_job": 2, "drain_reset_gpu": 2, "drain_reboot": 30}})
+    await hook.post(alert(bad, action="restart_job", gpu="1", alertname="GPUHealthXidRestartJob",
+                          summary="XID 31 on GPU 1"))
+    info = await eventually(lambda: asyncio.to_thread(slurm.job, job), lambda j: j.state == "RUNNING" and
+                            j.restarts == 1, timeout=60, what="the job running again away from the node")
+    assert bad not in info.nodes and bad in info.excluded
+    await eventually(lambda: chain_of(hook), lambda c: c.get("step") == "drain_reboot", timeout=60,
+                     what="the reboot step")
+    await asyncio.to_thread(slurm.complete_reboot, bad, 60)  # slurmd restarts as a rebooted node
+    chain = await eventually(lambda: chain_of(hook), lambda c: c.get("state") == "exhausted", timeout=90,
+                             what="the chain exhausted")
+    actions = await hook.settle(timeout=30)
+    assert [a["kind"] for a in actions] == ESCALATION_STEPS
+    assert {(a["state"], a["reason"]) for a in actions} == {("done", "ok")}, actions
+    assert chain["step"] == "replace" and chain["action_id"] == actions[-1]["id"]
+    assert files["resets"].read_text().split() == [bad, "1"], "the alert's GPU was reset, once"
+    assert slurm.reboot_requests()[len(reboots):] == [bad], "one reboot"
+    assert set(files["checks"].read_text().split()) == {bad}, "checked after the reset and the reboot"
+    node = slurm.node(bad)
+    assert {"DRAIN", "DOWN"} & node.flags, node
+    assert node.reason.startswith("gpuhealth: GPUHealthXidRestartJob"), node
+    assert await hook.metric("gpuhealth_webhook_chains", state="exhausted") == 1
+
+
+async def test_escalation_on_slurm_closes_the_chain_when_the_reset_verifies(on_slurm, slurm, tmp_path):
+    job = slurm.sbatch("--requeue", "--nodes=1", "--wrap", "sleep 600")
+    [bad] = slurm.wait_job(job, lambda j: j.state == "RUNNING").nodes  # no --nodelist: it may run elsewhere
+    reset, check, files = site_scripts(tmp_path, passing=True)
+    reboots = slurm.reboot_requests()
+    hook = await on_slurm(
+        slurm={"reset_gpu_command": reset}, undrain={"health_check": check},
+        escalation={"enabled": True, "settle_seconds": 0, "poll_seconds": 0.2,
+                    "step_timeout_seconds": {"restart_job": 1, "drain_reset_gpu": 120}})
+    firing = alert(bad, action="restart_job", gpu="0", alertname="GPUHealthXidRestartJob")
+    await hook.post(firing)
+    await eventually(lambda: chain_of(hook), lambda c: c.get("step") == "drain_reset_gpu" and
+                     c.get("state") == "verifying", timeout=60, what="the reset step verifying")
+    assert slurm.node(bad).reason.startswith("gpuhealth: GPUHealthXidRestartJob")
+    await hook.post(resolved(firing))
+    chain = await eventually(lambda: chain_of(hook), lambda c: c.get("state") == "succeeded", timeout=60,
+                             what="the chain closed")
+    assert chain["step"] == "drain_reset_gpu" and "health check passed" in chain["detail"]
+    await asyncio.to_thread(slurm.wait_node, bad, lambda n: n.state == "IDLE", 60, "the node resumed")
+    actions = await hook.settle(timeout=30)
+    assert [a["kind"] for a in actions] == ["restart_job", "drain_reset_gpu", "undrain"]
+    assert slurm.reboot_requests() == reboots and files["resets"].read_text().split() == [bad, "0"]
+    assert slurm.job(job).state == "RUNNING" and bad not in slurm.job(job).nodes

@@ -29,12 +29,22 @@ class NodeState:
     reason: str = ""  # who drained it and why (Slurm Reason, our cordon annotation)
 
 
+# A scheduler's words for a job waiting to (re)start: not running again yet.
+WAITING_STATES = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
+
+
 @dataclass(frozen=True)
 class JobState:
-    """What waiting for a job's checkpoint needs to know about it."""
+    """What waiting for a job's checkpoint, and verifying that it runs again, need to know about it."""
 
     active: bool  # still running, starting or suspended; False once it ended or is gone
     comment: str = ""  # a note the job may set on itself (Slurm's Comment), e.g. "checkpointed"
+    state: str = ""  # the scheduler's word for it (Slurm: RUNNING, PENDING, ...); empty if it does not say
+
+    @property
+    def waiting(self) -> bool:
+        """Queued to start (again), not running yet."""
+        return self.state in WAITING_STATES
 
 
 class Backend(Protocol):

@@ -176,7 +176,8 @@ class SimulatedBackend:
         job = self.state["jobs"].get(job_id)
         if job is None:
             return JobState(active=False)
-        return JobState(active=job["node"] is not None, comment=job.get("comment", ""))
+        return JobState(active=job["node"] is not None, comment=job.get("comment", ""),
+                        state="RUNNING" if job["node"] is not None else "PENDING")
 
     def set_comment(self, job_id: str, comment: str) -> None:
         """What a job does to confirm its checkpoint (Slurm: ``scontrol update JobId=J Comment=...``)."""

@@ -243,7 +243,8 @@ class SlurmBackend(TracksHelpers):
                 raise
             return JobState(active=False)
         state, _, comment = out.strip().partition(" ")
-        return JobState(active=state in SIGNALLED_STATES, comment="" if comment == "(null)" else comment)
+        return JobState(active=state in SIGNALLED_STATES, comment="" if comment == "(null)" else comment,
+                        state=state)
 
     async def _start_now(self, job_id: str) -> None:
         """Lift the ~2 minutes Slurm makes a requeued job wait (its BeginTime): ``StartTime=now``, which
