@@ -256,6 +256,8 @@ def test_intake_that_deadlocks_with_another_is_journaled_again_one_notification_
     assert [(len(x.new_actions), x.duplicates) for x in answers_a] == [(0, 1), (1, 0)]
     assert sorted(x.node for x in a.list_actions()) == NODES[:3]
     assert any("event=intake_one_by_one notifications=2" in r.getMessage() for r in caplog.records)
+    a.close()
+    b.close()
 
 
 def test_one_replica_at_a_time_claims_and_advances_a_chain(database):
