@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import re
 import sys
 import time
 
@@ -12,7 +14,7 @@ from gpuhealth.webhook.backends.base import BackendError, NodeState
 from gpuhealth.webhook.backends.slurm import MAX_REASON_CHARS, SlurmBackend, parse_node
 from waiting import eventually
 
-from gpuhealth.local.process import free_port
+from gpuhealth.local.process import free_port, wait_until
 from gpuhealth.local.slurm import SlurmCluster
 from gpuhealth.local.training_job import newest_checkpoint
 
@@ -143,6 +145,42 @@ async def test_requeue_moves_a_two_node_job_off_the_excluded_node(slurm, backend
     info = slurm.wait_job(job, lambda j: j.state == "RUNNING", what="the requeued job to run again at once")
     assert len(info.nodes) == 2 and bad not in info.nodes and "gpu04" not in info.nodes
     assert slurm.squeue("-h", "-w", bad, "-o", "%i").split() == []
+
+
+async def test_a_requeued_job_starts_again_on_the_healthy_node_of_its_allocation(slurm, backend, tmp_path):
+    """Only two nodes are left to it, one of them its old one, whose slurmd revoked the job's credential
+    when it was killed for the requeue: launched in that same second, the batch job would fail ("Job
+    credential revoked"), so its script must really run a second time."""
+    starts = tmp_path / "starts"
+    job = slurm.sbatch("--requeue", "--nodes=2", "--exclude=gpu04", "--wrap",
+                       f"echo start >> {starts}; exec sleep 600")
+    info = slurm.wait_job(job, lambda j: j.state == "RUNNING")
+    bad = info.nodes[1]  # its batch host stays healthy, and is where the batch script starts again
+    wait_until(lambda: starts.exists() and starts.read_text().count("start") == 1, 10, interval=0.1,
+               what="the first run's script")
+    await backend.drain(bad, REASON)
+    # at the start of a second, so that the kill, the end of the old allocation and (without the
+    # margin) the new launch all fall within it, as they do when the webhook acts on a quiet cluster
+    wait_until(lambda: time.time() % 1 < 0.05, 2, interval=0.005, what="a new second")
+    await backend.requeue(job, [bad])
+    wait_until(lambda: starts.read_text().count("start") == 2 or slurm.job(job).state == "FAILED", 30,
+               interval=0.1, what="the second run's script, or the job's failure")
+    info = slurm.job(job)
+    assert (info.state, info.restarts) == ("RUNNING", 1), info
+    assert sorted(info.nodes) == sorted({"gpu01", "gpu02", "gpu03"} - {bad})
+    # whether the scheduler would have run within that second is up to it; the margin is ours to keep
+    log = (slurm.workdir / "slurmctld.log").read_text()
+    ended = _logged_at(log, rf"Requeuing JobId={job}\b")
+    eligible = _logged_at(log, rf"setting begin to \S+ for JobId={job}\b")
+    assert eligible - ended >= 2.0, (ended, eligible)
+
+
+def _logged_at(log: str, pattern: str) -> float:
+    """When slurmctld last logged a line matching ``pattern``, from its ``[ISO time.ms]`` prefix."""
+    stamps = [m[1] for line in log.splitlines() if re.search(pattern, line)
+              and (m := re.match(r"\[(\S+)\]", line))]
+    assert stamps, pattern
+    return datetime.datetime.fromisoformat(stamps[-1]).timestamp()
 
 
 async def test_requeue_completes_after_a_crash_between_its_steps(slurm, backend):
