@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuhealth.demo.observe import Observer
+from gpuhealth.demo.observe import Observer, reboot_with_a_job_waiting
 from gpuhealth.demo.stack import ClosedLoopStack, Fault, StackOptions
 from gpuhealth.local.process import wait_until
 
@@ -139,3 +139,15 @@ def test_training_jobs_checkpoint_and_the_demo_sees_it(loop):
     for job_id, saved in observer.last.checkpoints.items():
         assert saved.reason == "interval" and saved.step > 0, (job_id, saved)
         assert saved.path.parent == stack.slurm.checkpoint_dir(job_id)
+
+
+def test_a_rebooted_node_takes_a_job_only_after_gpuhealth_validate_passed(loop):
+    """Last: it returns the hard-failure node to service. The webhook asked Slurm to reboot it; the
+    reboot is played with a job waiting for exactly that node, and Slurm's own log must not allocate
+    the node before the webhook's gpuhealth-validate passed on it."""
+    stack, _, where = loop
+    node = where["hard"]
+    assert stack.slurm.reboot_issued(node), "the XID 79 action asked Slurm for a reboot"
+    reboot = reboot_with_a_job_waiting(stack, node)
+    assert reboot.allocated_at is not None, "the waiting job ran on the node once it was validated"
+    assert reboot.validated_before_running, reboot

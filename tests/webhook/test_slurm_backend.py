@@ -202,8 +202,8 @@ async def test_a_failed_job_is_requeued_a_completed_one_is_not(slurm, backend):
     slurm.wait_job(done, lambda j: j.state == "COMPLETED")
     await backend.requeue(failed, ["gpu01"])
     await backend.requeue(done, ["gpu01"])
-    info = slurm.job(failed)
-    assert info.state == "PENDING" and info.restarts == 1 and info.excluded == ["gpu01"]
+    info = slurm.job(failed)  # eligible at once: it may be running (and failing) again already
+    assert info.restarts == 1 and info.excluded == ["gpu01"]
     info = slurm.job(done)
     assert info.state == "COMPLETED" and info.restarts == 0 and info.excluded == []
 
@@ -229,6 +229,24 @@ async def test_reboot_is_requested_and_the_node_stays_out_until_resumed(slurm, b
     await backend.resume("gpu03")
     slurm.wait_node("gpu03", lambda n: n.state == "IDLE", what="gpu03 back in service")
     assert await backend.node_state("gpu03") == NodeState("gpu03", exists=True, drained=False)
+
+
+async def test_no_reboot_where_return_to_service_would_skip_the_validation(slurm, tmp_path):
+    """ReturnToService=2 resumes any DOWN node when its slurmd registers: the reboot is refused, the
+    node stays drained. The controller's answer is rewritten by a wrapper, as the test cluster runs 1."""
+    wrapper = tmp_path / "scontrol"
+    wrapper.write_text('#!/bin/sh\nif [ "$1 $2" = "show config" ]; then echo "ReturnToService         = 2"; '
+                       'exit 0; fi\nexec scontrol "$@"\n')
+    wrapper.chmod(0o755)
+    backend = SlurmBackend.from_config({"slurm_conf": str(slurm.conf_path), "scontrol": str(wrapper)})
+    before = slurm.reboot_requests().count("gpu02")
+    await backend.drain("gpu02", REASON)
+    with pytest.raises(BackendError, match="ReturnToService=2") as err:
+        await backend.reboot("gpu02", REASON)
+    assert not err.value.retryable
+    assert not {"REBOOT_REQUESTED", "REBOOT_ISSUED"} & slurm.node("gpu02").flags
+    assert slurm.reboot_requests().count("gpu02") == before
+    assert "ReturnToService         = 1" in slurm.scontrol("show", "config"), "the cluster itself keeps it"
 
 
 async def test_a_reboot_with_nextstate_resume_returns_the_node_unchecked(slurm):
@@ -435,7 +453,10 @@ async def test_a_rebooted_node_returns_only_once_its_health_check_passed(on_slur
     await eventually(checks, lambda seen: len(seen) >= 2, timeout=30, what="failing health checks")
     assert "DOWN" in slurm.node("gpu03").flags, "a failed check leaves the node out"
     verdict.write_text("0")
-    slurm.wait_node("gpu03", lambda n: n.state == "IDLE", what="gpu03 resumed after its check passed")
+
+    async def state() -> str:  # polled without blocking the loop the webhook's health check runs on
+        return slurm.node("gpu03").state
+    await eventually(state, lambda now: now == "IDLE", timeout=30, what="gpu03 resumed once it passed")
     assert (await checks())[-1] == "gpu03"
 
 

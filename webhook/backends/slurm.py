@@ -285,12 +285,23 @@ class SlurmBackend(TracksHelpers):
                        timeout=self.settings.timeout_seconds, helpers=self.helpers)
         log.info("event=slurm_reset_gpu node=%s gpu=%s", node, gpu)
 
+    async def _return_to_service(self) -> str:
+        """slurm.conf's ReturnToService, as the controller runs it (``scontrol show config``)."""
+        config = await self._scontrol("show", "config")
+        match = re.search(r"^ReturnToService\s*=\s*(\S+)", config, re.MULTILINE)
+        return match[1] if match else ""
+
     async def reboot(self, node: str, reason: str, *, alertname: str = "") -> None:
         line = await self._show_node(node)
         if line is None:
             raise BackendError(f"node {node} not found", retryable=False)
         if parse_node_line(line).flags & REBOOT_FLAGS:
             return
+        if self.settings.reboot_next_state == "DOWN" and await self._return_to_service() == "2":
+            raise BackendError("slurm.conf has ReturnToService=2, which puts a node rebooted with "
+                               "nextstate=DOWN back in service as soon as its slurmd registers, before "
+                               "any validation: set ReturnToService=0 or 1 (or reboot_next_state: RESUME "
+                               "to accept an unchecked return); the node stays drained", retryable=False)
         await self._scontrol("reboot", "ASAP", f"nextstate={self.settings.reboot_next_state}",
                              f"reason={slurm_reason(reason)}", node)
         log.info("event=slurm_reboot node=%s next_state=%s", node, self.settings.reboot_next_state)
