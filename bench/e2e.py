@@ -5,14 +5,16 @@ with 5 s scrape and evaluation intervals, then injects at once a sudden hard fai
 one job's node and a slow HBM precursor on another's, and measures when Slurm shows each node
 drained and its job requeued. Target: hard XID to node drained and job requeued within 30 s.
 
-Recovery figures, per run: ``xid_to_running_seconds`` (the hard XID to its job RUNNING again on
-other nodes), ``checkpoint_before_drain`` (the predictive case: the training job logged its
-checkpoint on the webhook's signal before slurmctld logged the node draining) and
-``lost_work_fraction`` for both cases (the steps the training job itself reports lost at its
-requeue, as seconds of work, over the checkpoint interval). Then the reboot case: the XID 79 node's
-reboot, asked for by the webhook, is played (``ClosedLoopStack.complete_reboot``) while a job waits
-for exactly that node; ``validated_before_running`` holds when slurmctld's log allocates the node to
-no job before the webhook logged ``gpuhealth-validate`` passing on it (missing if no job ran there).
+Recovery figures, per run: ``xid_to_running_seconds`` (the hard XID to its job running again on
+other nodes: the training job's own log line of its restart), ``checkpoint_before_drain`` (the
+predictive case: the training job logged its checkpoint on the webhook's signal before slurmctld
+logged the node draining) and ``lost_work_fraction`` for both cases (the steps the training job
+itself reports lost at its requeue, as seconds of work, over the checkpoint interval).
+
+Then the reboot case: the XID 79 node's reboot, asked for by the webhook, is played
+(``ClosedLoopStack.complete_reboot``) while a job waits for exactly that node;
+``validated_before_running`` holds when slurmctld's log allocates the node to no job before the
+webhook logged ``gpuhealth-validate`` passing on it (missing if no job ran there).
 
     .venv/bin/python bench/e2e.py --runs 10 [--precursor 90] [--json OUT]
 """
@@ -39,6 +41,7 @@ RUNNING_MEDIAN_SECONDS, RUNNING_MAX_SECONDS = 60.0, 120.0  # hard XID -> the job
 LOST_WORK_MAX = 0.1  # of the checkpoint interval, predictive case
 STEP_SECONDS = 0.2  # the training job's step (SlurmCluster.submit_training_job's default)
 LOST = re.compile(r"event=terminated .*?lost_steps=(\d+)")
+RESTARTED = re.compile(r"^ts=(\S+) .*event=(?:resume|start)\b", re.MULTILINE)
 SIGNAL_CHECKPOINT = re.compile(r"^ts=(\S+) .*event=checkpoint reason=signal", re.MULTILINE)
 REBOOT_WAIT_SECONDS = 120.0
 
@@ -59,6 +62,18 @@ def signal_checkpoint_at(stack: ClosedLoopStack, job_id: str) -> float | None:
         match = SIGNAL_CHECKPOINT.search((stack.slurm.workdir / f"job-{job_id}.out").read_text())
     except OSError:
         return None
+    return None if match is None else float(match[1])
+
+
+def restarted_at(stack: ClosedLoopStack, job_id: str) -> float | None:
+    """When the job's own process logged that it started again after its first termination: running,
+    not only allocated (a launch a node refuses ends the job at once)."""
+    try:
+        text = (stack.slurm.workdir / f"job-{job_id}.out").read_text()
+    except OSError:
+        return None
+    _, ended, after = text.partition("event=terminated")
+    match = RESTARTED.search(after) if ended else None
     return None if match is None else float(match[1])
 
 
@@ -100,7 +115,7 @@ def one_run(precursor: float) -> tuple[dict[str, float | None], int]:
         running_at = None
         with contextlib.suppress(TimeoutError):
             wait_until(running_elsewhere, timeout=180, interval=0.5, what="the hard job to run again")
-            running_at = observer.last.at
+            running_at = restarted_at(stack, hard_job)
         drains = [at for at, _ in stack.slurm.logged(rf"update_node: node {slow} state set to DRAIN")]
         saved_at = signal_checkpoint_at(stack, slow_job)
         interval = options.checkpoint_interval

@@ -55,6 +55,11 @@ class Event:
     text: str
 
 
+# slurmctld's lines for a job given nodes: by its main scheduler, and by the backfill scheduler
+ALLOCATED = (r"(?:sched: Allocate JobId=\S+ NodeList=|sched/backfill: _start_job: Started JobId=\S+ in \S+ "
+             r"on )(\S+)")
+
+
 @dataclass(frozen=True)
 class Reboot:
     """A reboot the webhook asked for, played by the stack, and what followed, from the logs."""
@@ -83,8 +88,8 @@ def reboot_with_a_job_waiting(stack: ClosedLoopStack, node: str, timeout: float 
     with contextlib.suppress(TimeoutError):
         stack.slurm.wait_job(waiting, lambda job: job.state == "RUNNING", timeout=timeout,
                              what=f"a job on {node} after its reboot")
-    allocated = [at for at, match in stack.slurm.logged(r"sched: Allocate JobId=\S+ NodeList=(\S+)")
-                 if at >= rebooted_at and node in stack.slurm.hostnames(match[1])]
+    allocated = [at for at, match in stack.slurm.logged(ALLOCATED) if at >= rebooted_at
+                 and node in stack.slurm.hostnames(match[1])]
     passed = [at for at in stack.webhook_logged(rf"event=health_check node={re.escape(node)} ok=true")
               if at >= rebooted_at]
     return Reboot(node, rebooted_at, min(passed, default=None), min(allocated, default=None))
