@@ -35,14 +35,13 @@ from pathlib import Path
 from gpuhealth.demo.observe import Observer, reboot_with_a_job_waiting
 from gpuhealth.demo.stack import ClosedLoopStack, Fault, StackOptions
 from gpuhealth.local.process import wait_until
+from gpuhealth.local.training_job import logged
 
 TARGET_SECONDS = 30.0
 RUNNING_MEDIAN_SECONDS, RUNNING_MAX_SECONDS = 60.0, 120.0  # hard XID -> the job RUNNING elsewhere
 LOST_WORK_MAX = 0.1  # of the checkpoint interval, predictive case
 STEP_SECONDS = 0.2  # the training job's step (SlurmCluster.submit_training_job's default)
 LOST = re.compile(r"event=terminated .*?lost_steps=(\d+)")
-RESTARTED = re.compile(r"^ts=(\S+) .*event=(?:resume|start)\b", re.MULTILINE)
-SIGNAL_CHECKPOINT = re.compile(r"^ts=(\S+) .*event=checkpoint reason=signal", re.MULTILINE)
 REBOOT_WAIT_SECONDS = 120.0
 
 
@@ -56,25 +55,13 @@ def lost_work_fraction(stack: ClosedLoopStack, job_id: str, interval: float) -> 
     return None if match is None else int(match[1]) * STEP_SECONDS / interval
 
 
-def signal_checkpoint_at(stack: ClosedLoopStack, job_id: str) -> float | None:
-    """When the job logged its first checkpoint written on request (the webhook's signal)."""
-    try:
-        match = SIGNAL_CHECKPOINT.search((stack.slurm.workdir / f"job-{job_id}.out").read_text())
-    except OSError:
-        return None
-    return None if match is None else float(match[1])
-
-
 def restarted_at(stack: ClosedLoopStack, job_id: str) -> float | None:
     """When the job's own process logged that it started again after its first termination: running,
     not only allocated (a launch a node refuses ends the job at once)."""
-    try:
-        text = (stack.slurm.workdir / f"job-{job_id}.out").read_text()
-    except OSError:
-        return None
-    _, ended, after = text.partition("event=terminated")
-    match = RESTARTED.search(after) if ended else None
-    return None if match is None else float(match[1])
+    output = stack.slurm.workdir / f"job-{job_id}.out"
+    ended = logged(output, "terminated")
+    starts = [at for event in ("resume", "start") for at in logged(output, event) if ended and at > ended[0]]
+    return min(starts, default=None)
 
 
 def reboot_case(stack: ClosedLoopStack, node: str) -> dict[str, float | None]:
@@ -117,7 +104,8 @@ def one_run(precursor: float) -> tuple[dict[str, float | None], int]:
             wait_until(running_elsewhere, timeout=180, interval=0.5, what="the hard job to run again")
             running_at = restarted_at(stack, hard_job)
         drains = [at for at, _ in stack.slurm.logged(rf"update_node: node {slow} state set to DRAIN")]
-        saved_at = signal_checkpoint_at(stack, slow_job)
+        saved_at = min(logged(stack.slurm.workdir / f"job-{slow_job}.out", "checkpoint", reason="signal"),
+                       default=None)
         interval = options.checkpoint_interval
         return {
             "xid_to_running_seconds": None if running_at is None else running_at - hard_failure_at,
