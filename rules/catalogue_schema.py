@@ -17,8 +17,8 @@ from typing import Any
 import jsonschema  # type: ignore[import-untyped]  # it ships no type information
 from gpuhealth.contract.duration import HINT, PATTERN, parse_duration
 
-ACTIONS = ("none", "restart_job", "checkpoint_drain", "drain", "drain_reset_gpu", "drain_reboot",
-           "replace")
+ACTIONS = ("none", "restart_job", "checkpoint_drain", "checkpoint_drain_reset_gpu", "drain",
+           "drain_reset_gpu", "drain_reboot", "replace")
 SEVERITIES = ("critical", "warning", "info")
 GROUPS = ("xid", "definitive", "evidence", "fusion", "lemon", "storage", "meta")
 XID_CLASSES = ("restart_job", "drain", "drain_reset_gpu", "drain_reboot")  # what an XID alone can ask

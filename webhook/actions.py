@@ -61,6 +61,10 @@ KINDS: dict[str, ActionKind] = {kind.name: kind for kind in (
     ActionKind("restart_job", ("requeue",), drains=False, undone_on_resolve=False),
     # predictive: time to save work first; weaker than a drain, so a hard fault after it still acts
     ActionKind("checkpoint_drain", ("checkpoint", "drain", "requeue"), drains=True, undone_on_resolve=True),
+    # predictive too, with a reset to apply (corrected-ECC storm, HBM wear): the jobs save work first;
+    # weaker than the hard failures' drain_reset_gpu, which a later uncorrectable error still gets
+    ActionKind("checkpoint_drain_reset_gpu", ("checkpoint", "drain", "requeue", "reset_gpu"), drains=True,
+               undone_on_resolve=True),
     ActionKind("drain", ("drain", "requeue"), drains=True, undone_on_resolve=True),
     ActionKind("drain_reset_gpu", ("drain", "requeue", "reset_gpu"), drains=True, undone_on_resolve=True),
     ActionKind("drain_reboot", ("drain", "requeue", "reboot"), drains=True, undone_on_resolve=True),

@@ -16,11 +16,13 @@ from typing import Annotated, Any, Literal
 import yaml
 from gpuhealth.contract.validation import Location, Model, problems
 from gpuhealth.webhook.actions import ALERT_ACTIONS as ACTIONS
+from gpuhealth.webhook.backends.command import NODE, template_errors
 from gpuhealth.webhook.labels import SIGNAL
 from pydantic import (
     AfterValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     PlainValidator,
     ValidationError,
     ValidationInfo,
@@ -154,9 +156,37 @@ class RetryConfig(Model):
     backoff_max_seconds: Seconds = 300.0
 
 
+# gpuhealth-validate on the node, through ssh: {node} is one checked node name and the host argument,
+# never part of the remote command line; BatchMode fails at once instead of asking for a password.
+VALIDATE_OVER_SSH = ("ssh", "-o", "BatchMode=yes", "--", "{node}", "gpuhealth-validate")
+
+
+def _health_check(value: Any) -> tuple[str, ...]:
+    """An argv template with ``{node}`` (``{node!q}`` for a remote shell), or ``[]``: no check at all."""
+    if isinstance(value, list | tuple) and not value:
+        return ()
+    errors = template_errors(list(value) if isinstance(value, tuple) else value, NODE)
+    if errors:
+        raise PydanticCustomError("template", "{errors}", {"errors": "; ".join(errors)})
+    return tuple(value)
+
+
+HealthCheck = Annotated[tuple[str, ...], PlainValidator(_health_check), PlainSerializer(list),
+                        WithJsonSchema({"type": "array", "items": {"type": "string"},
+                                        "description": "An argv list, no shell; placeholder {node} "
+                                                       "({node!q}: quoted for a remote shell); [] runs "
+                                                       "no check."})]
+
+
 class UndrainConfig(Model):
+    """How a node we drained returns to service: after its alerts resolved and ``health_check`` passed.
+
+    The default runs ``gpuhealth-validate`` on the node over ssh; ``[]`` turns the check off (the node
+    is resumed unchecked), any other argv replaces it. Exit 0 is healthy.
+    """
+
     mode: Literal["auto", "manual"] = "auto"  # auto: resume nodes we drained once their alerts resolve
-    health_check: Annotated[tuple[str, ...], Field(strict=False)] = ()  # argv; {node} is replaced; 0: healthy
+    health_check: HealthCheck = VALIDATE_OVER_SSH
     health_check_timeout_seconds: Seconds = 120.0
     health_check_retry_seconds: Seconds = 300.0
     health_check_max_attempts: Count = 3

@@ -21,6 +21,7 @@ from gpuhealth.webhook import guardrails, process
 from gpuhealth.webhook.actions import DRAINING, KINDS, NONE, STEPS, UNDRAIN
 from gpuhealth.webhook.announce import FOR_HUMANS, Announcer
 from gpuhealth.webhook.backends.base import Backend, BackendError
+from gpuhealth.webhook.backends.command import check_node, fill
 from gpuhealth.webhook.config import Config
 from gpuhealth.webhook.escalation import Escalation
 from gpuhealth.webhook.guardrails import BREAKER, Admission, Verdict
@@ -342,14 +343,19 @@ class Engine:
                            retry_at))
 
     async def _health_check(self, node: str) -> tuple[bool, str]:
+        """Run the check with ``{node}`` filled in as one argv element, held to the node grammar first."""
         cfg = self.config.undrain
-        argv = [arg.replace("{node}", node) for arg in cfg.health_check]
+        argv = fill(cfg.health_check, {"node": check_node(node)})
         try:
             done = await process.run(argv, timeout=cfg.health_check_timeout_seconds, merge_stderr=True)
         except (process.NotStarted, process.TimedOut) as exc:
+            log.warning("event=health_check node=%s ok=false detail=%r", node, str(exc))
             return False, str(exc)
         text = done.stdout.decode(errors="replace").strip()[-300:]
-        return done.returncode == 0, f"exit {done.returncode}: {text}"
+        ok = done.returncode == 0
+        log.log(logging.INFO if ok else logging.WARNING, "event=health_check node=%s ok=%s exit=%d",
+                node, str(ok).lower(), done.returncode)
+        return ok, f"exit {done.returncode}: {text}"
 
     # -- endings -----------------------------------------------------------------------------
 

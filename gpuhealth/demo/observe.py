@@ -6,7 +6,9 @@ Everything shown comes from the real components' own APIs (Prometheus queries, t
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -51,6 +53,46 @@ class Snapshot:
 class Event:
     at: float
     text: str
+
+
+# slurmctld's lines for a job given nodes: by its main scheduler, and by the backfill scheduler
+ALLOCATED = (r"(?:sched: Allocate JobId=\S+ NodeList=|sched/backfill: _start_job: Started JobId=\S+ in \S+ "
+             r"on )(\S+)")
+
+
+@dataclass(frozen=True)
+class Reboot:
+    """A reboot the webhook asked for, played by the stack, and what followed, from the logs."""
+
+    node: str
+    rebooted_at: float
+    validated_at: float | None  # the webhook logged gpuhealth-validate passing on the node
+    allocated_at: float | None  # slurmctld allocated the node to a job
+
+    @property
+    def validated_before_running(self) -> bool | None:
+        """None when no job ran on the node: nothing to judge."""
+        if self.allocated_at is None:
+            return None
+        return self.validated_at is not None and self.validated_at <= self.allocated_at
+
+
+def reboot_with_a_job_waiting(stack: ClosedLoopStack, node: str, timeout: float = 120.0) -> Reboot:
+    """Play the reboot of ``node`` the webhook asked Slurm for while a job waits for exactly that node,
+    then read from slurmctld's log when the node was first allocated after the reboot, and from the
+    webhook's when ``gpuhealth-validate`` first passed on it."""
+    waiting = stack.slurm.sbatch("--nodes=1", f"--nodelist={node}", "--job-name=after-reboot",
+                                 "--wrap", "sleep 600")
+    rebooted_at = time.time()  # from here on the node may come back: a job may land on it at once
+    stack.complete_reboot(node)
+    with contextlib.suppress(TimeoutError):
+        stack.slurm.wait_job(waiting, lambda job: job.state == "RUNNING", timeout=timeout,
+                             what=f"a job on {node} after its reboot")
+    allocated = [at for at, match in stack.slurm.logged(ALLOCATED) if at >= rebooted_at
+                 and node in stack.slurm.hostnames(match[1])]
+    passed = [at for at in stack.webhook_logged(rf"event=health_check node={re.escape(node)} ok=true")
+              if at >= rebooted_at]
+    return Reboot(node, rebooted_at, min(passed, default=None), min(allocated, default=None))
 
 
 class Observer:

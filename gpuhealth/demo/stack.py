@@ -4,14 +4,22 @@ A Slurm cluster (one slurmd per simulated node), one ``gpuhealth-exporter --back
 a real Prometheus loading the generated rules, a real Alertmanager routing to the webhook, and the
 webhook acting on Slurm. Faults are injected into a running exporter by rewriting its scenario file
 and sending SIGHUP. Used by ``gpuhealth demo``, the end-to-end test and ``bench/e2e.py``.
+
+The webhook returns a node to service as on a real fleet: after its alerts resolved and
+``gpuhealth-validate`` passed, run here on this host with the simulator against the node's hardware
+(``nodes/<node>/hardware.yml``: every fault injected on it, as it is once the fault has struck).
+``complete_reboot`` plays a reboot the webhook asked Slurm for: the node's faults are gone (a reboot
+is the repair), its exporter starts again with an empty kernel log, and its slurmd reports a boot.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -28,7 +36,7 @@ import yaml
 
 from gpuhealth.contract.faults import NODE_NOISE_KINDS as NOISE_KINDS
 from gpuhealth.demo import deployment
-from gpuhealth.local.process import ManagedProcess, ProcessError, free_port, http_ok
+from gpuhealth.local.process import ManagedProcess, ProcessError, free_port, http_ok, wait_until
 from gpuhealth.local.prometheus import AlertmanagerServer, PrometheusServer
 from gpuhealth.local.slurm import SlurmCluster
 
@@ -37,6 +45,7 @@ log = logging.getLogger(__name__)
 #: The rule catalogue's demo overlay: 5 s intervals, windows short enough for a precursor of minutes.
 OVERLAY = deployment.REPO / "rules" / "overlays" / "demo.yaml"
 NODE_WIDE_KINDS = ("hot_aisle", "idle_node", "app_xid", "slow_nvml", "power_brake")
+WEBHOOK_STAMP = re.compile(r"ts=(\S+ \S+) ")
 
 
 @dataclass(frozen=True)
@@ -152,24 +161,38 @@ class ClosedLoopStack:
     def _scenario_path(self, node: str) -> Path:
         return self.root / "nodes" / node / "scenario.yml"
 
+    def _hardware_path(self, node: str) -> Path:
+        return self.root / "nodes" / node / "hardware.yml"
+
     def _write_scenario(self, node: str) -> None:
+        """The exporter's scenario (each fault from its precursor's onset), and the node's hardware as
+        ``gpuhealth-validate`` sees it: every fault already struck, so that no node under a precursor
+        passes validation."""
         faults = [f.scenario_entry() for f in self._faults[node]]
         deployment.write(self._scenario_path(node), yaml.safe_dump({"gpus": 8, "faults": faults}))
+        struck = [{**entry, "precursor": 0} if "precursor" in entry else entry for entry in faults]
+        deployment.write(self._hardware_path(node), yaml.safe_dump({"gpus": 8, "faults": struck}))
 
     def _start_exporters(self) -> None:
         for node in self.nodes:
             self._write_scenario(node)
-            port = free_port()
-            node_dir = self.root / "nodes" / node
-            (node_dir / "state").mkdir(parents=True, exist_ok=True)
-            argv: list[str | Path] = [self._bin("gpuhealth-exporter"), "--backend", "sim",
-                    "--sim-scenario", self._scenario_path(node), "--kmsg-path", node_dir / "kmsg",
-                    "--listen", f"127.0.0.1:{port}", "--state-dir", node_dir / "state",
-                    "--sampling.window", "5"]
-            proc = ManagedProcess(f"exporter-{node}", argv, node_dir / "exporter.log").start()
-            self.exporters[node], self.exporter_ports[node] = proc, port
-        for node, proc in self.exporters.items():
-            proc.wait_ready(functools.partial(http_ok, f"http://127.0.0.1:{self.exporter_ports[node]}/healthz"))
+            self._start_exporter(node, free_port())
+        for node in self.nodes:
+            self._wait_exporter(node)
+
+    def _start_exporter(self, node: str, port: int) -> None:
+        node_dir = self.root / "nodes" / node
+        (node_dir / "state").mkdir(parents=True, exist_ok=True)
+        argv: list[str | Path] = [self._bin("gpuhealth-exporter"), "--backend", "sim",
+                "--sim-scenario", self._scenario_path(node), "--kmsg-path", node_dir / "kmsg",
+                "--listen", f"127.0.0.1:{port}", "--state-dir", node_dir / "state",
+                "--sampling.window", "5"]
+        proc = ManagedProcess(f"exporter-{node}", argv, node_dir / "exporter.log").start()
+        self.exporters[node], self.exporter_ports[node] = proc, port
+
+    def _wait_exporter(self, node: str) -> None:
+        url = f"http://127.0.0.1:{self.exporter_ports[node]}/healthz"
+        self.exporters[node].wait_ready(functools.partial(http_ok, url))
 
     def _generate_rules(self) -> tuple[Path, dict[str, Any]]:
         out = self.root / "generated"
@@ -216,7 +239,12 @@ class ClosedLoopStack:
                 "node_cooldown_seconds": 60,
             },
             "gpuhealth_webhook_retry": {"backoff_initial_seconds": 0.5, "job_retry_interval_seconds": 5},
-            "gpuhealth_webhook_undrain": {"mode": "manual"},
+            # a node goes back once its alerts resolved and gpuhealth-validate passed on its hardware
+            "gpuhealth_webhook_undrain": {
+                "health_check": [self._bin("gpuhealth-validate"), "--backend", "sim", "--sim-scenario",
+                                 str(self.root / "nodes" / "{node}" / "hardware.yml")],
+                "health_check_timeout_seconds": 60, "health_check_retry_seconds": 2,
+                "health_check_max_attempts": 1000},
             # the training jobs checkpoint on USR1: a predictive drain waits for that file, not their exit
             "gpuhealth_webhook_checkpoint": {
                 "confirm": "file", "grace_seconds": 30, "poll_seconds": 0.5,
@@ -259,6 +287,22 @@ class ClosedLoopStack:
         log.info("fault injected node=%s kind=%s gpu=%s", fault.node, fault.kind, fault.gpu)
         return time.time()
 
+    def complete_reboot(self, node: str, timeout: float = 60.0) -> None:
+        """Play the reboot the webhook asked Slurm for, once Slurm issued it: the node's faults are
+        repaired, its exporter restarts with an empty kernel log and state, its slurmd boots."""
+        wait_until(lambda: self.slurm.reboot_issued(node), timeout, interval=0.2,
+                   what=f"Slurm to issue the reboot of {node}")
+        self._faults[node] = []
+        self._write_scenario(node)
+        self.exporters[node].stop()
+        node_dir = self.root / "nodes" / node
+        (node_dir / "kmsg").unlink(missing_ok=True)
+        shutil.rmtree(node_dir / "state", ignore_errors=True)
+        self._start_exporter(node, self.exporter_ports[node])
+        self._wait_exporter(node)
+        self.slurm.complete_reboot(node, timeout)
+        log.info("node rebooted node=%s", node)
+
     # --- observing ---------------------------------------------------------------------------------
 
     def wait_targets_up(self, timeout: float = 60.0) -> None:
@@ -269,6 +313,15 @@ class ClosedLoopStack:
             up = api.query('up{job="gpuhealth-exporter"} == 1')
             return len(up) == len(self.nodes)
         self.prometheus.wait_ready(all_up, timeout)
+
+    def webhook_logged(self, pattern: str) -> list[float]:
+        """When the webhook logged each line matching ``pattern`` (``ts=2026-12-02 03:14:39,051 ...``)."""
+        found = []
+        for line in (self.root / "webhook.log").read_text().splitlines():
+            stamp = WEBHOOK_STAMP.match(line)
+            if stamp and re.search(pattern, line[stamp.end():]):
+                found.append(datetime.datetime.strptime(stamp[1], "%Y-%m-%d %H:%M:%S,%f").timestamp())
+        return found
 
     def webhook_get(self, path: str) -> Any:
         request = urllib.request.Request(f"{self.webhook_url}{path}",

@@ -41,7 +41,8 @@ AFTER_HORIZON = 1800.0  # how long after the failure instant a first alert still
 LONG_PRECURSOR = 3600.0  # precursors this long are the ones the rules can be held to
 REFERENCE_NODES = 64  # false alarms are quoted per day per 64 nodes, like the 504-GPU report
 # Webhook actions that take a node out of service (docs/contract.md: action label).
-DRAINING_ACTIONS = ("checkpoint_drain", "drain", "drain_reset_gpu", "drain_reboot", "replace")
+DRAINING_ACTIONS = ("checkpoint_drain", "checkpoint_drain_reset_gpu", "drain", "drain_reset_gpu",
+                    "drain_reboot", "replace")
 DRAIN_MERGE = 300.0  # a drain alert off for one (fused) evaluation and back is still the same drain
 LEMON_ALERTS = "Lemon"  # alert names matching this (a regular expression) are lemon alerts
 

@@ -13,6 +13,7 @@ Node reboots are simulated: Slurm's ``RebootProgram`` only records the request, 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import re
@@ -39,6 +40,7 @@ T = TypeVar("T")
 
 SBIN_PATH = "/usr/sbin:/usr/bin"
 TOOLS = ("scontrol", "squeue", "sbatch", "sinfo", "scancel")
+_LOG_STAMP = re.compile(r"\[([0-9T:.-]+)\] ")
 NODE_ENV = "GPUHEALTH_SLURM_NODE"
 
 
@@ -268,7 +270,9 @@ class SlurmCluster:
             "AccountingStorageType=accounting_storage/none",
             "JobAcctGatherType=jobacct_gather/none",
             "SlurmdParameters=config_overrides",
-            "ReturnToService=2",
+            # a node set DOWN for not responding returns when its slurmd registers again; one set DOWN
+            # on purpose (a reboot with nextstate=DOWN, until gpuhealth-validate passed) stays DOWN
+            "ReturnToService=1",
             "JobRequeue=1",
             "KillWait=2",
             "MessageTimeout=5",
@@ -364,6 +368,16 @@ class SlurmCluster:
         """Poll ``scontrol show node`` until ``predicate(NodeInfo)``; the matching NodeInfo."""
         return _poll(lambda: self.node(node), predicate, timeout, what or f"node {node}")
 
+    def logged(self, pattern: str) -> list[tuple[float, re.Match[str]]]:
+        """(time, match) of each slurmctld log line matching ``pattern``, in order: Slurm's own record
+        of what it did and when (``[2026-12-02T03:14:39.900] sched: Allocate JobId=1 NodeList=...``)."""
+        found = []
+        for line in (self.workdir / "slurmctld.log").read_text().splitlines():
+            stamp = _LOG_STAMP.match(line)
+            if stamp and (match := re.search(pattern, line[stamp.end():])):
+                found.append((datetime.datetime.fromisoformat(stamp[1]).timestamp(), match))
+        return found
+
     # --- simulation helpers ----------------------------------------------------------------------
 
     def reboot_requests(self) -> list[str]:
@@ -373,12 +387,16 @@ class SlurmCluster:
         except FileNotFoundError:
             return []
 
+    def reboot_issued(self, node: str) -> bool:
+        """Slurm has had ``node``'s slurmd run the RebootProgram, and the reboot is not completed yet."""
+        return self.reboot_requests().count(node) > self._reboots_done.get(node, 0)
+
     def complete_reboot(self, node: str, timeout: float = 30.0) -> None:
         """Bring ``node`` back as if it had rebooted: once its slurmd has run the RebootProgram (Slurm
         issues the reboot when the node is idle), it restarts and reports a fresh boot, so that the
         reboot's ``nextstate`` applies."""
-        wait_until(lambda: self.reboot_requests().count(node) > self._reboots_done.get(node, 0), timeout,
-                   interval=0.2, what=f"{node} to run its RebootProgram")
+        wait_until(lambda: self.reboot_issued(node), timeout, interval=0.2,
+                   what=f"{node} to run its RebootProgram")
         self._reboots_done[node] = self._reboots_done.get(node, 0) + 1
         self._slurmd[node].stop()
         self._start_slurmd(node, rebooted=True)

@@ -79,6 +79,22 @@ def log(event: str, **fields: object) -> None:
     print(f"ts={time.time():.3f} job={PROG} event={event} {text}".rstrip(), flush=True)
 
 
+def logged(output: Path, event: str, **fields: str) -> list[float]:
+    """When the job logged ``event`` with these ``fields`` (``log``'s lines in its output file), in
+    order; none if the file is missing."""
+    try:
+        lines = output.read_text().splitlines()
+    except OSError:
+        return []
+    wanted = {"event": event, **fields}
+    found = []
+    for line in lines:
+        pairs = dict(word.split("=", 1) for word in line.split() if "=" in word)
+        if "ts" in pairs and all(pairs.get(key) == value for key, value in wanted.items()):
+            found.append(float(pairs["ts"]))
+    return found
+
+
 def signal_number(name: str) -> signal.Signals:
     try:
         return signal.Signals[name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}"]

@@ -10,6 +10,7 @@ would check it.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,13 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from gpuhealth.demo.observe import Observer
+from gpuhealth.demo.observe import Observer, reboot_with_a_job_waiting
 from gpuhealth.demo.stack import ClosedLoopStack, Fault, StackOptions
 from gpuhealth.local.process import wait_until
+from gpuhealth.local.training_job import logged
 
 pytestmark = pytest.mark.slow
 
 PRECURSOR_SECONDS = 90.0
+STEP_SECONDS = 0.2  # the training job's step (SlurmCluster.submit_training_job's default)
 
 
 def _processes_under(path: Path) -> list[str]:
@@ -123,6 +126,18 @@ def test_slow_precursor_drains_before_the_hard_failure(loop):
     assert where["slow"] in stack.slurm.job(job).excluded
 
 
+def test_the_predictive_drain_came_after_the_jobs_checkpoint(loop):
+    """The storm alert is predictive: the job checkpoints on the webhook's signal (its own log) before
+    slurmctld drains the node (slurmctld's log), and loses under a tenth of its checkpoint interval."""
+    stack, _, where = loop
+    output = stack.slurm.workdir / f"job-{stack.jobs[1]}.out"
+    saved = logged(output, "checkpoint", reason="signal")
+    drained = [at for at, _ in stack.slurm.logged(rf"update_node: node {where['slow']} state set to DRAIN")]
+    assert saved and drained and saved[0] <= drained[0], (saved, drained)
+    lost = re.search(r"event=terminated .*?lost_steps=(\d+)", output.read_text())
+    assert lost is not None and int(lost[1]) * STEP_SECONDS < 0.1 * stack.options.checkpoint_interval, lost
+
+
 def test_noise_and_healthy_nodes_are_left_alone(loop):
     stack, observer, where = loop
     assert "DRAIN" not in stack.slurm.node(where["noise"]).state
@@ -136,6 +151,18 @@ def test_noise_and_healthy_nodes_are_left_alone(loop):
 def test_training_jobs_checkpoint_and_the_demo_sees_it(loop):
     stack, observer, _ = loop
     assert set(observer.last.checkpoints) == set(stack.jobs)
-    for job_id, saved in observer.last.checkpoints.items():
-        assert saved.reason == "interval" and saved.step > 0, (job_id, saved)
+    for job_id, saved in observer.last.checkpoints.items():  # the slow node's job's may be on request
+        assert saved.reason in ("interval", "signal") and saved.step > 0, (job_id, saved)
         assert saved.path.parent == stack.slurm.checkpoint_dir(job_id)
+
+
+def test_a_rebooted_node_takes_a_job_only_after_gpuhealth_validate_passed(loop):
+    """Last: it returns the hard-failure node to service. The webhook asked Slurm to reboot it; the
+    reboot is played with a job waiting for exactly that node, and Slurm's own log must not allocate
+    the node before the webhook's gpuhealth-validate passed on it."""
+    stack, _, where = loop
+    node = where["hard"]
+    assert stack.slurm.reboot_issued(node), "the XID 79 action asked Slurm for a reboot"
+    reboot = reboot_with_a_job_waiting(stack, node)
+    assert reboot.allocated_at is not None, "the waiting job ran on the node once it was validated"
+    assert reboot.validated_before_running, reboot

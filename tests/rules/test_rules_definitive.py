@@ -97,7 +97,8 @@ def test_hbm_wear_needs_persistent_errors_and_remaps(tmp_path, source):
     fleet.add("ecc_corrected", "n1", 3, (0, 1, minutes))                        # chatter and one remap
     fleet.add("rows_correctable", "n1", 3, (0, 0, 359), (1, 0, minutes - 360))
     wear = _gpu_alert(
-        "GPUHealthHbmWear", "n1", 0, "3", "warning", "drain_reset_gpu", "HBM of n1 GPU 0 is wearing out",
+        "GPUHealthHbmWear", "n1", 0, "3", "warning", "checkpoint_drain_reset_gpu",
+        "HBM of n1 GPU 0 is wearing out",
         "GPU 0 of n1 keeps correcting ECC errors and spends spare rows on them (3 rows remapped within a "
         "day): its memory is degrading. Drain the node, reset the GPU so the remaps take effect, and run a "
         "memory diagnostic; replace it if the remaps go on.")
@@ -148,7 +149,7 @@ def test_corrected_ecc_storm_against_the_fleet(tmp_path, source):
     fleet.add("ecc_corrected", "n1", 1, (0, 0, 9), (60_000, 0, minutes - 10))      # one burst that stops
     fleet.add("ecc_corrected", "n1", 2, (0, 60, minutes))                           # slow HBM degradation
     storm = _gpu_alert(
-        "GPUHealthEccCorrectedStorm", "n1", 0, "3000", "warning", "drain_reset_gpu",
+        "GPUHealthEccCorrectedStorm", "n1", 0, "3000", "warning", "checkpoint_drain_reset_gpu",
         "Corrected-ECC storm on n1 GPU 0 (3000/s)",
         "GPU 0 of n1 corrects 3000 ECC errors per second, far above the rest of the fleet. The driver "
         "still reports it healthy, but the storm slows every job on it and often precedes uncorrectable "

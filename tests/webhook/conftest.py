@@ -138,7 +138,8 @@ def webhook(aiohttp_client: Any, tmp_path: Path) -> Factory:
                 "backend": {"type": "simulated", "nodes": ["gpu[01-16]"]},
                 "guardrails": {"node_cooldown_seconds": 0, "breaker_max_nodes": 16,
                                "breaker_max_fraction": 1.0, "rate_limit_actions": 1000},
-                "retry": {"backoff_initial_seconds": 0.05, "job_retry_interval_seconds": 0}}
+                "retry": {"backoff_initial_seconds": 0.05, "job_retry_interval_seconds": 0},
+                "undrain": {"health_check": []}}  # the simulated nodes have no ssh to validate them
         for key, value in settings.items():
             data[key] = {**data[key], **value} if isinstance(value, dict) and key in data else value
         config = parse_config(data)

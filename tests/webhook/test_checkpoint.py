@@ -63,6 +63,31 @@ async def test_a_hard_failure_drains_at_once_without_a_signal(webhook):
     assert ops(hook) == ["drain", "requeue"]
 
 
+async def test_a_predictive_alert_whose_repair_is_a_reset_checkpoints_before_the_drain(webhook):
+    hook = await webhook(jobs={"gpu06": ["11"]},
+                         checkpoint={"confirm": "comment", "grace_seconds": 60, "poll_seconds": 0.05})
+    await hook.post(alert("gpu06", gpu="5", action="checkpoint_drain_reset_gpu", severity="warning",
+                          alertname="GPUHealthEccCorrectedStorm"))
+    await signalled(hook, 1)
+    assert "drain" not in ops(hook), "nothing stops the job before its checkpoint"
+    hook.backend.set_comment("11", "checkpointed")
+    [action] = await hook.until(lambda acts: acts[0]["state"] == "done", "the reset to end")
+    assert ops(hook) == ["signal", "drain", "requeue", "reset_gpu"]
+    assert hook.backend.history[-1][:3] == ["reset_gpu", "gpu06", "5"]
+    assert action["progress"]["checkpoint"]["confirmed"] == ["11"]
+
+
+async def test_a_hard_failure_after_a_predictive_reset_is_not_held_back_by_the_cooldown(webhook):
+    hook = await webhook(guardrails={"node_cooldown_seconds": 3600}, checkpoint={"grace_seconds": 0.1})
+    await hook.post(alert("gpu07", gpu="1", action="checkpoint_drain_reset_gpu", severity="warning",
+                          alertname="GPUHealthEccCorrectedStorm"))
+    await hook.until(lambda acts: acts[0]["state"] == "done", "the predictive reset to end")
+    await hook.post(alert("gpu07", gpu="1", action="drain_reset_gpu", alertname="GPUHealthXidResetGpu"))
+    actions = await hook.until(lambda acts: len(acts) == 2 and acts[-1]["state"] == "done",
+                               "the hard failure's reset, not held back")
+    assert (actions[-1]["kind"], actions[-1]["reason"]) == ("drain_reset_gpu", "ok"), actions[-1]
+
+
 async def test_a_job_that_cannot_be_signalled_is_not_waited_for(webhook):
     hook = await webhook(jobs={"gpu05": ["4"]}, checkpoint={"grace_seconds": 600})
     hook.backend.state["jobs"]["ghost"] = {"node": "gpu05", "requeues": 0, "excluded": []}

@@ -197,3 +197,25 @@ def test_an_unreachable_or_newer_journal_stops_the_start_with_a_clear_error(tmp_
         db.execute("PRAGMA user_version = 999")
     assert main(["--config", str(sqlite_config), "--state-dir", str(tmp_path / "state")]) == 2
     assert "schema version 999, newer than this webhook's" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("health_check", "problem"), [
+    (["ssh", "--", "{node}", "validate {reason}"], "{reason} is free text and 'ssh' hands it to a shell"),
+    (["check", "{gpu}"], "unknown placeholder(s) {gpu}"),
+    ("ssh {node} gpuhealth-validate", "a non-empty list of strings (argv, no shell)"),
+    (["check", "{node!r}"], "!r is not a conversion"),
+])
+def test_undrain_health_check_is_an_argv_template_with_node_only(health_check, problem):
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"backend": {"type": "simulated"}, "undrain": {"health_check": health_check}})
+    assert any(e.startswith("undrain.health_check: ") and problem in e for e in caught.value.errors), \
+        caught.value.errors
+
+
+def test_undrain_health_check_defaults_to_validation_over_ssh_and_can_be_turned_off_or_replaced():
+    def check(**undrain):
+        return parse_config({"backend": {"type": "simulated"}, "undrain": undrain}).undrain.health_check
+    assert check() == ("ssh", "-o", "BatchMode=yes", "--", "{node}", "gpuhealth-validate")
+    assert check(health_check=[]) == ()
+    assert check(health_check=["pdsh", "-w", "{node}", "gpuhealth-validate --gpus-expected 8"]) == (
+        "pdsh", "-w", "{node}", "gpuhealth-validate --gpus-expected 8")

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import sys
 import time
 
 import pytest
 from conftest import alert, recorded, resolved
 from gpuhealth.webhook.backends.base import BackendError
 from gpuhealth.webhook.backends.simulated import SimulatedBackend
+from gpuhealth.webhook.config import VALIDATE_OVER_SSH, parse_config
 
 
 async def test_drain_requeues_jobs_excluding_the_node(webhook):
@@ -400,3 +404,47 @@ async def test_a_gpu_step_needs_a_real_gpu_and_a_node_step_does_not(webhook):
     assert [op[:2] for op in hook.backend.history] == [["drain", "gpu03"], ["reboot", "gpu03"]]
     assert await hook.metric("gpuhealth_webhook_actions_total", action="drain_reset_gpu", outcome="skipped",
                              reason="no_gpu") == 2
+
+
+async def test_by_default_the_undrain_runs_gpuhealth_validate_on_the_node_over_ssh(webhook, tmp_path,
+                                                                                  monkeypatch):
+    """The default check, with a stand-in ssh on PATH that records its argv and answers as the node."""
+    calls, verdict = tmp_path / "ssh-calls", tmp_path / "exit-code"
+    ssh = tmp_path / "bin" / "ssh"
+    ssh.parent.mkdir()
+    ssh.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" >> {calls}\necho ---- >> {calls}\n'
+                   f'exit "$(cat {verdict})"\n')
+    ssh.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{ssh.parent}:{os.environ['PATH']}")
+    verdict.write_text("1")
+    # the test factory turns the check off (its simulated nodes have no ssh): ask for the shipped default
+    assert parse_config({"backend": {"type": "simulated"}}).undrain.health_check == VALIDATE_OVER_SSH
+    hook = await webhook(undrain={"health_check": list(VALIDATE_OVER_SSH), "health_check_retry_seconds": 0.2,
+                                  "health_check_max_attempts": 50})
+    first = alert("gpu07", action="drain")
+    await hook.post(first)
+    await hook.settle()
+    await hook.post(resolved(first))
+    await hook.until(lambda a: a[-1]["reason"] == "health_check_failed", "a failing validation", 10)
+    assert "gpu07" in hook.drained
+    runs = calls.read_text().split("----\n")
+    assert runs[0].splitlines() == ["-o", "BatchMode=yes", "--", "gpu07", "gpuhealth-validate"]
+    verdict.write_text("0")
+    await hook.until(lambda a: a[-1]["state"] == "done", "the undrain once validation passed", 10)
+    assert hook.drained == {}
+
+
+async def test_the_health_check_gets_the_node_as_one_argument_or_quoted_for_a_remote_shell(webhook, tmp_path):
+    seen = tmp_path / "argv"
+    hook = await webhook(backend=SimulatedBackend(["gpu-7.rack_2", "gpu08"]),
+                         undrain={"health_check": [sys.executable, "-c", RECORD_ARGV, str(seen), "{node}",
+                                                   "check --node={node!q}"]})
+    first = alert("gpu-7.rack_2", action="drain")
+    await hook.post(first)
+    await hook.settle()
+    await hook.post(resolved(first))
+    await hook.until(lambda a: a[-1]["state"] == "done", "the undrain", 10)
+    assert json.loads(seen.read_text()) == ["gpu-7.rack_2", "check --node=gpu-7.rack_2"]
+
+
+RECORD_ARGV = "import json, sys; open(sys.argv[1], 'w').write(json.dumps(sys.argv[2:]))"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
+import re
 import sys
 import time
 
@@ -13,7 +15,7 @@ from gpuhealth.webhook.backends.base import BackendError, NodeState
 from gpuhealth.webhook.backends.slurm import MAX_REASON_CHARS, SlurmBackend, parse_node
 from waiting import eventually
 
-from gpuhealth.local.process import free_port
+from gpuhealth.local.process import free_port, wait_until
 from gpuhealth.local.slurm import SlurmCluster
 from gpuhealth.local.training_job import newest_checkpoint
 
@@ -146,6 +148,42 @@ async def test_requeue_moves_a_two_node_job_off_the_excluded_node(slurm, backend
     assert slurm.squeue("-h", "-w", bad, "-o", "%i").split() == []
 
 
+async def test_a_requeued_job_starts_again_on_the_healthy_node_of_its_allocation(slurm, backend, tmp_path):
+    """Only two nodes are left to it, one of them its old one, whose slurmd revoked the job's credential
+    when it was killed for the requeue: launched in that same second, the batch job would fail ("Job
+    credential revoked"), so its script must really run a second time."""
+    starts = tmp_path / "starts"
+    job = slurm.sbatch("--requeue", "--nodes=2", "--exclude=gpu04", "--wrap",
+                       f"echo start >> {starts}; exec sleep 600")
+    info = slurm.wait_job(job, lambda j: j.state == "RUNNING")
+    bad = info.nodes[1]  # its batch host stays healthy, and is where the batch script starts again
+    wait_until(lambda: starts.exists() and starts.read_text().count("start") == 1, 10, interval=0.1,
+               what="the first run's script")
+    await backend.drain(bad, REASON)
+    # at the start of a second, so that the kill, the end of the old allocation and (without the
+    # margin) the new launch all fall within it, as they do when the webhook acts on a quiet cluster
+    wait_until(lambda: time.time() % 1 < 0.05, 2, interval=0.005, what="a new second")
+    await backend.requeue(job, [bad])
+    wait_until(lambda: starts.read_text().count("start") == 2 or slurm.job(job).state == "FAILED", 30,
+               interval=0.1, what="the second run's script, or the job's failure")
+    info = slurm.job(job)
+    assert (info.state, info.restarts) == ("RUNNING", 1), info
+    assert sorted(info.nodes) == sorted({"gpu01", "gpu02", "gpu03"} - {bad})
+    # whether the scheduler would have run within that second is up to it; the margin is ours to keep
+    log = (slurm.workdir / "slurmctld.log").read_text()
+    ended = _logged_at(log, rf"Requeuing JobId={job}\b")
+    eligible = _logged_at(log, rf"setting begin to \S+ for JobId={job}\b")
+    assert eligible - ended >= 2.0, (ended, eligible)
+
+
+def _logged_at(log: str, pattern: str) -> float:
+    """When slurmctld last logged a line matching ``pattern``, from its ``[ISO time.ms]`` prefix."""
+    stamps = [m[1] for line in log.splitlines() if re.search(pattern, line)
+              and (m := re.match(r"\[(\S+)\]", line))]
+    assert stamps, pattern
+    return datetime.datetime.fromisoformat(stamps[-1]).timestamp()
+
+
 async def test_requeue_completes_after_a_crash_between_its_steps(slurm, backend):
     job = slurm.submit_training_job(nodes=2)
     bad = slurm.job(job).nodes[1]
@@ -165,8 +203,8 @@ async def test_a_failed_job_is_requeued_a_completed_one_is_not(slurm, backend):
     slurm.wait_job(done, lambda j: j.state == "COMPLETED")
     await backend.requeue(failed, ["gpu01"])
     await backend.requeue(done, ["gpu01"])
-    info = slurm.job(failed)
-    assert info.state == "PENDING" and info.restarts == 1 and info.excluded == ["gpu01"]
+    info = slurm.job(failed)  # eligible at once: it may be running (and failing) again already
+    assert info.restarts == 1 and info.excluded == ["gpu01"]
     info = slurm.job(done)
     assert info.state == "COMPLETED" and info.restarts == 0 and info.excluded == []
 
@@ -192,6 +230,24 @@ async def test_reboot_is_requested_and_the_node_stays_out_until_resumed(slurm, b
     await backend.resume("gpu03")
     slurm.wait_node("gpu03", lambda n: n.state == "IDLE", what="gpu03 back in service")
     assert await backend.node_state("gpu03") == NodeState("gpu03", exists=True, drained=False)
+
+
+async def test_no_reboot_where_return_to_service_would_skip_the_validation(slurm, tmp_path):
+    """ReturnToService=2 resumes any DOWN node when its slurmd registers: the reboot is refused, the
+    node stays drained. The controller's answer is rewritten by a wrapper, as the test cluster runs 1."""
+    wrapper = tmp_path / "scontrol"
+    wrapper.write_text('#!/bin/sh\nif [ "$1 $2" = "show config" ]; then echo "ReturnToService         = 2"; '
+                       'exit 0; fi\nexec scontrol "$@"\n')
+    wrapper.chmod(0o755)
+    backend = SlurmBackend.from_config({"slurm_conf": str(slurm.conf_path), "scontrol": str(wrapper)})
+    before = slurm.reboot_requests().count("gpu02")
+    await backend.drain("gpu02", REASON)
+    with pytest.raises(BackendError, match="ReturnToService=2") as err:
+        await backend.reboot("gpu02", REASON)
+    assert not err.value.retryable
+    assert not {"REBOOT_REQUESTED", "REBOOT_ISSUED"} & slurm.node("gpu02").flags
+    assert slurm.reboot_requests().count("gpu02") == before
+    assert "ReturnToService         = 1" in slurm.scontrol("show", "config"), "the cluster itself keeps it"
 
 
 async def test_a_reboot_with_nextstate_resume_returns_the_node_unchecked(slurm):
@@ -398,7 +454,10 @@ async def test_a_rebooted_node_returns_only_once_its_health_check_passed(on_slur
     await eventually(checks, lambda seen: len(seen) >= 2, timeout=30, what="failing health checks")
     assert "DOWN" in slurm.node("gpu03").flags, "a failed check leaves the node out"
     verdict.write_text("0")
-    slurm.wait_node("gpu03", lambda n: n.state == "IDLE", what="gpu03 resumed after its check passed")
+
+    async def state() -> str:  # polled without blocking the loop the webhook's health check runs on
+        return slurm.node("gpu03").state
+    await eventually(state, lambda now: now == "IDLE", timeout=30, what="gpu03 resumed once it passed")
     assert (await checks())[-1] == "gpu03"
 
 

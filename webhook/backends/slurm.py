@@ -8,8 +8,9 @@ node or job, missing rights).
 
 Requeueing a job away from a node is three steps that Slurm 22.05 accepts in this order: hold the job
 as it is requeued (``requeuehold``, so it cannot start again before the exclusion is in place), merge
-the node into its ``ExcNodeList`` and, once the old allocation has ended, lift the two minutes Slurm
-would otherwise hold it back (``StartTime=now``) and release it. Each step is checked
+the node into its ``ExcNodeList`` and, once the old allocation has ended (and a margin after, for the
+nodes' revoked job credential), lift the two minutes Slurm would otherwise hold it back
+(``StartTime=now``) and release it. Each step is checked
 against ``scontrol show job`` first, so a requeue interrupted by a crash and retried completes
 without a second restart.
 """
@@ -87,6 +88,9 @@ class SlurmSettings(Model):
     # error: fail the action; reboot: no way to reset one GPU, so reboot the node
     reset_gpu_fallback: Literal["error", "reboot"] = "error"
     start_requeued_now: bool = True  # a requeued job may start at once elsewhere, not after Slurm's delay
+    # ... but only this long after its old allocation ended: slurmd refuses to launch a job whose
+    # credential it revoked in the same second (or later, by the nodes' clock skew)
+    start_requeued_margin_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 2.0
     # DOWN: a rebooted node stays out, with our reason, until its alert resolves and the undrain's
     # health check (gpuhealth-validate on the node) passes; RESUME returns it unchecked
     reboot_next_state: Literal["RESUME", "DOWN"] = "DOWN"
@@ -249,7 +253,14 @@ class SlurmBackend(TracksHelpers):
     async def _start_now(self, job_id: str) -> None:
         """Lift the ~2 minutes Slurm makes a requeued job wait (its BeginTime): ``StartTime=now``, which
         Slurm 22.05 honours. Slurm sets that delay once the old allocation has finished completing, so
-        the update waits for that; a job that is no longer pending is left alone."""
+        the update waits for that; a job that is no longer pending is left alone.
+
+        Slurm's delay (``cred_expire``, 120 s by default) is there for one reason: when the job was
+        killed for the requeue, each slurmd of its old allocation revoked its credential, and refuses
+        a launch whose credential is not newer, to the second, than that revocation ("Job credential
+        revoked": the batch job then FAILS instead of running). The healthy nodes of the old
+        allocation are the first the scheduler picks again, so the start waits out
+        ``start_requeued_margin_seconds`` after the allocation ended, not two minutes."""
         deadline = time.monotonic() + self.settings.timeout_seconds
         while (state := (await self._job(job_id)).get("JobState")) == "COMPLETING":
             if time.monotonic() > deadline:
@@ -257,6 +268,7 @@ class SlurmBackend(TracksHelpers):
                                    f"{self.settings.timeout_seconds:.0f}s")
             await asyncio.sleep(COMPLETING_POLL_SECONDS)
         if state == "PENDING":
+            await asyncio.sleep(self.settings.start_requeued_margin_seconds)
             await self._scontrol("update", f"JobId={job_id}", "StartTime=now")
 
     async def reset_gpu(self, node: str, gpu: str | None, reason: str, *, alertname: str = "") -> None:
@@ -274,12 +286,23 @@ class SlurmBackend(TracksHelpers):
                        timeout=self.settings.timeout_seconds, helpers=self.helpers)
         log.info("event=slurm_reset_gpu node=%s gpu=%s", node, gpu)
 
+    async def _return_to_service(self) -> str:
+        """slurm.conf's ReturnToService, as the controller runs it (``scontrol show config``)."""
+        config = await self._scontrol("show", "config")
+        match = re.search(r"^ReturnToService\s*=\s*(\S+)", config, re.MULTILINE)
+        return match[1] if match else ""
+
     async def reboot(self, node: str, reason: str, *, alertname: str = "") -> None:
         line = await self._show_node(node)
         if line is None:
             raise BackendError(f"node {node} not found", retryable=False)
         if parse_node_line(line).flags & REBOOT_FLAGS:
             return
+        if self.settings.reboot_next_state == "DOWN" and await self._return_to_service() == "2":
+            raise BackendError("slurm.conf has ReturnToService=2, which puts a node rebooted with "
+                               "nextstate=DOWN back in service as soon as its slurmd registers, before "
+                               "any validation: set ReturnToService=0 or 1 (or reboot_next_state: RESUME "
+                               "to accept an unchecked return); the node stays drained", retryable=False)
         await self._scontrol("reboot", "ASAP", f"nextstate={self.settings.reboot_next_state}",
                              f"reason={slurm_reason(reason)}", node)
         log.info("event=slurm_reboot node=%s next_state=%s", node, self.settings.reboot_next_state)
