@@ -87,7 +87,9 @@ def test_uncorrectable_ecc_counts_rising(tmp_path, source):
 @pytest.mark.parametrize("source", SOURCES)
 def test_hbm_wear_needs_persistent_errors_and_remaps(tmp_path, source):
     """Corrected errors that keep coming while rows are remapped drain; SBE chatter without remaps, or a
-    benign remap without chatter, or one row only, stay quiet. HBM signals need hours of history."""
+    benign remap without chatter, or one row only (a contained uncorrectable error remaps one row), or
+    rows after an isolated SBE burst, stay quiet; errors that began a few hours before the rows count.
+    HBM signals need hours of history."""
     minutes = 400
     fleet = Fleet(source).node("n1", minutes)
     fleet.add("ecc_corrected", "n1", 0, (0, 1, minutes))                        # wear: chatter and rows
@@ -96,18 +98,29 @@ def test_hbm_wear_needs_persistent_errors_and_remaps(tmp_path, source):
     fleet.add("rows_correctable", "n1", 2, (0, 0, 359), (3, 0, minutes - 360))  # remaps alone
     fleet.add("ecc_corrected", "n1", 3, (0, 1, minutes))                        # chatter and one remap
     fleet.add("rows_correctable", "n1", 3, (0, 0, 359), (1, 0, minutes - 360))
+    fleet.add("ecc_corrected", "n1", 4, (0, 1, minutes))                        # chatter and a contained
+    fleet.add("rows_uncorrectable", "n1", 4, (0, 0, 359), (1, 0, minutes - 360))  # error: its one row
+    fleet.add("ecc_corrected", "n1", 5, (0, 0, 219), (0, 1, minutes - 220))    # wear that began 2.5 h
+    fleet.add("rows_correctable", "n1", 5, (0, 0, 359), (3, 0, minutes - 360))  # before its rows
+    fleet.add("ecc_corrected", "n1", 6, (0, 0, 99), (40, 0, minutes - 100))     # one SBE burst, then rows
+    fleet.add("rows_correctable", "n1", 6, (0, 0, 359), (3, 0, minutes - 360))
     wear = _gpu_alert(
         "GPUHealthHbmWear", "n1", 0, "3", "warning", "checkpoint_drain_reset_gpu",
         "HBM of n1 GPU 0 is wearing out",
         "GPU 0 of n1 keeps correcting ECC errors and spends spare rows on them (3 rows remapped within a "
         "day): its memory is degrading. Drain the node, reset the GPU so the remaps take effect, and run a "
         "memory diagnostic; replace it if the remaps go on.")
+    young = _gpu_alert(
+        "GPUHealthHbmWear", "n1", 5, "3", "warning", "drain_reset_gpu", "HBM of n1 GPU 5 is wearing out",
+        "GPU 5 of n1 keeps correcting ECC errors and spends spare rows on them (3 rows remapped within a "
+        "day): its memory is degrading. Drain the node, reset the GPU so the remaps take effect, and run a "
+        "memory diagnostic; replace it if the remaps go on.")
     checks = [
         # Rows remapped at minute 360; the evidence groups run after this one, so the `for` starts a
         # minute or so later.
         {"eval_time": "372m", "alertname": "GPUHealthHbmWear", "exp_alerts": []},   # within `for`
-        {"eval_time": "380m", "alertname": "GPUHealthHbmWear", "exp_alerts": [wear]},
-        {"eval_time": "399m", "alertname": "GPUHealthHbmWear", "exp_alerts": [wear]},
+        {"eval_time": "380m", "alertname": "GPUHealthHbmWear", "exp_alerts": [wear, young]},
+        {"eval_time": "399m", "alertname": "GPUHealthHbmWear", "exp_alerts": [wear, young]},
     ]
     _run(tmp_path, source, fleet, checks)
 
@@ -133,6 +146,69 @@ def test_pcie_replay_rate_above_the_driver_limit(tmp_path, source):
         {"eval_time": "46m", "alertname": "GPUHealthPcieReplayRate", "exp_alerts": []},   # within `for`
         {"eval_time": "48m", "alertname": "GPUHealthPcieReplayRate", "exp_alerts": [replays]},
         {"eval_time": "89m", "alertname": "GPUHealthPcieReplayRate", "exp_alerts": [replays]},
+    ]
+    _run(tmp_path, source, fleet, checks)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_pcie_link_degraded(tmp_path, source):
+    """A link that stays at half width drains; one that retrains back within minutes stays quiet."""
+    minutes = 60
+    fleet = Fleet(source).node("n1", minutes)
+    for gpu, segments in ((0, [(16, 0, 9), (8, 0, minutes - 10)]),                       # stays narrow
+                          (1, [(16, 0, 9), (8, 0, 9), (16, 0, minutes - 20)])):           # back at 20
+        fleet.add("pcie_width", "n1", gpu, *segments)
+        fleet.add("pcie_width_max", "n1", gpu, (16, 0, minutes))
+        fleet.add("pcie_downgraded", "n1", gpu, *[(1 if w < 16 else 0, 0, n) for w, _, n in segments])
+    degraded = _gpu_alert(
+        "GPUHealthPcieLinkDegraded", "n1", 0, "1", "warning", "checkpoint_drain",
+        "PCIe link of n1 GPU 0 runs below its width or generation",
+        "The PCIe link of GPU 0 on n1 has run narrower than its maximum width, or at a lower generation "
+        "while busy, for half an hour: it retrained after errors and will not recover on its own. Let its "
+        "jobs checkpoint, drain the node and have the link checked (reseat, riser, retimer) before it drops "
+        "the GPU.")
+    checks = [
+        # Narrow from minute 10: at every 5-minute step of the evidence's 15 minutes from minute 20; the
+        # evidence group runs after this one, then the 15-minute `for`.
+        {"eval_time": "34m", "alertname": "GPUHealthPcieLinkDegraded", "exp_alerts": []},   # within `for`
+        {"eval_time": "38m", "alertname": "GPUHealthPcieLinkDegraded", "exp_alerts": [degraded]},
+        {"eval_time": "59m", "alertname": "GPUHealthPcieLinkDegraded", "exp_alerts": [degraded]},
+    ]
+    _run(tmp_path, source, fleet, checks)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_gpu_overheating_at_the_parts_own_limits(tmp_path, source):
+    """A GPU at its slowdown temperature, or its HBM at its maximum operating temperature, raises the
+    notice; a GPU just below, or several hot GPUs of one node (its air), stay quiet."""
+    minutes = 60
+    fleet = Fleet(source)
+    for node in ("n1", "n2"):
+        fleet.node(node, minutes)
+        for gpu in range(8):
+            fleet.add("slowdown_temperature", node, gpu, (87, 0, minutes))
+            fleet.add("memory_temperature_limit", node, gpu, (95, 0, minutes))
+            fleet.add("memory_temperature", node, gpu, (70, 0, minutes))
+    fleet.add("temperature", "n1", 0, (60, 0, 19), (88, 0, minutes - 20))      # past its slowdown limit
+    fleet.add("memory_temperature", "n1", 1, (70, 0, 19), (95, 0, minutes - 20))   # HBM at its limit
+    fleet.add("temperature", "n1", 2, (60, 0, 19), (86, 0, minutes - 20))      # just below
+    for gpu in range(4):                                                        # n2's air: four hot GPUs
+        fleet.add("temperature", "n2", gpu, (60, 0, 19), (88, 0, minutes - 20))
+
+    def hot(gpu: int, sensor: str, value: str) -> dict:
+        name = "GPUHealthGpuOverheating"
+        return alert(name, {"alertname": name, "node": "n1", "gpu": str(gpu), "sensor": sensor},
+                     f"GPU {gpu} on n1 keeps reaching its {sensor} temperature limit",
+                     f"The {sensor} temperature of GPU {gpu} on n1 keeps reaching the limit the part "
+                     f"reports (its hottest reading of the last minutes {value} C above it), while its node "
+                     "mates stay cooler: the GPU is throttled. Check its cooling (fan, heatsink contact, "
+                     "blocked airflow) at the next chance; if it keeps climbing towards its shutdown "
+                     "temperature, drain the node.", "warning", "none")
+
+    checks = [
+        {"eval_time": "29m", "alertname": "GPUHealthGpuOverheating", "exp_alerts": []},   # within `for`
+        {"eval_time": "31m", "alertname": "GPUHealthGpuOverheating",
+         "exp_alerts": [hot(0, "gpu", "1"), hot(1, "memory", "0")]},
     ]
     _run(tmp_path, source, fleet, checks)
 

@@ -85,6 +85,9 @@ def test_memory_signals_and_an_isolated_sbe_burst(tmp_path, source):
     # Two chronic benign causes on GPU 6: SBE chatter and steady PCIe replays on a healthy link.
     fleet.add("ecc_corrected", "n1", 6, (0, 1, minutes))
     fleet.add("pcie_replays", "n1", 6, (0, 6, minutes))
+    # A pending remap next to steady replays on a healthy link: two routine states, not a failure.
+    fleet.add("remap_pending", "n1", 7, (0, 0, 99), (1, 0, minutes - 100))
+    fleet.add("pcie_replays", "n1", 7, (0, 6, minutes))
     at = "390m"
     exprs = [
         _evidence("ecc_corrected_growth", "n1", 0, at, 0.99),
@@ -96,8 +99,9 @@ def test_memory_signals_and_an_isolated_sbe_burst(tmp_path, source):
         _evidence("remap_pending", "n1", 3, "370m"),
         _score("n1", 5, "350m", 0.2),     # ECC growth alone stays below the threshold
         _score("n1", 5, "390m", 0.4),     # ...and with the rows it remaps, one memory fault counts once
-        _score("n1", 3, "390m", 0.25),    # a pending remap alone: its own low-severity alert, little risk
+        _score("n1", 3, "390m", 0.1),     # a pending remap alone: its own low-severity alert, little risk
         _score("n1", 6, "390m", 0.55),    # chatter (0.2) and steady replays (0.35): below the threshold
+        _score("n1", 7, "390m", 0.1 + 0.35),   # pending and steady replays: below it too
     ]
     # Memory signals alone never fire, however many: the HBM's failure is announced by its definitive
     # signals (remap failure, uncorrectable errors), or predicted with evidence of another cause.
