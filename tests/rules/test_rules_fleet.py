@@ -1,6 +1,6 @@
 """Fleet-level alerts (fleet.yml, the global tier), fed what the shards remote-write: records and ALERTS.
 
-The corrected-ECC storm read from raw counters through the shard's record is tested with the other
+The corrected-ECC storm read from raw counters through the shard's records is tested with the other
 definitive signals (test_rules_definitive.py); here the inputs are the records themselves, as
 VictoriaMetrics holds them, with the shards' external labels.
 """
@@ -12,7 +12,7 @@ from gpuhealth.rules import catalogue
 from gpuhealth.rules.render import render_all
 from rules_promtool import SOURCES, alert, run_promtool, values
 
-ECC_RATE = "gpuhealth:gpu_ecc_corrected:rate"
+NODES = "gpuhealth:cluster_nodes:count"
 HEARTBEAT = "gpuhealth:shard:heartbeat"
 SILENT = ("The rule heartbeat of Prometheus shard-1 stopped reaching the global tier: its nodes' alerts and "
           "records are missing from the fleet-wide rules (lemon nodes, corrected-ECC storms, nodes at risk). "
@@ -43,8 +43,7 @@ def _firing(node: str, alertname: str, action: str, minutes: tuple[int, int], to
 @pytest.mark.parametrize("source", SOURCES)
 def test_nodes_at_risk_share_of_the_fleet(tmp_path, source):
     total = 60
-    series = {f'{ECC_RATE}{{node="n{i}", gpu="0", prometheus="shard-{i % 2}"}}': values((0, 0, total))
-              for i in range(10)}
+    series = {f'{NODES}{{prometheus="shard-{shard}"}}': values((5, 0, total)) for shard in (0, 1)}
     # Three of ten nodes by minute 20, in both shards.
     for node, start in (("n0", 10), ("n1", 10), ("n2", 20)):
         key, points = _firing(node, "GPUHealthXidResetGpu", "drain_reset_gpu", (start, total), total)
@@ -75,8 +74,7 @@ def test_nodes_at_risk_knobs(tmp_path, source):
         (rules_dir / path).parent.mkdir(parents=True, exist_ok=True)
         (rules_dir / path).write_text(text)
     total = 40
-    series = {f'{ECC_RATE}{{node="n{i}", gpu="0", prometheus="shard-{i % 2}"}}': values((0, 0, total))
-              for i in range(20)}
+    series = {f'{NODES}{{prometheus="shard-{shard}"}}': values((10, 0, total)) for shard in (0, 1)}
     for node in ("n0", "n1"):
         key, points = _firing(node, "GPUHealthXidResetGpu", "drain_reset_gpu", (10, total), total)
         series[key] = points
@@ -108,4 +106,29 @@ def test_shard_silent(tmp_path, source):
         {"eval_time": "89m", "alertname": "GPUHealthShardSilent", "exp_alerts": [silent]},
         {"eval_time": "92m", "alertname": "GPUHealthShardSilent", "exp_alerts": []},  # past the window
     ]
+    _run(tmp_path, source, series, checks)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_storm_bar_is_the_shards_quantiles_weighted_by_their_gpus(tmp_path, source):
+    """Shard 0 (30 GPUs) has its 0.9 quantile at 50/s, shard 1 (10 GPUs) at 0: the fleet's estimate is
+    37.5/s, so the bar is 375/s. A GPU at 300/s in shard 1 is no storm, though shard 1 alone would call
+    it one; one at 400/s is."""
+    total = 30
+    rate = "gpuhealth:gpu_ecc_corrected:rate"
+    series = {
+        'gpuhealth:cluster_ecc_corrected_rate:quantile{prometheus="shard-0"}': values((50, 0, total)),
+        'gpuhealth:cluster_ecc_corrected_rate:gpus{prometheus="shard-0"}': values((30, 0, total)),
+        'gpuhealth:cluster_ecc_corrected_rate:quantile{prometheus="shard-1"}': values((0, 0, total)),
+        'gpuhealth:cluster_ecc_corrected_rate:gpus{prometheus="shard-1"}': values((10, 0, total)),
+        f'{rate}{{node="n7", gpu="1", prometheus="shard-1"}}': values((300, 0, total)),
+        f'{rate}{{node="n8", gpu="2", prometheus="shard-1"}}': values((400, 0, total)),
+    }
+    labels = {"alertname": "GPUHealthEccCorrectedStorm", "node": "n8", "gpu": "2", "prometheus": "shard-1"}
+    storm = alert("GPUHealthEccCorrectedStorm", labels, "Corrected-ECC storm on n8 GPU 2 (400/s)",
+                  "GPU 2 of n8 corrects 400 ECC errors per second, far above the rest of the fleet. The "
+                  "driver still reports it healthy, but the storm slows every job on it and often precedes "
+                  "uncorrectable errors: drain the node and reset the GPU.", "warning", "drain_reset_gpu")
+    checks = [{"eval_time": "9m", "alertname": "GPUHealthEccCorrectedStorm", "exp_alerts": []},
+              {"eval_time": "10m", "alertname": "GPUHealthEccCorrectedStorm", "exp_alerts": [storm]}]
     _run(tmp_path, source, series, checks)

@@ -32,15 +32,19 @@ pytestmark = pytest.mark.slow
 
 START, STEP, COUNT = 1_767_571_200.0, 60.0, 5 * 60   # 5 h of 1 min samples
 OVERLAY = {"defaults": {"lemon": {"window": "2h", "step": "10m", "count": 3}}}
-RECORD = "gpuhealth:gpu_ecc_corrected:rate"
+# What the shards record for the fleet-wide rules, and the GPU set they count nodes from.
+RECORDS = ("gpuhealth:gpu_ecc_corrected:rate", "gpuhealth:cluster_ecc_corrected_rate:quantile",
+           "gpuhealth:cluster_ecc_corrected_rate:gpus", "gpuhealth:cluster_nodes:count")
+GPU_SET = "gpuhealth:gpu_set:zero"
 SHARD = {"n1": 0, "n2": 0, "n3": 1, "n4": 1}          # what hashmod of the node would pick
 GPUS = 8
+LOOKBACK = f"{STEP - 1:g}s"   # see the test
 # (node, gpu) -> (corrected errors per second, from minute, to minute)
 ECC = {("n1", 0): (3000.0, 20, 80),                    # a storm in shard 0
        ("n3", 1): (2000.0, 40, 110),                   # a storm in shard 1, overlapping it
        ("n2", 2): (50.0, 0, COUNT),                    # steady chatter below the floor
        ("n4", 3): (400.0, 200, 260)}                   # above the floor, but n1 (shard 0) runs hot then:
-# shard 1 alone (15 GPUs at 0) would call n4's 400/s a storm; the fleet's 0.9 quantile is n1's 100/s.
+# shard 1 alone (15 GPUs at 0) would call n4's 400/s a storm; with shard 0's GPUs it is none.
 DRAIN = {"alertname": "GPUHealthXidResetGpu", "action": "drain_reset_gpu", "severity": "critical"}
 # node -> onsets (minutes) of 15-minute drain alerts
 HISTORY = {"n1": [230],                                # with its storm, two failures: no lemon
@@ -63,6 +67,18 @@ def _ecc_family() -> Family:
     return Family("gpuhealth_gpu_ecc_errors_total", "counter", rows)
 
 
+def _gpu_set_family() -> Family:
+    return Family(GPU_SET, "gauge", [(label_text((("gpu", str(gpu)), ("node", node))), np.zeros(COUNT))
+                                     for node in SHARD for gpu in range(GPUS)])
+
+
+def _in_shard(expr: str, shard: int) -> str:
+    """``expr`` over the nodes of one shard only, as that shard's Prometheus evaluates it."""
+    nodes = f'node=~"{"|".join(n for n, s in SHARD.items() if s == shard)}"'
+    expr = expr.replace("gpuhealth_gpu_ecc_errors_total{", f"gpuhealth_gpu_ecc_errors_total{{{nodes}, ")
+    return re.sub(re.escape(GPU_SET) + r"(?![\w:{])", f"{GPU_SET}{{{nodes}}}", expr)
+
+
 def _alerts_rows() -> list[tuple[dict[str, str], np.ndarray]]:
     rows = []
     for node, onsets in HISTORY.items():
@@ -81,7 +97,8 @@ def _lines(name: str, labels: dict[str, str], times: list[float], values: list[f
 def _tier_rules(tier: str, out: Path) -> list[Path]:
     paths = []
     for name, text in render_all(catalogue.resolve(OVERLAY), ("gpuhealth",), tier).items():
-        if name in ("gpuhealth/fleet.yml", "gpuhealth/lemon.yml", "gpuhealth/definitive.yml"):
+        if name in ("gpuhealth/fleet.yml", "gpuhealth/lemon.yml", "gpuhealth/definitive.yml",
+                    "gpuhealth/meta.yml"):
             paths.append(out / tier / name)
             paths[-1].parent.mkdir(parents=True, exist_ok=True)
             paths[-1].write_text(text)
@@ -98,8 +115,9 @@ def _key(labels: dict[str, str]) -> tuple[str, str, str]:
 
 def test_shards_and_global_tier_give_the_single_tier_episodes(tmp_path: Path):
     single = _rules(_tier_rules("single", tmp_path / "rules"))
-    record = next(r["expr"] for r in single if r.get("record") == RECORD)
-    global_files = [p for p in _tier_rules("global", tmp_path / "rules") if p.name != "definitive.yml"]
+    records = {r["record"]: r["expr"] for r in single if r.get("record") in RECORDS}
+    global_files = [p for p in _tier_rules("global", tmp_path / "rules")
+                    if p.name in ("fleet.yml", "lemon.yml")]
     alerts = [r for r in _rules(global_files) if "alert" in r]
     assert {a["alert"] for a in alerts} == {"GPUHealthEccCorrectedStorm", "GPUHealthLemonNode",
                                             "GPUHealthFleetNodesAtRisk", "GPUHealthShardSilent"}
@@ -108,42 +126,47 @@ def test_shards_and_global_tier_give_the_single_tier_episodes(tmp_path: Path):
 
     files = BlockFiles(tmp_path / "om", Timeline(START, STEP, COUNT))
     files.write(_ecc_family(), Thinning(0, STEP))
+    files.write(_gpu_set_family(), Thinning(0, STEP))
     files.write(Family("ALERTS", "gauge", [(label_text(tuple(sorted(labels.items()))), values)
                                            for labels, values in _alerts_rows()]), Thinning(0, STEP))
     promtool_blocks(files.close(), tmp_path / "prom-data", "test", progress=False, workdir=tmp_path)
-    # Backfilled ALERTS end without the staleness marker a live Prometheus writes when an alert resolves:
-    # an instant read would find the last sample for Prometheus's 5-minute lookback, VictoriaMetrics's
-    # for about one sample interval. A lookback of one interval reads them as they were live.
+    # Imported series (ALERTS, records) end without the staleness marker a live Prometheus writes, and
+    # remote-writes, when a series ends: an instant read would find the last sample for Prometheus's
+    # 5-minute lookback, VictoriaMetrics's for about one sample interval. A lookback just short of one
+    # interval in both reads them as they were live.
     config = {"global": {"scrape_interval": "1m", "evaluation_interval": "1m"}}
     prometheus = PrometheusServer(tmp_path / "prometheus", config, data_dir=tmp_path / "prom-data",
-                                  extra_args=[*PROMETHEUS_ARGS, f"--query.lookback-delta={STEP + 1:g}s"])
+                                  extra_args=[*PROMETHEUS_ARGS, f"--query.lookback-delta={LOOKBACK}"])
     prometheus.start(timeout=300)
     in_single: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
     try:
-        for rule in alerts:     # single tier: the record folded into the alerts that read it
-            expr = re.sub(re.escape(RECORD) + r"(?![\w:])", f"({record})", rule["expr"])
+        for rule in alerts:     # single tier: the records folded into the alerts that read them
+            expr = rule["expr"]
+            for name, record in records.items():
+                expr = re.sub(re.escape(name) + r"(?![\w:])", f"({record})", expr)
             for series in prometheus.api.query_range(expr, START, end, STEP):
                 present = np.zeros(COUNT, dtype=bool)
                 present[[round((float(t) - START) / STEP) for t, _ in series["values"]]] = True
                 firing = fires(present, parse_duration(rule.get("for", "0s")), STEP)
                 key = _key({**series["metric"], "alertname": rule["alert"]})
                 in_single[key] = [(times[a], times[b - 1]) for a, b in runs(firing)]
-        shard_records = prometheus.api.query_range(record, START, end, STEP)
+        lines = []     # what each shard remote-writes: its records, its alerts, its heartbeat
+        for shard in (0, 1):
+            for name, record in records.items():
+                for series in prometheus.api.query_range(_in_shard(record, shard), START, end, STEP):
+                    points = series["values"]
+                    lines += _lines(name, {**series["metric"], "prometheus": f"shard-{shard}"},
+                                    [float(t) for t, _ in points], [float(v) for _, v in points])
     finally:
         prometheus.stop()
 
-    lines = []     # what each shard remote-writes: its records, its alerts, its heartbeat
-    for series in shard_records:
-        labels = {**series["metric"], "prometheus": f"shard-{SHARD[series['metric']['node']]}"}
-        lines += _lines(RECORD, labels, [float(t) for t, _ in series["values"]],
-                        [float(v) for _, v in series["values"]])
     for labels, values in _alerts_rows():
         kept = ~np.isnan(values)
         lines += _lines("ALERTS", {**labels, "prometheus": f"shard-{SHARD[labels['node']]}"},
                         list(np.asarray(times)[kept]), list(values[kept]))
     for shard in (0, 1):
         lines += _lines("gpuhealth:shard:heartbeat", {"prometheus": f"shard-{shard}"}, times, [1.0] * COUNT)
-    with VictoriaMetricsServer(tmp_path / "vm") as vm:
+    with VictoriaMetricsServer(tmp_path / "vm", extra_args=[f"-search.maxLookback={LOOKBACK}"]) as vm:
         vm.start()
         vm.import_text(lines)
         vmalert_replay(global_files, vm, START, end, tmp_path / "vmalert.log")
