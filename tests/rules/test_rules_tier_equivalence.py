@@ -32,10 +32,10 @@ pytestmark = pytest.mark.slow
 
 START, STEP, COUNT = 1_767_571_200.0, 60.0, 5 * 60   # 5 h of 1 min samples
 OVERLAY = {"defaults": {"lemon": {"window": "2h", "step": "10m", "count": 3}}}
-# What the shards record for the fleet-wide rules, and the GPU set they count nodes from.
+# What the shards record for the fleet-wide rules.
 RECORDS = ("gpuhealth:gpu_ecc_corrected:rate", "gpuhealth:cluster_ecc_corrected_rate:quantile",
            "gpuhealth:cluster_ecc_corrected_rate:gpus", "gpuhealth:cluster_nodes:count")
-GPU_SET = "gpuhealth:gpu_set:zero"
+UP = 'up{job="gpuhealth-exporter"'  # the exporter targets the shards count nodes from
 SHARD = {"n1": 0, "n2": 0, "n3": 1, "n4": 1}          # what hashmod of the node would pick
 GPUS = 8
 LOOKBACK = f"{STEP - 1:g}s"   # see the test
@@ -67,16 +67,16 @@ def _ecc_family() -> Family:
     return Family("gpuhealth_gpu_ecc_errors_total", "counter", rows)
 
 
-def _gpu_set_family() -> Family:
-    return Family(GPU_SET, "gauge", [(label_text((("gpu", str(gpu)), ("node", node))), np.zeros(COUNT))
-                                     for node in SHARD for gpu in range(GPUS)])
+def _up_family() -> Family:
+    rows = [(label_text((("job", "gpuhealth-exporter"), ("node", node))), np.ones(COUNT)) for node in SHARD]
+    return Family("up", "gauge", rows)
 
 
 def _in_shard(expr: str, shard: int) -> str:
     """``expr`` over the nodes of one shard only, as that shard's Prometheus evaluates it."""
     nodes = f'node=~"{"|".join(n for n, s in SHARD.items() if s == shard)}"'
     expr = expr.replace("gpuhealth_gpu_ecc_errors_total{", f"gpuhealth_gpu_ecc_errors_total{{{nodes}, ")
-    return re.sub(re.escape(GPU_SET) + r"(?![\w:{])", f"{GPU_SET}{{{nodes}}}", expr)
+    return expr.replace(UP, f"{UP}, {nodes}")
 
 
 def _alerts_rows() -> list[tuple[dict[str, str], np.ndarray]]:
@@ -126,7 +126,7 @@ def test_shards_and_global_tier_give_the_single_tier_episodes(tmp_path: Path):
 
     files = BlockFiles(tmp_path / "om", Timeline(START, STEP, COUNT))
     files.write(_ecc_family(), Thinning(0, STEP))
-    files.write(_gpu_set_family(), Thinning(0, STEP))
+    files.write(_up_family(), Thinning(0, STEP))
     files.write(Family("ALERTS", "gauge", [(label_text(tuple(sorted(labels.items()))), values)
                                            for labels, values in _alerts_rows()]), Thinning(0, STEP))
     promtool_blocks(files.close(), tmp_path / "prom-data", "test", progress=False, workdir=tmp_path)
