@@ -2,7 +2,9 @@
 
 Global tier: a VictoriaMetrics holding what the shards of a fleet would have remote-written (synthetic:
 a week of ALERTS history for every node, with failure onsets far above the field rate and a few
-lemons, plus the latest minutes of every GPU's `gpuhealth:gpu_failure_risk:score`). Each global rule
+lemons, plus the latest minutes of what the shards record for the fleet rules: storming GPUs' rates,
+each shard's ECC-rate quantile, GPU and node counts and heartbeat, labelled by shard as remote write
+labels them). Each global rule
 group (``gpuhealth rules generate --tier global``) runs as vmalert runs it, an instant query per rule
 with ``step`` the group's interval; the wall time per group evaluation is repeated, median and max
 printed. Target: every global group under 1 s median on 2 cores.
@@ -65,14 +67,25 @@ def _alert_history(nodes: int, end_ms: int, onsets_per_node: float, seed: int) -
                 yield f"ALERTS{{{labels}}} 1 {end_ms - (WEEK_MINUTES - minute) * 60_000}"
 
 
-def _risk_scores(nodes: int, end_ms: int, minutes: int, seed: int) -> Iterator[str]:
+def _shard_records(nodes: int, end_ms: int, minutes: int, seed: int, shards: int) -> Iterator[str]:
+    """What the fleet-wide rules read besides ALERTS, as the shards record them: the GPUs whose
+    corrected-ECC rate is at the storm floor (one in 5,000), each shard's quantile of the rate and GPU
+    and node counts, and its heartbeat, each with the shard's label."""
     rng = random.Random(seed)
     for index in range(nodes):
         for gpu in range(8):
-            labels = f'node="gpu-{index:05d}",gpu="{gpu}"'
+            if rng.random() < 0.0002:
+                labels = f'node="gpu-{index:05d}",gpu="{gpu}",prometheus="shard-{index % shards}"'
+                for minute in range(minutes):
+                    yield f"gpuhealth:gpu_ecc_corrected:rate{{{labels}}} 5000 {end_ms - minute * 60_000}"
+    for shard in range(shards):
+        label = f'{{prometheus="shard-{shard}"}}'
+        per_shard = {"gpuhealth:cluster_ecc_corrected_rate:quantile": rng.random(),
+                     "gpuhealth:cluster_ecc_corrected_rate:gpus": 8 * nodes // shards,
+                     "gpuhealth:cluster_nodes:count": nodes // shards, "gpuhealth:shard:heartbeat": 1}
+        for name, value in per_shard.items():
             for minute in range(minutes):
-                yield f"gpuhealth:gpu_failure_risk:score{{{labels}}} {rng.random() * 0.3:.3f} " \
-                      f"{end_ms - minute * 60_000}"
+                yield f"{name}{label} {value:g} {end_ms - minute * 60_000}"
 
 
 def _import(vm: VictoriaMetricsServer, lines: Iterator[str], chunk: int = 200_000) -> int:
@@ -92,9 +105,9 @@ def global_cost(vm: VictoriaMetricsServer, workdir: Path, args: argparse.Namespa
     end_ms = int(end * 1000)
     began = time.monotonic()
     alerts = _import(vm, _alert_history(args.nodes, end_ms, args.onsets, args.seed))
-    scores = _import(vm, _risk_scores(args.nodes, end_ms, args.score_minutes, args.seed))
-    print(f"global tier: {args.nodes} nodes x 8 GPUs; imported {alerts:,} ALERTS samples (a week) and "
-          f"{scores:,} risk-score samples in {time.monotonic() - began:.0f} s", flush=True)
+    records = _import(vm, _shard_records(args.nodes, end_ms, args.record_minutes, args.seed, args.shards))
+    print(f"global tier: {args.nodes} nodes x 8 GPUs in {args.shards} shards; imported {alerts:,} ALERTS "
+          f"samples (a week) and {records:,} record samples in {time.monotonic() - began:.0f} s", flush=True)
     groups = [g for name, text in render_all(load(), ("gpuhealth",), "global").items()
               if name.startswith("gpuhealth/") for g in yaml.safe_load(text)["groups"]]
     print(f"\n{'global rule group':<32}{'median s':>10}{'max s':>8}{'series':>8}   (target: median < 1 s)")
@@ -166,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=8192, help="fleet nodes of 8 GPUs (default 8192)")
     parser.add_argument("--onsets", type=float, default=0.5,
                         help="mean alert onsets per node per week (default 0.5, ~25x the field rate)")
-    parser.add_argument("--score-minutes", type=int, default=5, help="minutes of risk scores (default 5)")
+    parser.add_argument("--record-minutes", type=int, default=10,
+                        help="minutes of the shards' records (default 10)")
+    parser.add_argument("--shards", type=int, default=4, help="shards the records come from (default 4)")
     parser.add_argument("--repeats", type=int, default=11, help="evaluations per group (default 11)")
     parser.add_argument("--shard-nodes", type=int, default=64,
                         help="nodes of the measured shard (default 64)")

@@ -20,7 +20,7 @@ from gpuhealth.contract.duration import HINT, PATTERN, parse_duration
 ACTIONS = ("none", "restart_job", "checkpoint_drain", "checkpoint_drain_reset_gpu", "drain",
            "drain_reset_gpu", "drain_reboot", "replace")
 SEVERITIES = ("critical", "warning", "info")
-GROUPS = ("xid", "definitive", "evidence", "fusion", "lemon", "storage", "meta")
+GROUPS = ("xid", "definitive", "evidence", "fusion", "lemon", "fleet", "storage", "meta")
 XID_CLASSES = ("restart_job", "drain", "drain_reset_gpu", "drain_reboot")  # what an XID alone can ask
 NVLINK_CLASS = "nvlink"  # the first restarts the job, a repeat or a link that stays down drains
 RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
@@ -31,7 +31,7 @@ DURATION = {"type": "string", "pattern": PATTERN, "description": f"A Prometheus 
 POSITIVE_INTEGER = {"type": "integer", "minimum": 1}
 XIDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 1, "maximum": 999}}
 TEXT = {"type": "string", "pattern": r"\S", "description": "required text"}
-_COUNTS = {"count", "non_fatal_count", "gpus_per_node"}
+_COUNTS = {"count", "non_fatal_count", "gpus_per_node", "min_nodes"}
 
 # Paths under ``defaults`` (``*``: any key) and what their type alone cannot say.
 BOUNDS: dict[str, dict[str, Any]] = {
@@ -59,6 +59,8 @@ BOUNDS: dict[str, dict[str, Any]] = {
     "fusion.causes.*": {"type": "array", "items": {"type": "string"}},
     "lemon.actions": {"type": "array", "items": {"enum": list(ACTIONS)}},
     "lemon.severities": {"type": "array", "items": {"enum": list(SEVERITIES)}},
+    "fleet.nodes_at_risk.actions": {"type": "array", "minItems": 1, "items": {"enum": list(ACTIONS[1:])}},
+    "fleet.nodes_at_risk.max_share": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
 }
 
 

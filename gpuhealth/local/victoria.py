@@ -33,7 +33,7 @@ def _binary(name: str) -> str:
 class VictoriaMetricsServer(ManagedProcess):
     """A single-node VictoriaMetrics keeping data of any age (backfilled history is years old)."""
 
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, extra_args: Iterable[str] = ()) -> None:
         self.workdir = Path(workdir)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -45,6 +45,7 @@ class VictoriaMetricsServer(ManagedProcess):
             "-retentionPeriod=100y",
             "-search.latencyOffset=0s",  # answer for samples written a moment ago, as Prometheus does
             "-search.disableCache",      # imported history would otherwise hide behind cached results
+            *extra_args,
         ], self.workdir / "victoria-metrics.log")
 
     def start(self, timeout: float = 30.0) -> Self:

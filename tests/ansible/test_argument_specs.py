@@ -35,7 +35,7 @@ def entry_points(role: Path) -> dict[str, dict]:
 
 def test_every_role_has_argument_specs():
     assert {r.name for r in ROLES} == {"gpuhealth_common", "gpuhealth_exporter", "gpuhealth_webhook",
-                                       "gpuhealth_prometheus"}
+                                       "gpuhealth_prometheus", "gpuhealth_global"}
 
 
 @pytest.mark.parametrize("role", ROLES, ids=lambda r: r.name)

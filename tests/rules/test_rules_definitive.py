@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from rules_promtool import SOURCES, Fleet, alert, run_promtool
 
-GROUPS = ["xid", "definitive", "evidence"]
+GROUPS = ["xid", "definitive", "evidence", "fleet"]
 
 
 def _gpu_alert(name: str, node: str, gpu: int, value: str, severity: str, action: str, summary: str,

@@ -53,8 +53,8 @@ def test_output_is_deterministic():
 @pytest.mark.parametrize("source", SOURCES)
 def test_promtool_check_rules(source):
     files = sorted((GENERATED / source).glob("*.yml"))
-    assert [f.stem for f in files] == sorted(["xid", "definitive", "evidence", "fusion", "lemon", "storage",
-                                              "meta"])
+    assert [f.stem for f in files] == sorted(["xid", "definitive", "evidence", "fusion", "lemon", "fleet",
+                                              "storage", "meta"])
     result = subprocess.run([_tool("promtool"), "check", "rules", *map(str, files)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -72,7 +72,7 @@ def test_no_shard_rule_reads_a_global_result(source):
 
 
 def test_tier_comes_from_the_catalogue():
-    moved = catalogue.resolve({"tiers": {"lemon": "shard", "meta": "global"}})
+    moved = catalogue.resolve({"tiers": {"lemon": "shard", "fleet": "shard", "meta": "global"}})
     assert "gpuhealth/lemon.yml" in render_all(moved, ("gpuhealth",), "shard")
     assert set(render_all(moved, ("gpuhealth",), "global")) == {"gpuhealth/meta.yml", "alertmanager.yml"}
 
@@ -90,5 +90,5 @@ def test_cli_renders_one_tier(tmp_path, capsys):
     out = str(tmp_path)
     assert main(["rules", "generate", "--tier", "global", "--source", "gpuhealth", "--out", out]) == 0
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.yml")) == [
-        "alertmanager.yml", "gpuhealth/lemon.yml"]
+        "alertmanager.yml", "gpuhealth/fleet.yml", "gpuhealth/lemon.yml"]
     assert "global tier" in (tmp_path / "gpuhealth" / "lemon.yml").read_text().splitlines()[0]
