@@ -111,7 +111,8 @@ def test_hbm_wear_needs_persistent_errors_and_remaps(tmp_path, source):
         "day): its memory is degrading. Drain the node, reset the GPU so the remaps take effect, and run a "
         "memory diagnostic; replace it if the remaps go on.")
     young = _gpu_alert(
-        "GPUHealthHbmWear", "n1", 5, "3", "warning", "drain_reset_gpu", "HBM of n1 GPU 5 is wearing out",
+        "GPUHealthHbmWear", "n1", 5, "3", "warning", "checkpoint_drain_reset_gpu",
+        "HBM of n1 GPU 5 is wearing out",
         "GPU 5 of n1 keeps correcting ECC errors and spends spare rows on them (3 rows remapped within a "
         "day): its memory is degrading. Drain the node, reset the GPU so the remaps take effect, and run a "
         "memory diagnostic; replace it if the remaps go on.")

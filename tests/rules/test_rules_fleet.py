@@ -128,7 +128,8 @@ def test_storm_bar_is_the_shards_quantiles_weighted_by_their_gpus(tmp_path, sour
     storm = alert("GPUHealthEccCorrectedStorm", labels, "Corrected-ECC storm on n8 GPU 2 (400/s)",
                   "GPU 2 of n8 corrects 400 ECC errors per second, far above the rest of the fleet. The "
                   "driver still reports it healthy, but the storm slows every job on it and often precedes "
-                  "uncorrectable errors: drain the node and reset the GPU.", "warning", "drain_reset_gpu")
+                  "uncorrectable errors: drain the node and reset the GPU.", "warning",
+                  "checkpoint_drain_reset_gpu")
     checks = [{"eval_time": "9m", "alertname": "GPUHealthEccCorrectedStorm", "exp_alerts": []},
               {"eval_time": "10m", "alertname": "GPUHealthEccCorrectedStorm", "exp_alerts": [storm]}]
     _run(tmp_path, source, series, checks)
