@@ -7,7 +7,7 @@ from __future__ import annotations
 from rules_promtool import Fleet, alert, run_promtool
 
 GROUPS = ["fabric", "evidence", "fusion"]
-MINUTES = 80
+MINUTES = 100
 
 
 def _port(fleet: Fleet, node: str, device: str, *, up: str | None = None, downed: str | None = None,
@@ -175,18 +175,20 @@ def test_unnamed_switch_reboot_by_simultaneity(tmp_path):
     """No switch in the inventory: ports of three nodes going down within the same minute are one event,
     held while they stay down (up to 30 minutes); a lone port going down after that is the node's fault."""
     fleet = Fleet("gpuhealth")
+    # The reboot 30 minutes later than the named one: the hold reads 30 minutes of each port's counter.
     for node in ("n1", "n2", "n3"):
-        _port(fleet, node, "mlx5_0", up=SWITCH_UP, downed=SWITCH_DOWNED)
-    _port(fleet, "n4", "mlx5_0", up=f"1x49 0x{MINUTES - 50}", downed=f"0x49 1x{MINUTES - 50}")
+        _port(fleet, node, "mlx5_0", up=f"1x39 0x2 1 0x7 1x{MINUTES - 52}",
+              downed=f"0x39 1x3 2x{MINUTES - 44}")
+    _port(fleet, "n4", "mlx5_0", up=f"1x79 0x{MINUTES - 80}", downed=f"0x79 1x{MINUTES - 80}")
     checks = [
-        *_quiet(9, "GPUHealthFabricSwitchEvent"),
-        {"eval_time": "10m", "alertname": "GPUHealthFabricSwitchEvent", "exp_alerts": [_switch_event(3)]},
-        {"eval_time": "20m", "alertname": "GPUHealthFabricSwitchEvent", "exp_alerts": [_switch_event(3)]},
-        *_quiet(54, "GPUHealthFabricSwitchEvent", "GPUHealthNicPortDown"),
-        {"eval_time": "55m", "alertname": "GPUHealthNicPortDown", "exp_alerts": [_down("n4", "mlx5_0")]},
-        *_quiet(55, "GPUHealthFabricSwitchEvent", "GPUHealthNicPortFlapping"),
+        *_quiet(39, "GPUHealthFabricSwitchEvent"),
+        {"eval_time": "40m", "alertname": "GPUHealthFabricSwitchEvent", "exp_alerts": [_switch_event(3)]},
+        {"eval_time": "50m", "alertname": "GPUHealthFabricSwitchEvent", "exp_alerts": [_switch_event(3)]},
+        *_quiet(84, "GPUHealthFabricSwitchEvent", "GPUHealthNicPortDown"),
+        {"eval_time": "85m", "alertname": "GPUHealthNicPortDown", "exp_alerts": [_down("n4", "mlx5_0")]},
+        *_quiet(85, "GPUHealthFabricSwitchEvent", "GPUHealthNicPortFlapping"),
     ]
-    checks += [check for minute in (12, 16, 21, 25) for check in _quiet(minute, *NODE_ALERTS)]
+    checks += [check for minute in (42, 46, 51, 55) for check in _quiet(minute, *NODE_ALERTS)]
     _run(tmp_path, fleet, checks)
 
 
