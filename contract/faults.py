@@ -64,3 +64,14 @@ RECOVERY_ACTION_KINDS = ("hbm_degradation", "sram_uncorrectable")
 # What a buggy job makes the driver log (``app_xid``): graphics exception, page fault, channel reset,
 # preemptive cleanup.
 APP_XIDS = (13, 31, 43, 45)
+# Fabric kinds: InfiniBand ports and the NVSwitch fabric, on fleets with NICs (an event's GPU index
+# names that GPU's rail NIC). Their hard signal is no XID: a port down for good (``ib_link_flap``,
+# ``ib_symbol_errors``), a rate drop (``ib_rate_downgrade``), a fatal SXID (``nvswitch_fatal``).
+# ``gpuhealth eval`` implements them; they join FAULT_KINDS / NOISE_KINDS, which both simulators must
+# implement, once the exporter's simulator has them too.
+FABRIC_FAULT_KINDS = ("ib_link_flap", "ib_symbol_errors", "ib_rate_downgrade", "nvswitch_fatal")
+FABRIC_NOISE_KINDS = ("ib_boot_flap", "switch_reboot")
+# A port retrains at a lower rate without warning.
+FABRIC_SUDDEN_KINDS = ("ib_rate_downgrade",)
+# Fabric kinds about one port (the event names the GPU whose rail NIC it is).
+PORT_KINDS = ("ib_link_flap", "ib_symbol_errors", "ib_rate_downgrade", "ib_boot_flap")

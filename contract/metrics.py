@@ -33,7 +33,20 @@ CLOCK_EVENT_REASONS = ("gpu_idle", "applications_clocks_setting", "sw_power_cap"
                        "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown",
                        "display_clock_setting")
 # The exporter's collectors, as ``gpuhealth_collector_success{collector}`` names them.
-COLLECTORS = ("gpu", "host", "jobs", "nfs", "xid")
+COLLECTORS = ("fabric", "gpu", "host", "jobs", "nfs", "xid")
+# InfiniBand port error counters (sysfs ``counters/``): ``error`` of gpuhealth_nic_port_errors_total.
+NIC_PORT_ERRORS = ("symbol_error", "link_error_recovery", "port_rcv_errors",
+                   "port_rcv_remote_physical_errors", "port_xmit_discards", "local_link_integrity_errors",
+                   "excessive_buffer_overrun_errors", "port_rcv_constraint_errors")
+# Error-like ``hw_counters/`` (mlx5), the ``counter`` label of gpuhealth_nic_port_hw_errors_total: transport
+# retries, sequence errors and completions in error; the congestion and request counters are load, not health.
+NIC_HW_ERRORS = ("duplicate_request", "implied_nak_seq_err", "local_ack_timeout_err", "out_of_buffer",
+                 "out_of_sequence", "packet_seq_err", "req_cqe_error", "req_remote_access_errors",
+                 "req_remote_invalid_request", "req_transport_retries_exceeded", "resp_cqe_error",
+                 "resp_local_length_error", "resp_remote_access_errors", "rnr_nak_retry_err",
+                 "rx_icrc_encapsulated")
+NIC_AFFINITY_SCOPES = ("pcie_switch", "numa_node")
+FABRIC_READ_ERRORS = ("missing", "permission", "malformed", "io")
 
 SPECS: dict[str, Spec] = {
     # exporter and node level
@@ -127,6 +140,31 @@ SPECS: dict[str, Spec] = {
                                              "gpu"),
     "gpuhealth_gpu_recovery_action": _g("1 for the recovery action the driver requests (NVML, else XID 154).",
                                         "gpu", "action"),
+    # fabric: InfiniBand/RoCE ports, their netdevs, GPU-to-NIC placement, the NVSwitch fabric manager
+    "gpuhealth_nic_port_info": _g("NIC port identity; always 1.", "device", "port", "link_layer", "netdev",
+                                  "switch"),
+    "gpuhealth_nic_port_up": _g("1 while the port is ACTIVE and its physical link is LinkUp.",
+                                "device", "port"),
+    "gpuhealth_nic_port_state": _g("InfiniBand PortState number (1 DOWN .. 4 ACTIVE).", "device", "port"),
+    "gpuhealth_nic_port_physical_state": _g("InfiniBand PortPhysicalState number (5 LinkUp).",
+                                            "device", "port"),
+    "gpuhealth_nic_port_rate_bytes_per_second": _g("Port rate as the link trained.", "device", "port"),
+    "gpuhealth_nic_port_expected_rate_bytes_per_second": _g("Port rate the configuration expects.",
+                                                            "device", "port"),
+    "gpuhealth_nic_port_link_downed_total": _c("Times link training failed and the port went down.",
+                                               "device", "port"),
+    "gpuhealth_nic_port_errors_total": _c("InfiniBand port error counters, by counter.", "device", "port",
+                                          "error"),
+    "gpuhealth_nic_port_hw_errors_total": _c("Error-like hardware counters of the port, by counter.",
+                                             "device", "port", "counter"),
+    "gpuhealth_netdev_carrier_changes_total": _c("Carrier changes of the RoCE network interface.", "netdev"),
+    "gpuhealth_netdev_up": _g("1 while the RoCE network interface's operstate is up.", "netdev"),
+    "gpuhealth_netdev_speed_bytes_per_second": _g("Link speed of the RoCE network interface.", "netdev"),
+    "gpuhealth_nic_gpu_affinity_info": _g("A GPU near the NIC (same PCIe switch, else NUMA node); always 1.",
+                                          "device", "gpu", "scope"),
+    "gpuhealth_fabric_manager_up": _g("1 while the NVSwitch fabric manager is active."),
+    "gpuhealth_fabric_read_errors_total": _c("Fabric sysfs reads that failed, the series left out, by error.",
+                                             "device", "error"),
     # host
     "gpuhealth_host_cpu_seconds_total": _c("CPU time by mode, all CPUs together.", "mode"),
     "gpuhealth_host_memory_total_bytes": _g("Physical memory."),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gpuhealth.dashboards import fabric
 from gpuhealth.dashboards.build import new_dashboard, with_sections
 from gpuhealth.dashboards.panels import (
     CLUSTER,
@@ -132,8 +133,8 @@ def _events(settings: Settings) -> list:
 
 def build(settings: Settings) -> dashboard.Dashboard:
     dash = new_dashboard(UID, "gpuhealth / Fleet overview",
-                         "GPU inventory, failure risk, XID events, remediation and checkpoint storage "
-                         "across the fleet.", settings, node="multi")
+                         "GPU inventory, failure risk, XID events, remediation, checkpoint storage and "
+                         "the InfiniBand fabric across the fleet.", settings, node="multi")
     sections = [("Inventory", _inventory(settings)), ("Failure risk", _risk(settings)),
-                ("Events and remediation", _events(settings))]
+                ("Events and remediation", _events(settings)), ("Fabric", fabric.panels())]
     return with_sections(dash, sections)

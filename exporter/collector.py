@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from gpuhealth.exporter.fabric_settings import FabricSettings
 from gpuhealth.exporter.guard import GuardedWorker
 from gpuhealth.exporter.inventory import Inventory
 from gpuhealth.exporter.inventory_step import InventoryStep
@@ -40,7 +41,9 @@ class Context:
     nvml: Any = None
     session: NvmlSession | None = None  # None: nvml is already initialised (tests)
     procfs: Path = Path("/proc")
-    sysfs: Path | None = None  # where gpus_expected is counted on the PCI bus; None: NVML's first count
+    # where gpus_expected is counted on the PCI bus (None: NVML's first count) and NICs are read (None: none)
+    sysfs: Path | None = None
+    fabric: FabricSettings = field(default_factory=FabricSettings)
     kmsg_path: Path | None = Path("/dev/kmsg")
     state_dir: Path | None = None
     inventory: Inventory = field(default_factory=Inventory)

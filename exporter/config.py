@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from gpuhealth.contract.validation import Location, Model
 from gpuhealth.contract.validation import problems as listed
+from gpuhealth.exporter.fabric_settings import FabricSettings
 from gpuhealth.exporter.sim.profiles import PROFILES
 from gpuhealth.exporter.web import CLIENT_AUTH_TYPES, TLS_VERSIONS, hash_problem
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
@@ -53,6 +54,7 @@ class Settings:
     sim_profile: str | None = None
     sim_mig: bool = False
     log_level: str = "info"
+    fabric: FabricSettings = field(default_factory=FabricSettings)
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -180,6 +182,24 @@ class WebBlock(Model):
         return []
 
 
+Gbps = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Name = Annotated[str, Field(min_length=1)]
+
+
+class FabricBlock(Model):
+    """The file's ``fabric`` block: what the node's InfiniBand/RoCE ports should be."""
+
+    # one rate for every port (400 for NDR), or a rate per HCA ({mlx5_0: 400, mlx5_4: 200})
+    expected_rate_gbps: Gbps | dict[Name, Gbps] | None = None
+    switches: dict[Name, Name] = Field(default_factory=dict)  # HCA -> the leaf switch the inventory names
+
+    def settings(self) -> FabricSettings:
+        rate = self.expected_rate_gbps
+        if isinstance(rate, dict):
+            return FabricSettings(expected_rate_by_device=dict(rate), switches=dict(self.switches))
+        return FabricSettings(expected_rate_gbps=rate, switches=dict(self.switches))
+
+
 class ExporterFile(Model):
     """The exporter's YAML file (``--config``), the long flag names with dots as underscores."""
 
@@ -203,6 +223,7 @@ class ExporterFile(Model):
     sim_mig: bool = False
     log_level: Annotated[LogLevel, BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)] = "info"
     web: WebBlock = WebBlock()
+    fabric: FabricBlock = FabricBlock()
 
     @classmethod
     def cross_check(cls, data: dict[str, Any]) -> list[tuple[Location, str]]:
@@ -284,8 +305,9 @@ def build_settings(file_values: dict[str, Any], flag_values: dict[str, Any], col
     except ValidationError as exc:
         problems.extend(listed(exc))
         raise ConfigError(problems) from None
-    values = parsed.model_dump(exclude={"web"})
+    values = parsed.model_dump(exclude={"web", "fabric"})
     values.update(parsed.web.model_dump())
+    values["fabric"] = parsed.fabric.settings()
     if parsed.web_config_file is not None:
         values.update(_web_config(parsed.web_config_file, problems))
     if problems:

@@ -54,7 +54,8 @@ def build_parser(collector_names: dict[str, str]) -> argparse.ArgumentParser:
         "a restart does not count old events again (default: skip what is in the log at start-up)")
     add("--path.procfs", dest="procfs", metavar="DIR", help="procfs mount point (default /proc)")
     add("--path.sysfs", dest="sysfs", metavar="DIR", help="sysfs mount point, where the expected GPUs are "
-        "counted on the PCI bus (default /sys with --backend nvml)")
+        "counted on the PCI bus and the NICs are read (default /sys with --backend nvml; the simulator "
+        "writes its own tree)")
     add("--sampling.interval", dest="sampling_interval", type=float, metavar="SECONDS",
         help="how often collectors sample (default 1)")
     add("--sampling.window", dest="sampling_window", type=float, metavar="SECONDS",
@@ -145,7 +146,7 @@ def run(settings: Settings) -> int:
     ctx = Context(nvml=nvml, procfs=settings.procfs, sysfs=sysfs,
                   kmsg_path=None if settings.no_kmsg else kmsg_path, state_dir=settings.state_dir,
                   gpus_expected=settings.gpus_expected, window_seconds=settings.sampling_window,
-                  nvml_timeout_seconds=settings.nvml_timeout)
+                  nvml_timeout_seconds=settings.nvml_timeout, fabric=settings.fabric)
     collectors, steps = assemble(ctx, settings.collectors)
     sampler = Sampler(collectors, _build_info(settings.backend), settings.sampling_interval, steps=steps)
     host, port = settings.host_port

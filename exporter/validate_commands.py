@@ -32,6 +32,7 @@ class Outcome:
     output: str
     seconds: float
     problem: str = ""      # why there is no exit code
+    timed_out: bool = False
 
     @property
     def tail(self) -> str:
@@ -56,7 +57,7 @@ def run_command(argv: Sequence[str], timeout: float) -> Outcome:
         out, _ = proc.communicate()
         log.warning("command killed at its deadline argv0=%s timeout=%gs", argv[0], timeout)
         return Outcome(None, out.decode(errors="replace"), time.monotonic() - started,
-                       f"no result within {timeout:g} s (killed)")
+                       f"no result within {timeout:g} s (killed)", timed_out=True)
     return Outcome(proc.returncode, out.decode(errors="replace"), time.monotonic() - started)
 
 

@@ -182,7 +182,7 @@ def _seconds(value: Any) -> float | None:
 def _check_windows(d: dict[str, Any], scrape: float, errors: list[str]) -> None:
     """Range windows need several samples; subquery windows must hold whole steps."""
     minimum = MIN_SAMPLES_PER_WINDOW * scrape
-    for section in ("xid", "definitive", "evidence", "lemon", "storage"):
+    for section in ("xid", "definitive", "fabric", "evidence", "lemon", "storage"):
         for path, value in _leaves(d.get(section, {}), f"defaults.{section}"):
             key = path.rsplit(".", 1)[1]
             if not (key.endswith("window") or key == "step"):

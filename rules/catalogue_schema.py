@@ -20,7 +20,7 @@ from gpuhealth.contract.duration import HINT, PATTERN, parse_duration
 ACTIONS = ("none", "restart_job", "checkpoint_drain", "checkpoint_drain_reset_gpu", "drain",
            "drain_reset_gpu", "drain_reboot", "replace")
 SEVERITIES = ("critical", "warning", "info")
-GROUPS = ("xid", "definitive", "evidence", "fusion", "lemon", "fleet", "storage", "meta")
+GROUPS = ("xid", "definitive", "fabric", "evidence", "fusion", "lemon", "fleet", "storage", "meta")
 XID_CLASSES = ("restart_job", "drain", "drain_reset_gpu", "drain_reboot")  # what an XID alone can ask
 NVLINK_CLASS = "nvlink"  # the first restarts the job, a repeat or a link that stays down drains
 RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
@@ -31,7 +31,7 @@ DURATION = {"type": "string", "pattern": PATTERN, "description": f"A Prometheus 
 POSITIVE_INTEGER = {"type": "integer", "minimum": 1}
 XIDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 1, "maximum": 999}}
 TEXT = {"type": "string", "pattern": r"\S", "description": "required text"}
-_COUNTS = {"count", "non_fatal_count", "gpus_per_node", "min_nodes"}
+_COUNTS = {"count", "non_fatal_count", "gpus_per_node", "min_nodes", "simultaneous_nodes"}
 
 # Paths under ``defaults`` (``*``: any key) and what their type alone cannot say.
 BOUNDS: dict[str, dict[str, Any]] = {
@@ -53,6 +53,7 @@ BOUNDS: dict[str, dict[str, Any]] = {
     "definitive.ecc_storm.min_per_second": {"type": "number", "exclusiveMinimum": 0},
     "definitive.ecc_storm.fleet_quantile": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
     "definitive.ecc_storm.fleet_factor": {"type": "number", "exclusiveMinimum": 0},
+    "fabric.switch_event.min_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     "fusion.threshold": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     "fusion.weights.*": {"type": "number", "minimum": 0, "maximum": 1},
     "fusion.causes": {"propertyNames": {"pattern": LABEL}},

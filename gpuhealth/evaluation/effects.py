@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 if TYPE_CHECKING:
+    from gpuhealth.evaluation.nics import NicPorts
     from gpuhealth.evaluation.signals import FleetSignals
 
 # add(gpu row, XID, sample index, count): one more logged XID
@@ -46,6 +47,9 @@ FOLD_ORDER = (
     ("thermal_runaway",),
     ("hbm_degradation", "sram_uncorrectable"),
     ("fell_off_bus",),
+    ("switch_reboot",),
+    ("ib_boot_flap",),
+    ("ib_symbol_errors", "ib_link_flap", "ib_rate_downgrade", "nvswitch_fatal"),
 )
 
 
@@ -109,3 +113,7 @@ class Effects:
 
     def xids(self, add: AddXid) -> None:
         """XIDs the kernel logs."""
+
+    # fabric (``nics.py``)
+    def nic_ports(self, ports: NicPorts, rng: np.random.Generator) -> None:
+        """InfiniBand port state, counters and rate, and NVSwitch SXIDs."""

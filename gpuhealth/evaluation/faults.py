@@ -17,6 +17,7 @@ from gpuhealth.contract.faults import FALLS_OFF_BUS_KINDS, RECOVERY_ACTION_KINDS
 from gpuhealth.evaluation.effects import AddXid, Effects, PerLink
 
 if TYPE_CHECKING:
+    from gpuhealth.evaluation.nics import NicPorts
     from gpuhealth.evaluation.scenario import Failure
     from gpuhealth.evaluation.signals import FleetSignals
 
@@ -182,6 +183,73 @@ class FellOffBus(FaultEffects):
     lost_error = "gpu_is_lost"
 
 
+class FabricFault(FaultEffects):
+    """A fault of the fabric (``nics.py``): its hard signal is no XID but the port or the NVSwitch."""
+
+    def xids(self, add: AddXid) -> None:
+        """No XID: the GPU is fine, the fabric around it failed."""
+
+    @property
+    def port(self) -> int:
+        return self.signals.fabric.port_row(self.event.node, self.event.gpu)
+
+
+class IbLinkFlap(FabricFault):
+    """A failing cable or transceiver: the port flaps more and more often, then stays down."""
+
+    kind = "ib_link_flap"
+
+    def nic_ports(self, ports: NicPorts, rng: np.random.Generator) -> None:
+        s, failure = self.signals, self.event
+        per_step = (0.5 + 4 * failure.strength) / 3600 * s.timeline.step  # flaps at the precursor's top
+        for k in np.flatnonzero(rng.random(s.timeline.count) < per_step * self.level**2):
+            ports.flap(self.port, int(k), int(rng.integers(1, 3)))
+        ports.flap(self.port, s.at(failure.failure))
+        ports.up[self.port, s.out_of_service(failure)] = False
+
+
+class IbSymbolErrors(FabricFault):
+    """The link's bit error rate worsens over hours: symbol errors and link error recoveries rise,
+    then the link goes down for good."""
+
+    kind = "ib_symbol_errors"
+
+    def nic_ports(self, ports: NicPorts, rng: np.random.Generator) -> None:
+        s, failure = self.signals, self.event
+        per_step = (0.5 + 30 * failure.strength) * s.timeline.step / 60 * self.level
+        ports.symbol[self.port] += rng.poisson(per_step)
+        ports.recovery[self.port] += rng.poisson(per_step / 20)
+        ports.flap(self.port, s.at(failure.failure))
+        ports.up[self.port, s.out_of_service(failure)] = False
+
+
+class IbRateDowngrade(FabricFault):
+    """The port retrains at a lower rate (a bad lane: half or a quarter of it) and stays there."""
+
+    kind = "ib_rate_downgrade"
+
+    def nic_ports(self, ports: NicPorts, rng: np.random.Generator) -> None:
+        s, failure = self.signals, self.event
+        ports.flap(self.port, s.at(failure.failure))
+        where = s.out_of_service(failure)
+        ports.rate[self.port, where] /= 2 if self.params["extra"] < 0.7 else 4
+
+
+class NvswitchFatal(FabricFault):
+    """An NVSwitch fatal SXID; about half are preceded by non-fatal SXIDs while the precursor lasts."""
+
+    kind = "nvswitch_fatal"
+
+    def nic_ports(self, ports: NicPorts, rng: np.random.Generator) -> None:
+        s, failure = self.signals, self.event
+        node = s.node_index(failure.node)
+        if self.params["extra"] < 0.5:
+            ports.sxid["non_fatal"][node] += rng.poisson(0.3 * s.timeline.step / 60 * self.level)
+        at = s.at(failure.failure)
+        if at < s.timeline.count:
+            ports.sxid["fatal"][node, at] += 1
+
+
 FAULTS: dict[str, type[FaultEffects]] = {
     cls.kind: cls
     for cls in (
@@ -192,5 +260,9 @@ FAULTS: dict[str, type[FaultEffects]] = {
         NvlinkErrors,
         GspTimeout,
         FellOffBus,
+        IbLinkFlap,
+        IbSymbolErrors,
+        IbRateDowngrade,
+        NvswitchFatal,
     )
 }

@@ -15,6 +15,7 @@ from gpuhealth.evaluation.effects import AddXid, Effects, PerLink
 from gpuhealth.evaluation.hardware import POWER_LIMIT_W
 
 if TYPE_CHECKING:
+    from gpuhealth.evaluation.nics import NicPorts
     from gpuhealth.evaluation.scenario import Noise
     from gpuhealth.evaluation.signals import FleetSignals
 
@@ -380,6 +381,41 @@ class WarmGpu(NoiseEffects):
         offset[self.row, self.where] += 2 + 8 * self.event.strength
 
 
+class IbBootFlap(NoiseEffects):
+    """A port flaps once while the node boots (training, a few symbol errors), then stays up."""
+
+    kind = "ib_boot_flap"
+
+    def nic_ports(self, ports: NicPorts, rng: np.random.Generator) -> None:
+        s, at = self.signals, self.signals.at(self.event.at)
+        row = s.fabric.port_row(self.event.node, self.event.gpu)
+        ports.flap(row, at)
+        if at < s.timeline.count:
+            ports.symbol[row, at] += self.draw().poisson(2 + 5 * self.event.strength)
+
+
+class SwitchReboot(NoiseEffects):
+    """A planned leaf-switch reboot: every port of the rack goes down together for minutes, comes
+    back briefly while the switch boots, drops again and returns, with a few symbol errors."""
+
+    kind = "switch_reboot"
+
+    def nic_ports(self, ports: NicPorts, rng: np.random.Generator) -> None:
+        s, where, draw = self.signals, self.where, self.draw()
+        n = where.stop - where.start
+        rows = s.fabric.rack_ports(self.event.node)
+        for row in rows:
+            ports.flap(row, where.start, n)
+            if n > 4:  # the switch's ports come up once during its boot
+                ports.up[row, where.start + n // 2] = True
+                ports.flap(row, where.start + n // 2 + 1, n - n // 2 - 1)
+            if where.stop < s.timeline.count:
+                ports.symbol[row, where.stop] += draw.poisson(1 + 3 * self.event.strength)
+
+    def reach(self) -> list[str]:
+        return self.rack_nodes()
+
+
 NOISE: dict[str, type[NoiseEffects]] = {
     cls.kind: cls
     for cls in (
@@ -403,5 +439,7 @@ NOISE: dict[str, type[NoiseEffects]] = {
         HotAisle,
         RackCooling,
         WarmGpu,
+        IbBootFlap,
+        SwitchReboot,
     )
 }

@@ -32,7 +32,16 @@ from gpuhealth.contract.duration import Offset, PositiveSeconds, Seconds
 from gpuhealth.contract.duration import parse_duration as prometheus_duration
 
 # The fault vocabulary (kinds, their XIDs) is docs/contract.md's, shared with the exporter's simulator.
-from gpuhealth.contract.faults import FAULT_KINDS, FAULT_XIDS, NOISE_KINDS, SUDDEN_KINDS
+from gpuhealth.contract.faults import (
+    FABRIC_FAULT_KINDS,
+    FABRIC_NOISE_KINDS,
+    FABRIC_SUDDEN_KINDS,
+    FAULT_KINDS,
+    FAULT_XIDS,
+    NOISE_KINDS,
+    PORT_KINDS,
+    SUDDEN_KINDS,
+)
 from gpuhealth.contract.validation import Location, Model, OneOf, problems
 
 # How a precursor evolves between onset and the first XID (``none``: no precursor at all).
@@ -47,9 +56,20 @@ FIELD_SHARES = {
     "sram_uncorrectable": 4.5,
     "gsp_timeout": 4.1,
     "thermal_runaway": 1.4,
+    # Llama 3's "network" 8.4 %, split between the fabric kinds by assumption (drawn only where listed)
+    "ib_link_flap": 3.0,
+    "ib_symbol_errors": 2.4,
+    "ib_rate_downgrade": 1.0,
+    "nvswitch_fatal": 2.0,
 }
+# Every fault and noise kind a scenario may name: the shared vocabulary and the fabric kinds.
+ALL_FAULT_KINDS = (*FAULT_KINDS, *FABRIC_FAULT_KINDS)
+ALL_NOISE_KINDS = (*NOISE_KINDS, *FABRIC_NOISE_KINDS)
+SUDDEN = (*SUDDEN_KINDS, *FABRIC_SUDDEN_KINDS)
+NO_XID = (0,)  # Failure.xid of a fabric fault: it logs no XID
 # Benign kinds about one GPU; ``GPU_OPTIONAL`` may name one GPU or leave the choice to the draw.
 GPU_NOISE = (
+    "ib_boot_flap",
     "sbe_burst",
     "sbe_chatter",
     "benign_remap",
@@ -82,6 +102,8 @@ NOISE_DURATIONS = {
     "rack_cooling": (1800, 4 * 3600),
     "reboot_loop": (3600, 6 * 3600),
     "checkpoint_storm": (600, 2700),
+    "ib_boot_flap": (60, 60),
+    "switch_reboot": (300, 1200),  # a leaf switch's reboot: 5 to 20 minutes
 }
 DEFAULT_PRECURSOR = (1800, 24 * 3600)
 DEFAULT_MIN_LEAD = 900.0  # time to checkpoint a job and drain its node
@@ -182,9 +204,9 @@ class Shares:
                            "additionalProperties": {"type": "number", "minimum": 0}}]}
 
 
-FaultKind = Annotated[str, OneOf(FAULT_KINDS)]
+FaultKind = Annotated[str, OneOf(ALL_FAULT_KINDS)]
 Start = Annotated[float, PlainValidator(_start), WithJsonSchema({"type": "string", "format": "date-time"})]
-NoiseKind = Annotated[str, OneOf(NOISE_KINDS)]
+NoiseKind = Annotated[str, OneOf(ALL_NOISE_KINDS)]
 
 
 class Fleet(Model):
@@ -195,7 +217,9 @@ class Fleet(Model):
     model: str = "NVIDIA H100 80GB HBM3"
     nvlinks: Count = 18
     node_name: Annotated[str, AfterValidator(_node_name)] = "gpu-{index:03d}"
-    rack_nodes: AtLeastOne = 4  # nodes sharing a rack's power and cooling
+    rack_nodes: AtLeastOne = 4  # nodes sharing a rack's power and cooling (and a leaf switch)
+    nics_per_node: Count = 0  # InfiniBand ports, NIC i beside GPU i; 0: no fabric series (nics.py)
+    switch_names: bool = True  # the inventory names each port's leaf switch (false: switch="")
 
     def node(self, index: int) -> str:
         return self.node_name.format(index=index)
@@ -260,7 +284,7 @@ class RandomFailures(Model):
 
 class RandomNoise(Model):
     count: Count = 0
-    kinds: Annotated[dict[str, float], Shares(NOISE_KINDS)] = Field(
+    kinds: Annotated[dict[str, float], Shares(ALL_NOISE_KINDS)] = Field(
         default_factory=lambda: dict.fromkeys(NOISE_KINDS, 1.0))
 
 
@@ -436,10 +460,10 @@ def _pair(pair: list[Any]) -> tuple[Any, Any]:
 
 
 def _failure(item: FailureSpec) -> Failure:
-    sudden = item.kind in SUDDEN_KINDS or item.shape == "none"
+    sudden = item.kind in SUDDEN or item.shape == "none"
     onset = item.failure if sudden or item.onset is None else item.onset
-    xid = FAULT_XIDS[item.kind][0] if item.xid is None else item.xid
-    shape = "none" if item.kind in SUDDEN_KINDS else item.shape
+    xid = FAULT_XIDS.get(item.kind, NO_XID)[0] if item.xid is None else item.xid
+    shape = "none" if item.kind in SUDDEN else item.shape
     return Failure(item.node, item.gpu, item.kind, onset, item.failure, xid, item.strength, shape,
                    item.first_xid, item.repaired)
 
@@ -468,11 +492,13 @@ def _cross_problems(data: dict[str, Any]) -> list[tuple[Location, str]]:
     raw_fleet: dict[str, Any] = data["fleet"] if isinstance(data.get("fleet"), dict) else {}
     nodes = _count(raw_fleet.get("nodes"), 1) or 1
     gpus = _count(raw_fleet.get("gpus_per_node", 8), 1) or 1
+    nics = _count(raw_fleet.get("nics_per_node", 0), 0) or 0
     name = raw_fleet.get("node_name", "gpu-{index:03d}")
     try:
-        fleet = Fleet.model_construct(nodes=nodes, gpus_per_node=gpus, node_name=_node_name(name))
+        name = _node_name(name)
     except (ValueError, AttributeError):
-        fleet = Fleet.model_construct(nodes=nodes, gpus_per_node=gpus, node_name="gpu-{index:03d}")
+        name = "gpu-{index:03d}"
+    fleet = Fleet.model_construct(nodes=nodes, gpus_per_node=gpus, nics_per_node=nics, node_name=name)
     duration = _read(Seconds(), data.get("duration"))
     found: list[tuple[Location, str]] = []
     for section, check in (("failures", _failure_problems), ("noise", _noise_problems)):
@@ -487,10 +513,19 @@ def _cross_problems(data: dict[str, Any]) -> list[tuple[Location, str]]:
         high = _read(Seconds(), precursor[1]) if isinstance(precursor, list) and len(precursor) == 2 else None
         if duration is not None and high is not None and high + 1800 >= duration:
             found.append(((*where, "precursor"), "the longest precursor does not fit in the duration"))
+        kinds: list[Any] = drawn["kinds"] if isinstance(drawn.get("kinds"), list) else []
+        if not nics and set(kinds) & set(PORT_KINDS):
+            found.append(((*where, "kinds"), "port kinds need NICs: set fleet.nics_per_node"))
         lemons = drawn.get("lemons")
         count = _count(lemons.get("nodes"), 0) if isinstance(lemons, dict) else None
         if count is not None and count > nodes:
             found.append(((*where, "lemons", "nodes"), f"{count} exceeds the fleet's {nodes}"))
+    noise = data["random"].get("noise") if isinstance(data.get("random"), dict) else None
+    shares: dict[str, Any] = {}
+    if isinstance(noise, dict) and isinstance(noise.get("kinds"), dict):
+        shares = noise["kinds"]
+    if not nics and any(shares.get(k) for k in (*PORT_KINDS, "switch_reboot")):
+        found.append((("random", "noise", "kinds"), "port kinds need NICs: set fleet.nics_per_node"))
     return found
 
 
@@ -511,14 +546,15 @@ def _failure_problems(
     item: dict[str, Any], fleet: Fleet, duration: float | None
 ) -> list[tuple[Location, str]]:
     found = _location_problems(item, fleet, gpu_required=False)
-    kind = item.get("kind") if item.get("kind") in FAULT_KINDS else None
+    kind = item.get("kind") if item.get("kind") in ALL_FAULT_KINDS else None
     if kind is None:
         return found
-    sudden = kind in SUDDEN_KINDS or item.get("shape") == "none"
+    found += _port_problems(item, fleet)
+    sudden = kind in SUDDEN or item.get("shape") == "none"
     failure = _read(Seconds(), item.get("failure"))
     onset = _read(Seconds(positive=False), item.get("onset")) if "onset" in item else None
     if sudden and "onset" in item:
-        what = kind if kind in SUDDEN_KINDS else f"{kind} with shape none"
+        what = kind if kind in SUDDEN else f"{kind} with shape none"
         found.append((("onset",), f"{what} has no precursor; leave onset out"))
     elif not sudden and "onset" not in item:
         found.append((("onset",), "required"))
@@ -535,17 +571,33 @@ def _failure_problems(
     repaired = _read(Seconds(), item.get("repaired")) if "repaired" in item else None
     if repaired is not None and failure is not None and repaired <= failure + HANG_MAX:
         found.append((("repaired",), "must be more than 30m after the failure"))
+    if kind not in FAULT_XIDS:
+        if "xid" in item:
+            found.append((("xid",), f"{kind} logs no XID; leave xid out"))
+        return found
     xid = item.get("xid", FAULT_XIDS[kind][0])
     if _count(xid, 0) is not None and xid not in FAULT_XIDS[kind]:
         found.append((("xid",), f"{xid!r} is not an XID of {kind} ({', '.join(map(str, FAULT_XIDS[kind]))})"))
     return found
 
 
+def _port_problems(item: dict[str, Any], fleet: Fleet) -> list[tuple[Location, str]]:
+    """A port event needs NICs, and its ``gpu`` names the GPU whose rail NIC it is."""
+    if item.get("kind") not in PORT_KINDS and item.get("kind") != "switch_reboot":
+        return []
+    if not fleet.nics_per_node:
+        return [(("kind",), f"{item['kind']} needs NICs: set fleet.nics_per_node")]
+    gpu = _count(item.get("gpu"), 0)
+    if item.get("kind") in PORT_KINDS and gpu is not None and gpu >= fleet.nics_per_node:
+        return [(("gpu",), f"names the port of NIC {gpu}; the fleet has {fleet.nics_per_node} NICs per node")]
+    return []
+
+
 def _noise_problems(
     item: dict[str, Any], fleet: Fleet, duration: float | None
 ) -> list[tuple[Location, str]]:
-    kind = item.get("kind") if item.get("kind") in NOISE_KINDS else None
-    found = _location_problems(item, fleet, gpu_required=kind in GPU_NOISE)
+    kind = item.get("kind") if item.get("kind") in ALL_NOISE_KINDS else None
+    found = _location_problems(item, fleet, gpu_required=kind in GPU_NOISE) + _port_problems(item, fleet)
     if kind is not None and item.get("gpu") is not None and kind not in GPU_NOISE + GPU_OPTIONAL_NOISE:
         found.append((("gpu",), f"{kind} is node-wide; leave gpu out"))
     at = _read(Seconds(positive=False), item.get("at"))
@@ -604,7 +656,7 @@ def _random_failures(
     drawn: list[Failure] = []
     for kind in order:
         for _ in range(500):
-            shape = "none" if kind in SUDDEN_KINDS else rng.choices(list(shapes), list(shapes.values()))[0]
+            shape = "none" if kind in SUDDEN else rng.choices(list(shapes), list(shapes.values()))[0]
             lead = 0.0 if shape == "none" else _loguniform(rng, low, high)
             hard = rng.uniform(lead + 600, duration - 1800)
             node = rng.choices(names, node_weights)[0]
@@ -626,11 +678,11 @@ def _random_failures(
         drawn.append(
             Failure(
                 node,
-                rng.randrange(fleet.gpus_per_node),
+                rng.randrange(fleet.nics_per_node if kind in PORT_KINDS else fleet.gpus_per_node),
                 kind,
                 round(hard - lead),
                 round(hard),
-                rng.choice(FAULT_XIDS[kind]),
+                rng.choice(FAULT_XIDS.get(kind, NO_XID)),
                 round(_loguniform(rng, *strength), 2),
                 shape,
                 first,
@@ -651,7 +703,8 @@ def _random_noise(section: RandomNoise, rng: random.Random, fleet: Fleet, durati
     for kind in kinds:
         low, high = NOISE_DURATIONS[kind]
         length = min(_loguniform(rng, low, high), duration)
-        gpu = rng.randrange(fleet.gpus_per_node) if kind in GPU_NOISE else None
+        gpus = fleet.nics_per_node if kind in PORT_KINDS else fleet.gpus_per_node
+        gpu = rng.randrange(gpus) if kind in GPU_NOISE else None
         drawn.append(
             Noise(
                 fleet.node(rng.randrange(fleet.nodes)),

@@ -32,6 +32,7 @@ from gpuhealth.evaluation.hardware import (
     SM_CLOCK_IDLE_HZ,
     SM_CLOCK_MAX_HZ,
 )
+from gpuhealth.evaluation.nics import Fabric, has_fabric
 from gpuhealth.evaluation.noise import NOISE, NoiseEffects
 from gpuhealth.evaluation.scenario import HANG_MAX, Failure, Noise, Scenario
 from gpuhealth.evaluation.workload import Timeline, Workload, schedule
@@ -142,6 +143,8 @@ class FleetSignals:
                 )
             },
         }
+        if has_fabric(self):
+            self.builders.update(self.fabric.builders())
 
     # ---- output -------------------------------------------------------------------------------------
     def families(self, wanted: Callable[[str], bool] = lambda name: True) -> Iterator[Family]:
@@ -181,6 +184,11 @@ class FleetSignals:
 
     def node_index(self, node: str) -> int:
         return self.fleet.node_names.index(node)
+
+    @cached_property
+    def fabric(self) -> Fabric:
+        """The fleet's NIC ports and NVSwitch SXIDs (``nics.py``)."""
+        return Fabric(self)
 
     @cached_property
     def events(self) -> list[Effects]:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 from gpuhealth.contract.faults import (
+    FABRIC_FAULT_KINDS,
+    FABRIC_NOISE_KINDS,
     FALLS_OFF_BUS_KINDS,
     FAULT_KINDS,
     NOISE_KINDS,
@@ -40,16 +42,16 @@ def families() -> dict[str, Family]:
 
 
 def test_every_kind_of_the_vocabulary_has_one_class_and_one_place_in_the_fold() -> None:
-    assert set(FAULTS) == set(FAULT_KINDS)
-    assert set(NOISE) == set(NOISE_KINDS)
+    assert set(FAULTS) == {*FAULT_KINDS, *FABRIC_FAULT_KINDS}
+    assert set(NOISE) == {*NOISE_KINDS, *FABRIC_NOISE_KINDS}
     folded = [kind for kinds in FOLD_ORDER for kind in kinds]
-    assert sorted(folded) == sorted((*FAULT_KINDS, *NOISE_KINDS))
+    assert sorted(folded) == sorted((*FAULT_KINDS, *NOISE_KINDS, *FABRIC_FAULT_KINDS, *FABRIC_NOISE_KINDS))
 
 
 def test_the_kinds_scenario_holds_every_kind() -> None:
     scenario = signals().scenario
-    assert {f.kind for f in scenario.failures} == set(FAULT_KINDS)
-    assert {n.kind for n in scenario.noise} == set(NOISE_KINDS)
+    assert {f.kind for f in scenario.failures} == {*FAULT_KINDS, *FABRIC_FAULT_KINDS}
+    assert {n.kind for n in scenario.noise} == {*NOISE_KINDS, *FABRIC_NOISE_KINDS}
 
 
 def test_every_family_is_in_the_exporters_table_with_its_type() -> None:
@@ -81,7 +83,7 @@ def test_collector_values_are_the_exporters_collectors() -> None:
 def test_xid_154_comes_with_the_failures_that_ask_for_a_gpu_reset_and_no_others() -> None:
     s = signals()
     ended = [f for f in s.scenario.failures if s.at(f.failure) < s.timeline.count]
-    for failure in ended:
+    for failure in (f for f in ended if f.kind not in FABRIC_FAULT_KINDS):  # those log no XID (test_fabric)
         row, at = s.gpu_index(failure.node, failure.gpu), s.at(failure.failure)
         logged = {xid for (i, xid), increments in s.xid_events.items() if i == row and increments[at] > 0}
         assert failure.xid in logged

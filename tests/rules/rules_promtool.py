@@ -57,6 +57,13 @@ INPUTS: dict[str, dict[str, tuple[str, dict[str, str], float]]] = {
         "collector_success": ("gpuhealth_collector_success", {"collector": "gpu"}, 1),
         "gpus_expected": ("gpuhealth_gpus_expected", {}, 1),
         "gpus_visible": ("gpuhealth_gpus_visible", {}, 1),
+        "nic_info": ("gpuhealth_nic_port_info", {"link_layer": "InfiniBand"}, 1),
+        "nic_up": ("gpuhealth_nic_port_up", {}, 1),
+        "nic_link_downed": ("gpuhealth_nic_port_link_downed_total", {}, 1),
+        "nic_errors": ("gpuhealth_nic_port_errors_total", {}, 1),
+        "nic_rate": ("gpuhealth_nic_port_rate_bytes_per_second", {}, 1),
+        "nic_expected_rate": ("gpuhealth_nic_port_expected_rate_bytes_per_second", {}, 1),
+        "carrier_changes": ("gpuhealth_netdev_carrier_changes_total", {}, 1),
     },
     "dcgm": {
         "temperature": ("DCGM_FI_DEV_GPU_TEMP", {"modelName": MODEL}, 1),
@@ -95,7 +102,8 @@ NFS = {
 }
 JOBS = {"gpuhealth": ("gpuhealth-exporter", 9835), "dcgm": ("dcgm-exporter", 9400)}
 NODE_INPUTS = {"interrupts", "procs_running", "page_outs", "collector_success", "gpus_expected",
-               "gpus_visible"}
+               "gpus_visible", "nic_info", "nic_up", "nic_link_downed", "nic_errors", "nic_rate",
+               "nic_expected_rate", "carrier_changes"}
 
 Segment = tuple[float, float, int]
 

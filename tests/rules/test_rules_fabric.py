@@ -1,0 +1,221 @@
+"""InfiniBand/RoCE port alerts (gpuhealth source: DCGM reads no NIC): a port down, flapping or slower than
+expected drains its node; a switch's ports going down together are one switch event and drain no node,
+whether the inventory names the switch or not; symbol errors are network evidence of the fusion."""
+
+from __future__ import annotations
+
+from rules_promtool import Fleet, alert, run_promtool
+
+GROUPS = ["fabric", "evidence", "fusion"]
+MINUTES = 100
+
+
+def _port(fleet: Fleet, node: str, device: str, *, up: str | None = None, downed: str | None = None,
+          switch: str = "", netdev: str = "") -> Fleet:
+    """One port: up and never down unless ``up``/``downed`` (promtool notation) say otherwise."""
+    labels = {"device": device, "port": "1"}
+    fleet.add("nic_info", node, None, (1, 0, MINUTES), **labels, netdev=netdev, switch=switch)
+    fleet.add("nic_up", node, None, up or f"1x{MINUTES}", **labels)
+    return fleet.add("nic_link_downed", node, None, downed or f"0x{MINUTES}", **labels)
+
+
+def _port_alert(name: str, node: str, device: str, value: str, severity: str, action: str, summary: str,
+                description: str) -> dict:
+    return alert(name, {"alertname": name, "node": node, "device": device, "port": "1"}, summary,
+                 description, severity, action)
+
+
+def _down(node: str, device: str) -> dict:
+    return _port_alert(
+        "GPUHealthNicPortDown", node, device, "0", "critical", "drain",
+        f"NIC port {device}/1 of {node} is down",
+        f"InfiniBand/RoCE port 1 of {device} on {node} has been down (not ACTIVE and LinkUp) for minutes "
+        "while its switch is up: jobs whose collectives use it hang or fail. Drain the node and check the "
+        "cable, transceiver and HCA.")
+
+
+def _flapping(node: str, device: str, losses: int) -> dict:
+    return _port_alert(
+        "GPUHealthNicPortFlapping", node, device, str(losses), "critical", "drain",
+        f"NIC port {device}/1 of {node} is flapping ({losses} losses)",
+        f"InfiniBand/RoCE port 1 of {device} on {node} lost its link {losses} times in the last window: "
+        "every loss breaks the collectives running over it, and a flapping link usually stays down next. "
+        "Drain the node and have the cable or transceiver replaced.")
+
+
+def _run(tmp_path, fleet: Fleet, alert_checks: list[dict], expr_checks: list[dict] | None = None) -> None:
+    test = {"interval": "1m", "input_series": fleet.input_series(), "alert_rule_test": alert_checks}
+    if expr_checks:
+        test["promql_expr_test"] = expr_checks
+    run_promtool(tmp_path, "gpuhealth", GROUPS, [test])
+
+
+def _quiet(minute: int, *names: str) -> list[dict]:
+    return [{"eval_time": f"{minute}m", "alertname": name, "exp_alerts": []} for name in names]
+
+
+NODE_ALERTS = ("GPUHealthNicPortDown", "GPUHealthNicPortFlapping", "GPUHealthNicRateDegraded",
+               "GPUHealthNicRateDegradedPersistent")
+
+
+def test_port_down_for_minutes_drains_a_boot_flap_does_not(tmp_path):
+    fleet = Fleet("gpuhealth")
+    _port(fleet, "n1", "mlx5_0", up=f"1x9 0x{MINUTES - 10}", downed=f"0x9 1x{MINUTES - 10}")  # for good
+    _port(fleet, "n2", "mlx5_0", up=f"0x1 1x{MINUTES - 2}", downed=f"1x{MINUTES}")             # boot flap
+    _port(fleet, "n3", "mlx5_0")
+    checks = [
+        *_quiet(9, "GPUHealthNicPortDown"),
+        *_quiet(14, "GPUHealthNicPortDown"),                   # down 4 of its 5 minutes
+        {"eval_time": "15m", "alertname": "GPUHealthNicPortDown", "exp_alerts": [_down("n1", "mlx5_0")]},
+        {"eval_time": "60m", "alertname": "GPUHealthNicPortDown", "exp_alerts": [_down("n1", "mlx5_0")]},
+        *_quiet(30, "GPUHealthNicPortFlapping"),               # one loss each: no flapping
+    ]
+    _run(tmp_path, fleet, checks)
+
+
+def test_flapping_ib_link_downed_and_roce_carrier_changes(tmp_path):
+    fleet = Fleet("gpuhealth")
+    # Down for one sample at minutes 10, 20 and 30: link_downed counts each loss.
+    up = " ".join("0" if minute in (10, 20, 30) else "1" for minute in range(MINUTES + 1))
+    _port(fleet, "n1", "mlx5_0", up=up, downed=f"0x9 1x9 2x9 3x{MINUTES - 30}")
+    _port(fleet, "n2", "mlx5_0", up=f"1x9 0 1x{MINUTES - 11}", downed=f"0x9 1x{MINUTES - 10}")  # one loss
+    # A RoCE port whose netdev's carrier changed twice per flap (down, up) at minutes 10 and 20.
+    _port(fleet, "n3", "mlx5_2", netdev="eth2")
+    fleet.add("carrier_changes", "n3", None, f"0x9 2x9 4x{MINUTES - 20}", netdev="eth2")
+    checks = [
+        *_quiet(19, "GPUHealthNicPortFlapping"),               # one loss each so far
+        {"eval_time": "20m", "alertname": "GPUHealthNicPortFlapping",
+         "exp_alerts": [_flapping("n1", "mlx5_0", 2), _flapping("n3", "mlx5_2", 2)]},
+        {"eval_time": "30m", "alertname": "GPUHealthNicPortFlapping",
+         "exp_alerts": [_flapping("n1", "mlx5_0", 3), _flapping("n3", "mlx5_2", 2)]},
+        *_quiet(30, "GPUHealthNicPortDown"),                   # each loss lasted a minute
+        # An hour after the second loss the window holds one: n3 quiet again, n1 (losses at 20, 30) too.
+        *_quiet(MINUTES, "GPUHealthNicPortFlapping"),
+    ]
+    _run(tmp_path, fleet, checks)
+
+
+def test_rate_below_expected_warns_then_drains(tmp_path):
+    fleet = Fleet("gpuhealth")
+    for node in ("n1", "n2", "n3"):
+        _port(fleet, node, "mlx5_0")
+    labels = {"device": "mlx5_0", "port": "1"}
+    fleet.add("nic_rate", "n1", None, f"5e10x9 2.5e10x{MINUTES - 10}", **labels)   # retrained at half rate
+    fleet.add("nic_rate", "n2", None, f"5e10x{MINUTES}", **labels)                   # at its expected rate
+    fleet.add("nic_rate", "n3", None, f"2.5e10x{MINUTES}", **labels)                 # nothing expected: quiet
+    for node in ("n1", "n2"):
+        fleet.add("nic_expected_rate", node, None, f"5e10x{MINUTES}", **labels)
+
+    def degraded(name: str, action: str, summary: str, description: str) -> dict:
+        return _port_alert(name, "n1", "mlx5_0", "2.5e10", "warning", action, summary, description)
+
+    warning = degraded(
+        "GPUHealthNicRateDegraded", "none", "NIC port mlx5_0/1 of n1 runs below its expected rate",
+        "InfiniBand/RoCE port 1 of mlx5_0 on n1 trained at 25GB/s, below the rate configured as expected: "
+        "every collective over it runs at that speed. Reseat or replace the cable at the next chance; it "
+        "drains if it persists.")
+    persistent = degraded(
+        "GPUHealthNicRateDegradedPersistent", "drain",
+        "NIC port mlx5_0/1 of n1 has run below its expected rate for an hour",
+        "InfiniBand/RoCE port 1 of mlx5_0 on n1 has stayed at 25GB/s, below its expected rate, for an hour: "
+        "it slows every job spanning the node. Drain the node and have the cable, transceiver or HCA "
+        "replaced.")
+    checks = [
+        *_quiet(14, "GPUHealthNicRateDegraded"),
+        {"eval_time": "15m", "alertname": "GPUHealthNicRateDegraded", "exp_alerts": [warning]},
+        *_quiet(69, "GPUHealthNicRateDegradedPersistent"),
+        {"eval_time": "70m", "alertname": "GPUHealthNicRateDegradedPersistent", "exp_alerts": [persistent]},
+    ]
+    _run(tmp_path, fleet, checks)
+
+
+# A leaf switch rebooting: its ports go down at minute 10, return at 13 while it boots, go down again
+# at 14 and return for good at 22, on every node it serves. Alone, each port would be down for 8
+# minutes and flap twice: both drain alerts would fire.
+SWITCH_UP = f"1x9 0x2 1 0x7 1x{MINUTES - 22}"
+SWITCH_DOWNED = f"0x9 1x3 2x{MINUTES - 14}"
+
+
+def _switch_event(value: int, switch: str = "") -> dict:
+    where = f"on switch {switch}" if switch else "of several nodes"
+    served = (f"served by leaf switch {switch}" if switch
+              else "of several nodes (no switch named in their inventory)")
+    labels = {"alertname": "GPUHealthFabricSwitchEvent", **({"switch": switch} if switch else {})}
+    return alert("GPUHealthFabricSwitchEvent", labels, f"{value} NIC ports {where} went down together",
+                 f"{value} InfiniBand/RoCE ports {served} are down or went down together: the switch "
+                 "rebooted or failed, not the nodes. No node is drained for it; check the switch (a planned "
+                 "reboot ends by itself) and its uplinks.", "warning", "none")
+
+
+def test_named_switch_reboot_is_one_event_and_drains_no_node(tmp_path):
+    fleet = Fleet("gpuhealth")
+    for node in ("n1", "n2", "n3", "n4", "n5"):
+        rebooting = node != "n5"
+        _port(fleet, node, "mlx5_0", switch="leaf-a", up=SWITCH_UP if rebooting else None,
+              downed=SWITCH_DOWNED if rebooting else None)
+        # leaf-b is up; one of its ports fails on its own at minute 14: a node fault, drained.
+        failing = node == "n5"
+        _port(fleet, node, "mlx5_1", switch="leaf-b", up=f"1x13 0x{MINUTES - 14}" if failing else None,
+              downed=f"0x13 1x{MINUTES - 14}" if failing else None)
+    checks = [
+        *_quiet(9, "GPUHealthFabricSwitchEvent"),
+        *[{"eval_time": f"{minute}m", "alertname": "GPUHealthFabricSwitchEvent",
+           "exp_alerts": [_switch_event(4, "leaf-a")]} for minute in (10, 20)],
+        {"eval_time": "19m", "alertname": "GPUHealthNicPortDown", "exp_alerts": [_down("n5", "mlx5_1")]},
+        *_quiet(22, "GPUHealthNicPortFlapping"),
+        *_quiet(40, "GPUHealthFabricSwitchEvent", "GPUHealthNicPortFlapping"),
+    ]
+    checks += [check for minute in (12, 16, 21, 30, 60) for check in _quiet(minute, *NODE_ALERTS[1:])]
+    checks += [{"eval_time": f"{minute}m", "alertname": "GPUHealthNicPortDown",
+                "exp_alerts": [_down("n5", "mlx5_1")]} for minute in (21, 30)]
+    _run(tmp_path, fleet, checks)
+
+
+def test_unnamed_switch_reboot_by_simultaneity(tmp_path):
+    """No switch in the inventory: ports of three nodes going down within the same minute are one event,
+    held while they stay down (up to 30 minutes); a lone port going down after that is the node's fault."""
+    fleet = Fleet("gpuhealth")
+    # The reboot 30 minutes later than the named one: the hold reads 30 minutes of each port's counter.
+    for node in ("n1", "n2", "n3"):
+        _port(fleet, node, "mlx5_0", up=f"1x39 0x2 1 0x7 1x{MINUTES - 52}",
+              downed=f"0x39 1x3 2x{MINUTES - 44}")
+    _port(fleet, "n4", "mlx5_0", up=f"1x79 0x{MINUTES - 80}", downed=f"0x79 1x{MINUTES - 80}")
+    checks = [
+        *_quiet(39, "GPUHealthFabricSwitchEvent"),
+        {"eval_time": "40m", "alertname": "GPUHealthFabricSwitchEvent", "exp_alerts": [_switch_event(3)]},
+        {"eval_time": "50m", "alertname": "GPUHealthFabricSwitchEvent", "exp_alerts": [_switch_event(3)]},
+        *_quiet(84, "GPUHealthFabricSwitchEvent", "GPUHealthNicPortDown"),
+        {"eval_time": "85m", "alertname": "GPUHealthNicPortDown", "exp_alerts": [_down("n4", "mlx5_0")]},
+        *_quiet(85, "GPUHealthFabricSwitchEvent", "GPUHealthNicPortFlapping"),
+    ]
+    checks += [check for minute in (42, 46, 51, 55) for check in _quiet(minute, *NODE_ALERTS)]
+    _run(tmp_path, fleet, checks)
+
+
+def test_symbol_errors_are_network_evidence_one_cause(tmp_path):
+    """Symbol errors and link error recoveries rising on a port are the node's network evidence, counted
+    once (the worst port, one cause) for every GPU of the node; below infiniband-diags' 10 they are none."""
+    fleet = Fleet("gpuhealth").node("n1", MINUTES, gpus=2).node("n2", MINUTES, gpus=2)
+    for node in ("n1", "n2"):
+        for device in ("mlx5_0", "mlx5_1"):
+            _port(fleet, node, device)
+    for device in ("mlx5_0", "mlx5_1"):   # two bad ports on n1: still one network contribution
+        fleet.add("nic_errors", "n1", None, f"0+4x{MINUTES}", device=device, port="1", error="symbol_error")
+        fleet.add("nic_errors", "n1", None, f"0+1x{MINUTES}", device=device, port="1",
+                  error="link_error_recovery")
+    fleet.add("nic_errors", "n2", None, f"0x40 5x{MINUTES - 40}", device="mlx5_0", port="1",
+              error="symbol_error")
+    contributions = [{"labels": f'gpuhealth:gpu_failure_risk:contribution{{cause="network", gpu="{gpu}", '
+                                f'node="n1", signal="nic_link_errors"}}', "value": 0.3} for gpu in (0, 1)]
+    scores = [{"labels": f'gpuhealth:gpu_failure_risk:score{{gpu="{gpu}", node="{node}"}}',
+               "value": 0.3 if node == "n1" else 0} for node in ("n1", "n2") for gpu in (0, 1)]
+    expr_checks = [
+        # n1: 5 errors a minute on each port, 300 within the hour (> 100): evidence 1, counted once.
+        # n2: 5 symbol errors within the hour, not above infiniband-diags' 10: no evidence.
+        {"expr": "gpuhealth:node_evidence:nic_link_errors", "eval_time": "70m",
+         "exp_samples": [{"labels": 'gpuhealth:node_evidence:nic_link_errors{node="n1"}', "value": 1}]},
+        {"expr": 'gpuhealth:gpu_failure_risk:contribution{cause="network"}', "eval_time": "70m",
+         "exp_samples": contributions},
+        {"expr": "gpuhealth:gpu_failure_risk:score", "eval_time": "70m", "exp_samples": scores},
+    ]
+    _run(tmp_path, fleet, _quiet(MINUTES, "GPUHealthGpuFailureRisk"), expr_checks)
