@@ -15,6 +15,10 @@ FAULT_KINDS = (
     "gsp_timeout",
     "fell_off_bus",
     "sram_uncorrectable",
+    "ib_link_flap",
+    "ib_symbol_errors",
+    "ib_rate_downgrade",
+    "nvswitch_fatal",
 )
 # Benign noise: must not raise a predictive alert, and each kind can fool a naive rule.
 NOISE_KINDS = (
@@ -38,11 +42,19 @@ NOISE_KINDS = (
     "rack_cooling",
     "reboot_loop",
     "checkpoint_storm",
+    "ib_boot_flap",
+    "switch_reboot",
 )
 # Noise that needs a fleet (racks, jobs over nodes, a shared filesystem, reboots): the exporter's
 # simulator of one node implements the others, ``NODE_NOISE_KINDS``.
-FLEET_NOISE_KINDS = ("checkpoint_burst", "load_imbalance", "rack_cooling", "reboot_loop", "checkpoint_storm")
+FLEET_NOISE_KINDS = ("checkpoint_burst", "load_imbalance", "rack_cooling", "reboot_loop", "checkpoint_storm",
+                     "switch_reboot")
 NODE_NOISE_KINDS = tuple(kind for kind in NOISE_KINDS if kind not in FLEET_NOISE_KINDS)
+# Kinds on the node's fabric (its InfiniBand NICs, its NVSwitches) rather than on one GPU. They log no
+# XID: the hard signal of ib_link_flap and ib_symbol_errors is the port going down for good, of
+# ib_rate_downgrade the rate drop, of nvswitch_fatal a fatal SXID.
+FABRIC_KINDS = ("ib_link_flap", "ib_symbol_errors", "ib_rate_downgrade", "nvswitch_fatal", "ib_boot_flap",
+                "switch_reboot")
 # Faults that never give warning: no precursor before the hard failure.
 SUDDEN_KINDS = ("gsp_timeout", "fell_off_bus", "sram_uncorrectable")
 # XIDs the kernel logs at the hard failure; the first is the default.
