@@ -6,6 +6,15 @@ One list, so that a fault modelled live on one node is the fault the benchmark s
 
 from __future__ import annotations
 
+# Kinds on the node's fabric (its InfiniBand NICs, its NVSwitches) rather than on one GPU; on fleets
+# with NICs an event's GPU index names that GPU's rail NIC. They log no XID: the hard signal of
+# ib_link_flap and ib_symbol_errors is the port going down for good, of ib_rate_downgrade the rate
+# drop, of nvswitch_fatal a fatal SXID.
+FABRIC_FAULT_KINDS = ("ib_link_flap", "ib_symbol_errors", "ib_rate_downgrade", "nvswitch_fatal")
+FABRIC_NOISE_KINDS = ("ib_boot_flap", "switch_reboot")
+FABRIC_KINDS = (*FABRIC_FAULT_KINDS, *FABRIC_NOISE_KINDS)
+# Fabric kinds about one port (the event names the GPU whose rail NIC it is).
+PORT_KINDS = ("ib_link_flap", "ib_symbol_errors", "ib_rate_downgrade", "ib_boot_flap")
 # Faults end in a hard failure.
 FAULT_KINDS = (
     "hbm_degradation",
@@ -15,6 +24,7 @@ FAULT_KINDS = (
     "gsp_timeout",
     "fell_off_bus",
     "sram_uncorrectable",
+    *FABRIC_FAULT_KINDS,
 )
 # Benign noise: must not raise a predictive alert, and each kind can fool a naive rule.
 NOISE_KINDS = (
@@ -38,13 +48,16 @@ NOISE_KINDS = (
     "rack_cooling",
     "reboot_loop",
     "checkpoint_storm",
+    *FABRIC_NOISE_KINDS,
 )
 # Noise that needs a fleet (racks, jobs over nodes, a shared filesystem, reboots): the exporter's
 # simulator of one node implements the others, ``NODE_NOISE_KINDS``.
-FLEET_NOISE_KINDS = ("checkpoint_burst", "load_imbalance", "rack_cooling", "reboot_loop", "checkpoint_storm")
+FLEET_NOISE_KINDS = ("checkpoint_burst", "load_imbalance", "rack_cooling", "reboot_loop", "checkpoint_storm",
+                     "switch_reboot")
 NODE_NOISE_KINDS = tuple(kind for kind in NOISE_KINDS if kind not in FLEET_NOISE_KINDS)
-# Faults that never give warning: no precursor before the hard failure.
-SUDDEN_KINDS = ("gsp_timeout", "fell_off_bus", "sram_uncorrectable")
+# Faults that never give warning: no precursor before the hard failure (a port retrains at a lower
+# rate without warning).
+SUDDEN_KINDS = ("gsp_timeout", "fell_off_bus", "sram_uncorrectable", "ib_rate_downgrade")
 # XIDs the kernel logs at the hard failure; the first is the default.
 FAULT_XIDS = {
     "hbm_degradation": (64, 94, 95, 48),
@@ -64,14 +77,3 @@ RECOVERY_ACTION_KINDS = ("hbm_degradation", "sram_uncorrectable")
 # What a buggy job makes the driver log (``app_xid``): graphics exception, page fault, channel reset,
 # preemptive cleanup.
 APP_XIDS = (13, 31, 43, 45)
-# Fabric kinds: InfiniBand ports and the NVSwitch fabric, on fleets with NICs (an event's GPU index
-# names that GPU's rail NIC). Their hard signal is no XID: a port down for good (``ib_link_flap``,
-# ``ib_symbol_errors``), a rate drop (``ib_rate_downgrade``), a fatal SXID (``nvswitch_fatal``).
-# ``gpuhealth eval`` implements them; they join FAULT_KINDS / NOISE_KINDS, which both simulators must
-# implement, once the exporter's simulator has them too.
-FABRIC_FAULT_KINDS = ("ib_link_flap", "ib_symbol_errors", "ib_rate_downgrade", "nvswitch_fatal")
-FABRIC_NOISE_KINDS = ("ib_boot_flap", "switch_reboot")
-# A port retrains at a lower rate without warning.
-FABRIC_SUDDEN_KINDS = ("ib_rate_downgrade",)
-# Fabric kinds about one port (the event names the GPU whose rail NIC it is).
-PORT_KINDS = ("ib_link_flap", "ib_symbol_errors", "ib_rate_downgrade", "ib_boot_flap")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import getpass
 import logging
@@ -20,9 +21,11 @@ from typing import Any
 from gpuhealth.exporter import __version__
 from gpuhealth.exporter.collector import Context, assemble, load_collectors
 from gpuhealth.exporter.config import DEFAULT_PORT, ConfigError, Settings, build_settings, read_yaml
+from gpuhealth.exporter.fabric_settings import FabricSettings
 from gpuhealth.exporter.metrics import SPECS
 from gpuhealth.exporter.nvml_backend import load_nvml
 from gpuhealth.exporter.sampler import Sampler
+from gpuhealth.exporter.sim.fabric import NIC_RATE_GBPS
 from gpuhealth.exporter.sim.profiles import PROFILES
 from gpuhealth.exporter.web import hash_password, make_server, tls_context
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -95,11 +98,22 @@ def _settings(argv: list[str] | None) -> tuple[Settings | None, argparse.Namespa
     return build_settings(file_values, flags, list(registrations), problems), args
 
 
-def _nvml_module(settings: Settings, kmsg_path: Path | None) -> Any:
+def _nvml_module(settings: Settings, kmsg_path: Path | None, sim_sysfs: Path | None) -> Any:
     """The NVML module for the backend, not yet initialised: the gpu collector initialises it under
     a deadline and keeps retrying, so a node with a broken driver still exports ``gpuhealth_nvml_up 0``."""
     return load_nvml(settings.backend, kmsg_path, settings.sim_scenario, settings.sim_profile,
-                     settings.sim_mig)
+                     settings.sim_mig, sim_sysfs)
+
+
+def _fabric(settings: Settings, nvml: Any) -> FabricSettings:
+    """The fabric settings; the simulator's node has its own fabric manager (a pid file in its tree,
+    no systemd unit) and, unless configured, expects the rate its NICs were built for."""
+    if settings.backend != "sim" or settings.sysfs is not None:
+        return settings.fabric
+    fabric = dataclasses.replace(settings.fabric, systemctl=(), manager_pid_file=nvml.fabric_manager_pid_file)
+    if fabric.expected_rate_gbps is None and not fabric.expected_rate_by_device:
+        fabric = dataclasses.replace(fabric, expected_rate_gbps=NIC_RATE_GBPS)
+    return fabric
 
 
 def _build_info(backend: str) -> Callable[[], list[Metric]]:
@@ -122,18 +136,25 @@ def _raise_file_limit() -> None:
 
 
 def run(settings: Settings) -> int:
+    """Serve until SIGTERM or SIGINT; the simulator's private directory goes with it."""
+    tmpdir = Path(tempfile.mkdtemp(prefix="gpuhealth-sim-")) if settings.backend == "sim" else None
+    try:
+        return _serve(settings, tmpdir)
+    finally:
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _serve(settings: Settings, tmpdir: Path | None) -> int:
     from gpuhealth.exporter.sim.scenario import ScenarioError, load_scenario
 
-    tmpdir = None
     kmsg_path = settings.kmsg_path
     if kmsg_path is None and not settings.no_kmsg:
-        if settings.backend == "sim":
-            tmpdir = Path(tempfile.mkdtemp(prefix="gpuhealth-sim-"))
-            kmsg_path = tmpdir / "kmsg"
-        else:
-            kmsg_path = Path("/dev/kmsg")
+        kmsg_path = tmpdir / "kmsg" if tmpdir is not None else Path("/dev/kmsg")
+    # the simulator writes its node's PCI tree and InfiniBand ports here, for the collectors to read
+    sim_sysfs = tmpdir / "sys" if tmpdir is not None and settings.sysfs is None else None
     try:
-        nvml = _nvml_module(settings, kmsg_path)
+        nvml = _nvml_module(settings, kmsg_path, sim_sysfs)
     except ScenarioError as exc:
         for problem in exc.problems:
             print(f"gpuhealth-exporter: {settings.sim_scenario}: {problem}", file=sys.stderr)
@@ -142,11 +163,11 @@ def run(settings: Settings) -> int:
         print(f"gpuhealth-exporter: cannot use the kernel log {kmsg_path}: {exc.strerror or exc}",
               file=sys.stderr)
         return 2
-    sysfs = settings.sysfs or (Path("/sys") if settings.backend == "nvml" else None)
+    sysfs = settings.sysfs or sim_sysfs or Path("/sys")
     ctx = Context(nvml=nvml, procfs=settings.procfs, sysfs=sysfs,
                   kmsg_path=None if settings.no_kmsg else kmsg_path, state_dir=settings.state_dir,
                   gpus_expected=settings.gpus_expected, window_seconds=settings.sampling_window,
-                  nvml_timeout_seconds=settings.nvml_timeout, fabric=settings.fabric)
+                  nvml_timeout_seconds=settings.nvml_timeout, fabric=_fabric(settings, nvml))
     collectors, steps = assemble(ctx, settings.collectors)
     sampler = Sampler(collectors, _build_info(settings.backend), settings.sampling_interval, steps=steps)
     host, port = settings.host_port
@@ -192,8 +213,6 @@ def run(settings: Settings) -> int:
     log.info("shutting down")
     server.shutdown()
     sampler.stop()
-    if tmpdir is not None:
-        shutil.rmtree(tmpdir, ignore_errors=True)
     return 0
 
 

@@ -17,11 +17,12 @@ BACKENDS = ("nvml", "sim")
 
 
 def load_nvml(backend: str, kmsg_path: Path | None = None, scenario: Path | None = None,
-              profile: str | None = None, mig: bool = False) -> Any:
+              profile: str | None = None, mig: bool = False, sysfs: Path | None = None) -> Any:
     """The module for ``backend``, not yet initialised (callers initialise it under a deadline).
 
-    With ``sim``, ``scenario`` is read (``ScenarioError`` lists its problems) and the simulator's
-    kernel lines go to ``kmsg_path`` when it is a regular file: fake XIDs never reach a device.
+    With ``sim``, ``scenario`` is read (``ScenarioError`` lists its problems), the simulator's
+    kernel lines go to ``kmsg_path`` when it is a regular file (fake XIDs never reach a device), and
+    its PCI tree and InfiniBand ports are written under ``sysfs`` (a private directory) when given.
     """
     if backend == "sim":
         from gpuhealth.exporter.sim.nvml import SimulatedNvml
@@ -35,7 +36,7 @@ def load_nvml(backend: str, kmsg_path: Path | None = None, scenario: Path | None
         node = load_scenario(scenario)
         if profile is not None:
             node = dataclasses.replace(node, model=hardware.model, nvlinks=hardware.nvlinks)
-        return SimulatedNvml(node, kmsg_path, profile=hardware, mig=mig)
+        return SimulatedNvml(node, kmsg_path, profile=hardware, mig=mig, sysfs=sysfs)
     import pynvml
 
     return pynvml

@@ -31,11 +31,13 @@ from gpuhealth.exporter.sim.scenario import ScenarioError
 from gpuhealth.exporter.validate_checks import (
     Check,
     KernelLog,
+    NicPorts,
     NodeState,
     NvmlUnavailable,
     check_ecc_mode,
     check_fabric,
     check_gpus_visible,
+    check_nic_ports,
     check_recovery_action,
     check_row_remap,
     check_temperature,
@@ -67,6 +69,7 @@ class Options:
     dcgm_timeout: float | None = None
     site_command: tuple[str, ...] = ()
     site_timeout: float = 600.0
+    nic_ports: NicPorts | None = None  # None: no NIC port expected, the check does not apply
 
 
 def validate(nvml: Any, options: Options) -> tuple[int, list[Check]]:
@@ -81,6 +84,7 @@ def validate(nvml: Any, options: Options) -> tuple[int, list[Check]]:
                   check_row_remap(node, nvml),
                   check_recovery_action(node, nvml),
                   check_fabric(node, nvml),
+                  check_nic_ports(options.nic_ports),
                   check_ecc_mode(node, nvml),
                   check_temperature(node, nvml, options.idle_temperature_max,
                                     options.busy_temperature_margin),
@@ -145,6 +149,19 @@ def _xids(text: str) -> frozenset[int]:
     return frozenset(int(part) for part in parts)
 
 
+def _nic_ports(text: str) -> tuple[tuple[str, str], ...]:
+    """``mlx5_0,mlx5_1:1``: HCAs, each with its port number (1 when not given)."""
+    ports = []
+    for part in (part.strip() for part in text.split(",")):
+        device, _, port = part.partition(":")
+        port = port or "1"
+        if not device or "/" in device or device.startswith(".") or not port.isdigit():
+            raise argparse.ArgumentTypeError(f"expected HCA[:PORT] separated by commas (mlx5_0,mlx5_1:1), "
+                                             f"got {text!r}")
+        ports.append((device, port))
+    return tuple(ports)
+
+
 def _argv(text: str) -> tuple[str, ...]:
     try:
         argv = tuple(shlex.split(text))
@@ -193,8 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Check that this node's GPUs are fit to take jobs again: NVML sees every expected "
                     "GPU; no row remap pending or failed; no recovery action requested; NVLink fabric "
-                    "registered (where there is one); ECC on; no XID in the kernel log since the last "
-                    "reset; sane temperatures; optionally DCGM's diagnostic and a site command.",
+                    "registered (where there is one); the expected InfiniBand/RoCE ports up at their "
+                    "rate; ECC on; no XID in the kernel log since the last reset; sane temperatures; "
+                    "optionally DCGM's diagnostic and a site command.",
         epilog="Exit status: 0 every check passed, 1 a check failed, 2 nothing could be checked "
                "(bad usage, NVML unavailable). The verdict is printed on stdout as JSON "
                "(exporter/VALIDATE.md); logs go to stderr.",
@@ -209,7 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--gpus-expected", type=_count, metavar="N",
         help="GPUs this node must have (by default: NVIDIA GPUs on the PCI bus, else the count NVML sees)")
     add("--path.sysfs", dest="sysfs", type=Path, metavar="DIR",
-        help="sysfs mount point where the expected GPUs are counted (default /sys with --backend nvml)")
+        help="sysfs mount point where the expected GPUs are counted and the NIC ports read (default /sys; "
+             "with sim, the simulator's own tree)")
+    add("--nic-ports", type=_nic_ports, metavar="LIST",
+        help="InfiniBand/RoCE ports that must be up, HCA[:PORT] separated by commas (mlx5_0,mlx5_1:1); "
+             "with only --nic-rate-gbps, every port found")
+    add("--nic-rate-gbps", type=_positive, metavar="GBPS",
+        help="rate every checked port must run at, in Gb/s (400 for NDR)")
     add("--kmsg-path", type=Path, metavar="PATH",
         help="kernel log: /dev/kmsg (default with nvml; needs root or CAP_SYSLOG) or a file in kmsg or "
              "plain format; with sim, a temporary file the simulator writes")
@@ -259,8 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         kmsg = args.kmsg_path
         if kmsg is None and not args.no_kmsg:
             kmsg = Path(tmp) / "kmsg" if args.backend == "sim" else Path("/dev/kmsg")
+        sim_sysfs = Path(tmp) / "sys" if args.backend == "sim" and args.sysfs is None else None
         try:
-            nvml = load_nvml(args.backend, kmsg, args.sim_scenario, args.sim_profile, args.sim_mig)
+            nvml = load_nvml(args.backend, kmsg, args.sim_scenario, args.sim_profile, args.sim_mig, sim_sysfs)
         except ScenarioError as exc:
             for problem in exc.problems:
                 print(f"{PROG}: {args.sim_scenario}: {problem}", file=sys.stderr)
@@ -268,9 +293,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError as exc:  # no nvidia-ml-py in this environment
             print(f"{PROG}: cannot load NVML's Python binding: {exc}", file=sys.stderr)
             return EXIT_CANNOT_CHECK
+        sysfs = args.sysfs or sim_sysfs or Path("/sys")
+        wants_nics = args.nic_ports is not None or args.nic_rate_gbps is not None
         options = Options(
             gpus_expected=args.gpus_expected,
-            sysfs=args.sysfs or (Path("/sys") if args.backend == "nvml" else None),
+            sysfs=sysfs,
+            nic_ports=NicPorts(sysfs, args.nic_ports or (), args.nic_rate_gbps) if wants_nics else None,
             kernel_log=None if kmsg is None else KernelLog(kmsg, args.xid_since or 0.0, args.xid_ignore),
             idle_temperature_max=args.idle_temperature_max,
             busy_temperature_margin=args.busy_temperature_margin, nvml_timeout=args.nvml_timeout,

@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuhealth.exporter.fabric_settings import GBPS
 from gpuhealth.exporter.guard import DeadlineExceeded, GuardedWorker
 from gpuhealth.exporter.inventory import GpuIdentity, Inventory
 from gpuhealth.exporter.kmsg import KmsgFollower, parse_line, split_record
 from gpuhealth.exporter.nvml_errors import GpuDown, NvmlDown, error_label, query_name
 from gpuhealth.exporter.nvml_reader import GpuReading, NvmlReader
 from gpuhealth.exporter.nvml_session import NvmlSession
+from gpuhealth.exporter.sysfs_fabric import ReadErrors, read_ports
 
 log = logging.getLogger(__name__)
 
@@ -306,3 +308,46 @@ def check_xid(node: NodeState, kernel_log: KernelLog | None) -> Check:
                            for gpu, codes in sorted(found.items()))
         return Check("xid", False, f"{detail} since {since}", value)
     return Check("xid", True, f"no XID since {since}", value)
+
+
+@dataclass(frozen=True)
+class NicPorts:
+    """The InfiniBand/RoCE ports a node must have up: ``ports`` (HCA, port) and, when given, the rate
+    each must run at; no ports but a rate: every port found."""
+
+    sysfs: Path
+    ports: tuple[tuple[str, str], ...] = ()
+    rate_gbps: float | None = None
+
+
+def check_nic_ports(expected: NicPorts | None) -> Check:
+    """Every expected port ACTIVE with its physical link up, at (at least) its expected rate."""
+    if expected is None:
+        return Check("nic_ports", None, "no NIC ports expected (--nic-ports, --nic-rate-gbps)")
+    errors = ReadErrors()
+    found = {(port.device, port.port): port for port in read_ports(expected.sysfs, errors)}
+    wanted = list(expected.ports) or sorted(found)
+    if not wanted:
+        return Check("nic_ports", False, f"no InfiniBand/RoCE port under {expected.sysfs}/class/infiniband",
+                     {})
+    values: dict[str, JsonValue] = {}
+    problems: list[str] = []
+    for device, number in wanted:
+        name = f"{device} port {number}"
+        port = found.get((device, number))
+        if port is None:
+            values[f"{device}:{number}"] = None
+            problems.append(f"{name} missing")
+            continue
+        gbps = None if port.rate is None else port.rate / GBPS
+        values[f"{device}:{number}"] = {"up": port.up, "state": port.state,
+                                         "physical_state": port.physical_state, "rate_gbps": gbps}
+        if not port.up:
+            problems.append(f"{name} down (state {port.state}, physical state {port.physical_state})")
+        elif expected.rate_gbps is not None and (gbps is None or gbps < expected.rate_gbps):
+            rate = "unreadable" if gbps is None else f"{gbps:g} Gb/s"
+            problems.append(f"{name} at {rate}, expected {expected.rate_gbps:g} Gb/s")
+    if problems:
+        return Check("nic_ports", False, "; ".join(problems), values)
+    at = f" at {expected.rate_gbps:g} Gb/s" if expected.rate_gbps is not None else ""
+    return Check("nic_ports", True, f"{len(wanted)} NIC ports up{at}", values)

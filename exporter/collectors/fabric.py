@@ -37,6 +37,9 @@ class FabricCollector:
         self.manager = FabricManagerProbe(ctx.fabric, ctx.procfs, ctx.clock)
         self._families: list[Family] = []
         self._read_at: float | None = None
+        # the PCI placement does not change while the devices stay: resolved again only when they do
+        self._affinity_key: tuple[object, ...] = ()
+        self._affinity_pairs: list[tuple[str, str, str]] = []
 
     def collect(self) -> Iterator[Family]:
         now = self.ctx.clock()
@@ -86,7 +89,12 @@ class FabricCollector:
                 f.add("gpuhealth_netdev_up", int(netdev.up), [name])
             if netdev.speed is not None:
                 f.add("gpuhealth_netdev_speed_bytes_per_second", netdev.speed, [name])
-        for device, gpu, scope in self._affinity(sorted({port.device for port in ports})):
+        devices = sorted({port.device for port in ports})
+        gpus = tuple(sorted((i, g.pci_bus_id) for i, g in self.ctx.inventory.gpus.items()))
+        placed = (tuple(devices), gpus)
+        if placed != self._affinity_key:
+            self._affinity_key, self._affinity_pairs = placed, list(self._affinity(devices))
+        for device, gpu, scope in self._affinity_pairs:
             f.add("gpuhealth_nic_gpu_affinity_info", 1, [device, gpu, scope])
         yield from f
 

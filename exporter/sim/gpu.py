@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pynvml
+from gpuhealth.contract.faults import FABRIC_KINDS
 from gpuhealth.exporter.sim import kernel_lines
 from gpuhealth.exporter.sim.scenario import Fault, Scenario
 
@@ -84,7 +85,7 @@ class GpuState:
                 "none": exhausted}
 
 
-def _smooth(p: float) -> float:
+def smooth(p: float) -> float:
     """Cumulative share of precursor events by progress ``p``: slow at first, accelerating."""
     return min(max(p, 0.0), 1.0) ** 3
 
@@ -125,7 +126,7 @@ class FaultRun:
         self.emit(gpu.index, f"NVRM: Xid ({gpu.pci_kernel}): {xid}, {text}", xid if event else None)
 
     def _grow(self, p: float, p_old: float, total: float) -> float:
-        return total * (_smooth(p) - _smooth(p_old))
+        return total * (smooth(p) - smooth(p_old))
 
     # faults: precursor effects
     def _hbm_degradation(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
@@ -153,7 +154,7 @@ class FaultRun:
             gpu.pcie_width = 8
         if p >= 0.8:
             gpu.pcie_gen = 4
-        for _ in range(int(40 * _smooth(p)) - int(40 * _smooth(p_old))):
+        for _ in range(int(40 * smooth(p)) - int(40 * smooth(p_old))):
             self.emit(gpu.index, kernel_lines.aer_corrected(gpu.index, gpu.pci_bus_id), None)
 
     def _nvlink_errors(self, gpu: GpuState, p: float, p_old: float, active: bool) -> None:
@@ -327,7 +328,7 @@ class Node:
     def load(self, scenario: Scenario) -> None:
         """Start (or restart, on reload) the scenario; GPUs come back as after a reset, counters stay."""
         self.scenario = scenario
-        self.runs = [FaultRun(f, self.emit) for f in scenario.faults]
+        self.runs = [FaultRun(f, self.emit) for f in scenario.faults if f.kind not in FABRIC_KINDS]
         for gpu in self.gpus:
             gpu.lost = gpu.hung = False
             gpu.recovery_action = 0

@@ -33,3 +33,16 @@ def aer_corrected(index: int, pci_bus_id: str) -> str:
 
 def fallen_off_bus(index: int, pci_bus_id: str) -> str:
     return FALLEN_FORMATS[index % len(FALLEN_FORMATS)].format(pci=kernel_pci(pci_bus_id))
+
+
+NVSWITCH_PCI = "0000:{bus:02x}:00.0"  # HGX H100/H200 baseboards: NVSwitches on buses 05 to 08
+
+
+def sxid_non_fatal(switch: int, link: int) -> str:
+    return (f"nvidia-nvswitch{switch}: SXid (PCI:{NVSWITCH_PCI.format(bus=5 + switch)}): 12028, Non-fatal, "
+            f"Link {link} egress non-posted PRIV error")
+
+
+def sxid_fatal(switch: int, link: int) -> str:
+    return (f"nvidia-nvswitch{switch}: SXid (PCI:{NVSWITCH_PCI.format(bus=5 + switch)}): 20034, Fatal, "
+            f"Link {link} LTSSM Fault Up")

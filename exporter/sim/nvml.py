@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pynvml
+from gpuhealth.exporter.sim.fabric import Fabric
 from gpuhealth.exporter.sim.gpu import (
     MEM_CLOCK_MAX,
     PCIE_GEN,
@@ -29,7 +30,8 @@ from gpuhealth.exporter.sim.gpu import (
 from gpuhealth.exporter.sim.kmsg_writer import KmsgWriter
 from gpuhealth.exporter.sim.nvml_current import MEMORY_MAX_OPERATING_C, NvmlCurrent, wrap_queries
 from gpuhealth.exporter.sim.profiles import Profile
-from gpuhealth.exporter.sim.scenario import Scenario
+from gpuhealth.exporter.sim.scenario import Scenario, ScenarioError
+from gpuhealth.exporter.sim.sysfs_tree import SysfsTree
 
 HANG_SECONDS = 30.0  # how long a call on a GPU hung by a GSP timeout blocks before failing
 
@@ -54,7 +56,8 @@ class SimulatedNvml(NvmlCurrent):
     def __init__(self, scenario: Scenario, kmsg_path: Path | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep, profile: Profile | None = None,
-                 mig: bool = False) -> None:
+                 mig: bool = False, sysfs: Path | None = None) -> None:
+        """``sysfs``: a private directory where the node's PCI tree and InfiniBand ports are written."""
         self._setup_current(profile, mig)
         self._clock = clock
         self._sleep = sleep
@@ -62,6 +65,10 @@ class SimulatedNvml(NvmlCurrent):
         self._writer = KmsgWriter(kmsg_path) if kmsg_path else None
         self._event_sets: list[_EventSet] = []
         self._node = Node(scenario, self._emit)
+        self.fabric = Fabric(self.profile.nics if scenario.nics is None else scenario.nics, self._emit)
+        self._load_fabric(scenario)
+        self._tree = None if sysfs is None else SysfsTree(
+            sysfs, [gpu.pci_bus_id for gpu in self._node.gpus], self.fabric, self.profile.fabric_manager)
         self._start = clock()
         self._advanced_to: float | None = None
         self._initialised = False
@@ -80,9 +87,23 @@ class SimulatedNvml(NvmlCurrent):
             if scenario.gpus != len(self._node.gpus):
                 raise ValueError(f"a reload cannot change the GPU count ({len(self._node.gpus)} -> "
                                  f"{scenario.gpus}); restart the exporter")
+            self._load_fabric(scenario)
             self._node.load(scenario)
             self._start = self._clock()
             self._advanced_to = None
+
+    @property
+    def fabric_manager_pid_file(self) -> Path | None:
+        """Where the simulated fabric manager's pid is, None on a profile without one."""
+        return self._tree.pid_file if self._tree is not None and self.profile.fabric_manager else None
+
+    def _load_fabric(self, scenario: Scenario) -> None:
+        count = len(self.fabric.nics)
+        missing = [f"faults[{i}].nic: NIC {fault.params['nic']} does not exist (the node has {count})"
+                   for i, fault in enumerate(scenario.faults) if fault.params.get("nic", -1) >= count]
+        if missing:
+            raise ScenarioError("scenario", missing)
+        self.fabric.load(scenario.faults)
 
     def _emit(self, index: int, text: str, xid: int | None) -> None:
         if self._writer is not None:
@@ -97,6 +118,9 @@ class SimulatedNvml(NvmlCurrent):
         t = self._clock() - self._start
         if self._advanced_to is None or abs(t - self._advanced_to) >= 0.001:
             self._node.advance(t)
+            self.fabric.advance(t)
+            if self._tree is not None:
+                self._tree.write(t)
             self._advanced_to = t
 
     def _gpu(self, handle: SimHandle) -> GpuState:
@@ -124,6 +148,8 @@ class SimulatedNvml(NvmlCurrent):
         return self._node.scenario.driver_version
 
     def nvmlDeviceGetCount(self) -> int:
+        with self._lock:
+            self._advance()  # the fabric moves even when only the inventory asks
         return len(self._node.gpus)
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> SimHandle:

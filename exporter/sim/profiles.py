@@ -31,6 +31,8 @@ class Profile:
     power_limit_watts: float
     pcie_generation: int
     fabric: bool = True              # NVSwitch fabric registration (nvmlDeviceGetGpuFabricInfoV)
+    nics: int = 8                    # ConnectX-7 NICs (400 Gb/s NDR): one per GPU on HGX H100/H200
+    fabric_manager: bool = True      # nvidia-fabricmanager on the node (GB200: on the NVLink switch trays)
     unsupported: frozenset[str] = field(default_factory=frozenset)  # NVML function names
     recorded: str = ""               # the device fixture this profile was refined with
 
@@ -44,8 +46,10 @@ PROFILES = {
     p.name: p for p in (
         Profile("h100-sxm", "NVIDIA H100 80GB HBM3", 81559, 18, 4, 0x233010DE, 700.0, 5),
         Profile("h200", "NVIDIA H200", 143771, 18, 4, 0x233510DE, 700.0, 5),
-        Profile("b200", "NVIDIA B200", 183359, 18, 5, 0x290110DE, 1000.0, 6, unsupported=_NO_LEGACY_NVLINK),
-        Profile("gb200", "NVIDIA GB200", 189471, 18, 5, 0x294110DE, 1200.0, 6, unsupported=_NO_LEGACY_NVLINK),
+        Profile("b200", "NVIDIA B200", 183359, 18, 5, 0x290110DE, 1000.0, 6, unsupported=_NO_LEGACY_NVLINK,
+                nics=4),
+        Profile("gb200", "NVIDIA GB200", 189471, 18, 5, 0x294110DE, 1200.0, 6, unsupported=_NO_LEGACY_NVLINK,
+                nics=4, fabric_manager=False),
     )
 }
 DEFAULT_PROFILE = "h100-sxm"

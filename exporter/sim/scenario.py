@@ -13,12 +13,13 @@ from typing import Annotated, Any
 
 import yaml
 from gpuhealth.contract.duration import Offset
-from gpuhealth.contract.faults import APP_XIDS, FAULT_XIDS
-from gpuhealth.contract.faults import NODE_NOISE_KINDS as NOISE_KINDS
+from gpuhealth.contract.faults import APP_XIDS, FABRIC_KINDS, FAULT_XIDS, NODE_NOISE_KINDS
 from gpuhealth.contract.validation import Location, Model, OneOf, problems
 from pydantic import Field, ValidationError
 
 HBM_XIDS = tuple(sorted(FAULT_XIDS["hbm_degradation"]))
+# switch_reboot is a fleet kind (a rack's ports together); one node plays its share: its own ports
+NOISE_KINDS = (*NODE_NOISE_KINDS, "switch_reboot")
 
 # kind -> (default precursor or duration seconds, extra keys it accepts)
 _KIND_KEYS: dict[str, tuple[float, dict[str, type]]] = {
@@ -44,8 +45,15 @@ _KIND_KEYS: dict[str, tuple[float, dict[str, type]]] = {
     "warm_gpu": (600.0, {"delta_celsius": float}),
     "slow_nvml": (60.0, {}),
     "power_brake": (60.0, {}),
+    "ib_link_flap": (600.0, {"nic": int}),
+    "ib_symbol_errors": (600.0, {"nic": int}),
+    "ib_rate_downgrade": (60.0, {"nic": int, "rate_gbps": float}),
+    "nvswitch_fatal": (60.0, {"count": int}),
+    "ib_boot_flap": (30.0, {"nic": int}),
+    "switch_reboot": (300.0, {}),
 }
 _NODE_WIDE = ("hot_aisle", "idle_node", "app_xid", "slow_nvml", "power_brake")
+_NIC_KINDS = ("ib_link_flap", "ib_symbol_errors", "ib_rate_downgrade", "ib_boot_flap")  # take ``nic``
 
 
 class ScenarioError(ValueError):
@@ -110,12 +118,16 @@ class FaultEntry(Model):
     count: Index | None = None
     delta_celsius: float | None = None
     watts: NonNegative | None = None
+    nic: Index | None = None  # the NIC (mlx5_<nic>) of an InfiniBand kind
+    rate_gbps: Annotated[float, Field(gt=0)] | None = None
 
     def build(self, gpus: int) -> Fault:
         default, extra = _KIND_KEYS[self.kind]
         length = self.duration if self.kind in NOISE_KINDS else self.precursor
         if self.kind in _NODE_WIDE:
             indices = tuple(range(gpus)) if self.gpus is None else tuple(self.gpus)
+        elif self.kind in FABRIC_KINDS:
+            indices = ()  # the node's fabric, not a GPU
         else:
             indices = (self.gpu or 0,)
         given = {key: (cast, getattr(self, key)) for key, cast in extra.items()}
@@ -130,6 +142,7 @@ class Scenario:
     nvlinks: int = 18
     driver_version: str = "550.54.15"
     seed: int = 0
+    nics: int | None = None  # InfiniBand NICs; None: the hardware profile's
     workload: Workload = field(default_factory=Workload)
     processes: tuple[Process, ...] = ()
     faults: tuple[Fault, ...] = ()
@@ -143,6 +156,7 @@ class ScenarioFile(Model):
     nvlinks: Index = 18
     driver_version: str = "550.54.15"
     seed: Index = 0
+    nics: Index | None = None  # InfiniBand NICs (default: 8 on h100-sxm and h200, 4 on b200 and gb200)
     workload: Workload = Workload()
     processes: list[Process] = Field(default_factory=list)
     faults: list[FaultEntry] = Field(default_factory=list)
@@ -153,11 +167,13 @@ class ScenarioFile(Model):
         gpus = gpus if isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 1 else 8
         nvlinks = data.get("nvlinks", 18)
         nvlinks = nvlinks if isinstance(nvlinks, int) and not isinstance(nvlinks, bool) else 18
+        nics = data.get("nics")
+        nics = nics if isinstance(nics, int) and not isinstance(nics, bool) else None
         found: list[tuple[Location, str]] = []
         for i, raw in _entries(data.get("processes")):
             found += [(("processes", i, *loc), text) for loc, text in _gpu_problems(raw, "gpus", gpus)]
         for i, raw in _entries(data.get("faults")):
-            found += [(("faults", i, *loc), text) for loc, text in _fault_problems(raw, gpus, nvlinks)]
+            found += [(("faults", i, *loc), text) for loc, text in _fault_problems(raw, gpus, nvlinks, nics)]
         return found
 
 
@@ -176,19 +192,27 @@ def _gpu_problems(raw: dict[str, Any], key: str, gpus: int) -> list[tuple[Locati
             if isinstance(g, int) and not isinstance(g, bool) and g >= gpus]
 
 
-def _fault_problems(raw: dict[str, Any], gpus: int, nvlinks: int) -> list[tuple[Location, str]]:
-    """The keys a kind takes, its GPU, its XID and its link."""
+def _fault_problems(raw: dict[str, Any], gpus: int, nvlinks: int, nics: int | None
+                    ) -> list[tuple[Location, str]]:
+    """The keys a kind takes, its GPU or NIC, its XID and its link."""
     kind = raw.get("kind")
     if not isinstance(kind, str) or kind not in _KIND_KEYS:
         return []
     extra = _KIND_KEYS[kind][1]
     length = "duration" if kind in NOISE_KINDS else "precursor"
-    allowed = {"kind", "gpu", "start", length, *extra} | ({"gpus"} if kind in _NODE_WIDE else set())
+    allowed = {"kind", "start", length, *extra} | ({"gpus"} if kind in _NODE_WIDE else set()) | \
+        ({"gpu"} if kind not in FABRIC_KINDS else set())
     found: list[tuple[Location, str]] = [
         ((key,), f"unknown key for {kind} (known: {', '.join(sorted(allowed))})") for key in raw
         if key not in allowed and key in FaultEntry.model_fields]
-    if kind not in _NODE_WIDE and "gpu" not in raw:
+    if kind not in _NODE_WIDE and kind not in FABRIC_KINDS and "gpu" not in raw:
         found.append((("gpu",), f"{kind} needs 'gpu'"))
+    if kind in _NIC_KINDS:
+        nic = raw.get("nic")
+        if "nic" not in raw:
+            found.append((("nic",), f"{kind} needs 'nic'"))
+        elif nics is not None and isinstance(nic, int) and nic >= nics:
+            found.append((("nic",), f"NIC {nic} does not exist (the scenario has {nics})"))
     found += _gpu_problems(raw, "gpus" if kind in _NODE_WIDE else "gpu", gpus)
     xid = raw.get("xid")
     if kind == "hbm_degradation" and xid is not None and xid not in HBM_XIDS:
@@ -212,8 +236,8 @@ def parse_scenario(data: Any, source: str = "scenario") -> Scenario:
     except ValidationError as exc:
         raise ScenarioError(source, problems(exc)) from None
     return Scenario(gpus=spec.gpus, model=spec.model, nvlinks=spec.nvlinks,
-                    driver_version=spec.driver_version, seed=spec.seed, workload=spec.workload,
-                    processes=tuple(spec.processes),
+                    driver_version=spec.driver_version, seed=spec.seed, nics=spec.nics,
+                    workload=spec.workload, processes=tuple(spec.processes),
                     faults=tuple(entry.build(spec.gpus) for entry in spec.faults))
 
 

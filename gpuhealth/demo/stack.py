@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from gpuhealth.contract.faults import FABRIC_KINDS
 from gpuhealth.contract.faults import NODE_NOISE_KINDS as NOISE_KINDS
 from gpuhealth.demo import deployment
 from gpuhealth.local.process import ManagedProcess, ProcessError, free_port, http_ok, wait_until
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 OVERLAY = deployment.REPO / "rules" / "overlays" / "demo.yaml"
 NODE_WIDE_KINDS = ("hot_aisle", "idle_node", "app_xid", "slow_nvml", "power_brake")
 WEBHOOK_STAMP = re.compile(r"ts=(\S+ \S+) ")
+NIC_KINDS = ("ib_link_flap", "ib_symbol_errors", "ib_rate_downgrade", "ib_boot_flap")  # on the GPU's own NIC
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,9 @@ class Fault:
     def scenario_entry(self) -> dict[str, Any]:
         """This event as an entry of the exporter simulator's scenario file (exporter/README.md)."""
         entry: dict[str, Any] = {"kind": self.kind, "start": 0, **self.params}
-        if self.kind not in NODE_WIDE_KINDS:
+        if self.kind in NIC_KINDS:
+            entry["nic"] = self.gpu  # HGX: NIC i sits on GPU i's PCIe switch
+        elif self.kind not in NODE_WIDE_KINDS and self.kind not in FABRIC_KINDS:
             entry["gpu"] = self.gpu
         entry["duration" if self.is_noise else "precursor"] = self.duration
         return entry

@@ -10,7 +10,7 @@ import numpy as np
 from gpuhealth.evaluation.alerts import AlertRun
 from gpuhealth.evaluation.matching import LONG_PRECURSOR, Score, noise_near, wilson
 from gpuhealth.evaluation.rulefiles import RuleSet
-from gpuhealth.evaluation.scenario import ALL_FAULT_KINDS, Noise, Scenario
+from gpuhealth.evaluation.scenario import FAULT_KINDS, Noise, Scenario
 
 STATUSES = ("predicted", "late_warning", "detected", "missed")
 
@@ -62,7 +62,7 @@ def summary(
     recall = _share(sum(o.status != "missed" for o in outcomes), n)
     late = _share(score.count("late_warning"), n)
     per_kind: dict[str, Any] = {}
-    for kind in ALL_FAULT_KINDS:
+    for kind in FAULT_KINDS:
         mine = [o for o in outcomes if o.failure.kind == kind]
         if mine:
             per_kind[kind] = {

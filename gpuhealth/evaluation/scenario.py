@@ -33,9 +33,6 @@ from gpuhealth.contract.duration import parse_duration as prometheus_duration
 
 # The fault vocabulary (kinds, their XIDs) is docs/contract.md's, shared with the exporter's simulator.
 from gpuhealth.contract.faults import (
-    FABRIC_FAULT_KINDS,
-    FABRIC_NOISE_KINDS,
-    FABRIC_SUDDEN_KINDS,
     FAULT_KINDS,
     FAULT_XIDS,
     NOISE_KINDS,
@@ -63,9 +60,6 @@ FIELD_SHARES = {
     "nvswitch_fatal": 2.0,
 }
 # Every fault and noise kind a scenario may name: the shared vocabulary and the fabric kinds.
-ALL_FAULT_KINDS = (*FAULT_KINDS, *FABRIC_FAULT_KINDS)
-ALL_NOISE_KINDS = (*NOISE_KINDS, *FABRIC_NOISE_KINDS)
-SUDDEN = (*SUDDEN_KINDS, *FABRIC_SUDDEN_KINDS)
 NO_XID = (0,)  # Failure.xid of a fabric fault: it logs no XID
 # Benign kinds about one GPU; ``GPU_OPTIONAL`` may name one GPU or leave the choice to the draw.
 GPU_NOISE = (
@@ -204,9 +198,9 @@ class Shares:
                            "additionalProperties": {"type": "number", "minimum": 0}}]}
 
 
-FaultKind = Annotated[str, OneOf(ALL_FAULT_KINDS)]
+FaultKind = Annotated[str, OneOf(FAULT_KINDS)]
 Start = Annotated[float, PlainValidator(_start), WithJsonSchema({"type": "string", "format": "date-time"})]
-NoiseKind = Annotated[str, OneOf(ALL_NOISE_KINDS)]
+NoiseKind = Annotated[str, OneOf(NOISE_KINDS)]
 
 
 class Fleet(Model):
@@ -284,7 +278,7 @@ class RandomFailures(Model):
 
 class RandomNoise(Model):
     count: Count = 0
-    kinds: Annotated[dict[str, float], Shares(ALL_NOISE_KINDS)] = Field(
+    kinds: Annotated[dict[str, float], Shares(NOISE_KINDS)] = Field(
         default_factory=lambda: dict.fromkeys(NOISE_KINDS, 1.0))
 
 
@@ -460,10 +454,10 @@ def _pair(pair: list[Any]) -> tuple[Any, Any]:
 
 
 def _failure(item: FailureSpec) -> Failure:
-    sudden = item.kind in SUDDEN or item.shape == "none"
+    sudden = item.kind in SUDDEN_KINDS or item.shape == "none"
     onset = item.failure if sudden or item.onset is None else item.onset
     xid = FAULT_XIDS.get(item.kind, NO_XID)[0] if item.xid is None else item.xid
-    shape = "none" if item.kind in SUDDEN else item.shape
+    shape = "none" if item.kind in SUDDEN_KINDS else item.shape
     return Failure(item.node, item.gpu, item.kind, onset, item.failure, xid, item.strength, shape,
                    item.first_xid, item.repaired)
 
@@ -546,15 +540,15 @@ def _failure_problems(
     item: dict[str, Any], fleet: Fleet, duration: float | None
 ) -> list[tuple[Location, str]]:
     found = _location_problems(item, fleet, gpu_required=False)
-    kind = item.get("kind") if item.get("kind") in ALL_FAULT_KINDS else None
+    kind = item.get("kind") if item.get("kind") in FAULT_KINDS else None
     if kind is None:
         return found
     found += _port_problems(item, fleet)
-    sudden = kind in SUDDEN or item.get("shape") == "none"
+    sudden = kind in SUDDEN_KINDS or item.get("shape") == "none"
     failure = _read(Seconds(), item.get("failure"))
     onset = _read(Seconds(positive=False), item.get("onset")) if "onset" in item else None
     if sudden and "onset" in item:
-        what = kind if kind in SUDDEN else f"{kind} with shape none"
+        what = kind if kind in SUDDEN_KINDS else f"{kind} with shape none"
         found.append((("onset",), f"{what} has no precursor; leave onset out"))
     elif not sudden and "onset" not in item:
         found.append((("onset",), "required"))
@@ -596,7 +590,7 @@ def _port_problems(item: dict[str, Any], fleet: Fleet) -> list[tuple[Location, s
 def _noise_problems(
     item: dict[str, Any], fleet: Fleet, duration: float | None
 ) -> list[tuple[Location, str]]:
-    kind = item.get("kind") if item.get("kind") in ALL_NOISE_KINDS else None
+    kind = item.get("kind") if item.get("kind") in NOISE_KINDS else None
     found = _location_problems(item, fleet, gpu_required=kind in GPU_NOISE) + _port_problems(item, fleet)
     if kind is not None and item.get("gpu") is not None and kind not in GPU_NOISE + GPU_OPTIONAL_NOISE:
         found.append((("gpu",), f"{kind} is node-wide; leave gpu out"))
@@ -656,7 +650,7 @@ def _random_failures(
     drawn: list[Failure] = []
     for kind in order:
         for _ in range(500):
-            shape = "none" if kind in SUDDEN else rng.choices(list(shapes), list(shapes.values()))[0]
+            shape = "none" if kind in SUDDEN_KINDS else rng.choices(list(shapes), list(shapes.values()))[0]
             lead = 0.0 if shape == "none" else _loguniform(rng, low, high)
             hard = rng.uniform(lead + 600, duration - 1800)
             node = rng.choices(names, node_weights)[0]

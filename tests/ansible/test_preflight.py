@@ -25,6 +25,8 @@ CASES = {
                                                    "gpuhealth_exporter_slurm_healthcheck_validate": True},
                                      "runs from the Slurm health check: set "
                                      "gpuhealth_exporter_slurm_healthcheck: true too"),
+    "bad-nic-rate": ("gpu_nodes", {"gpuhealth_exporter_fabric_expected_rate_gbps": {"mlx5_0": "fast"}},
+                     "gpuhealth_exporter_fabric_expected_rate_gbps must be 0 (not checked), a rate in Gb/s"),
     "no-token": ("gpuhealth_webhook", {"gpuhealth_webhook_token": ""}, "gpuhealth_webhook_token must be set"),
     "bad-backend": ("gpuhealth_webhook", {"gpuhealth_webhook_backend": {"type": "pbs"}},
                     "gpuhealth_webhook_backend.type must be one of slurm, kubernetes, command, simulated"),

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import BIN
+from gpuhealth.exporter.collector import load_collectors
+from gpuhealth.exporter.config import build_settings
 from gpuhealth.rules.catalogue import REMOTE_WRITE_SERIES
 from rendering import render, render_to
 from wheelhouse import ROOT
@@ -157,6 +159,27 @@ def test_exporter_config_has_only_what_is_set(tmp_path: Path):
         "gpuhealth_exporter_settings": {"sampling_window": 30, "collectors": {"nfs": False}}}))
     assert full == {"state_dir": f"{tmp_path}/var/lib/gpuhealth-exporter", "gpus_expected": 8,
                     "kmsg_path": "/var/log/kern.log", "sampling_window": 30, "collectors": {"nfs": False}}
+
+
+@pytest.mark.parametrize(("rate", "switches", "fabric"), [
+    (0, {}, None),
+    (400, {}, {"expected_rate_gbps": 400.0}),
+    ({"mlx5_0": 400, "mlx5_8": 200}, {"mlx5_0": "leaf-r3-a"},
+     {"expected_rate_gbps": {"mlx5_0": 400, "mlx5_8": 200}, "switches": {"mlx5_0": "leaf-r3-a"}}),
+    (0, {"mlx5_1": "leaf-r3-b"}, {"switches": {"mlx5_1": "leaf-r3-b"}}),
+])
+def test_exporter_fabric_settings_reach_the_exporter(rate: object, switches: dict, fabric: dict | None):
+    config = yaml.safe_load(render("gpuhealth_exporter", "exporter.yml.j2", {
+        "gpuhealth_exporter_fabric_expected_rate_gbps": rate,
+        "gpuhealth_exporter_fabric_switches": switches}))
+    assert config.get("fabric") == fabric
+    del config["state_dir"]  # not on this machine
+    settings = build_settings(config, {}, list(load_collectors())).fabric
+    assert settings.switches == switches
+    if isinstance(rate, dict):
+        assert settings.expected_rate("mlx5_8") == 200 * 1e9 / 8
+    else:
+        assert settings.expected_rate("mlx5_0") == (rate * 1e9 / 8 if rate else None)
 
 
 def test_managed_header_is_optional():

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from gpuhealth.contract.faults import (
     FABRIC_FAULT_KINDS,
-    FABRIC_NOISE_KINDS,
     FALLS_OFF_BUS_KINDS,
     FAULT_KINDS,
     NOISE_KINDS,
@@ -42,16 +41,16 @@ def families() -> dict[str, Family]:
 
 
 def test_every_kind_of_the_vocabulary_has_one_class_and_one_place_in_the_fold() -> None:
-    assert set(FAULTS) == {*FAULT_KINDS, *FABRIC_FAULT_KINDS}
-    assert set(NOISE) == {*NOISE_KINDS, *FABRIC_NOISE_KINDS}
+    assert set(FAULTS) == set(FAULT_KINDS)
+    assert set(NOISE) == set(NOISE_KINDS)
     folded = [kind for kinds in FOLD_ORDER for kind in kinds]
-    assert sorted(folded) == sorted((*FAULT_KINDS, *NOISE_KINDS, *FABRIC_FAULT_KINDS, *FABRIC_NOISE_KINDS))
+    assert sorted(folded) == sorted((*FAULT_KINDS, *NOISE_KINDS))
 
 
 def test_the_kinds_scenario_holds_every_kind() -> None:
     scenario = signals().scenario
-    assert {f.kind for f in scenario.failures} == {*FAULT_KINDS, *FABRIC_FAULT_KINDS}
-    assert {n.kind for n in scenario.noise} == {*NOISE_KINDS, *FABRIC_NOISE_KINDS}
+    assert {f.kind for f in scenario.failures} == set(FAULT_KINDS)
+    assert {n.kind for n in scenario.noise} == set(NOISE_KINDS)
 
 
 def test_every_family_is_in_the_exporters_table_with_its_type() -> None:

@@ -264,7 +264,7 @@ def test_the_shipped_rules_evaluate_cleanly_on_small_scenario(tmp_path: Path) ->
 def test_every_kind_runs_end_to_end_and_plots_a_false_alarm(tmp_path: Path, rules_dir: Path) -> None:
     """kinds.yaml holds every fault kind, precursor shape and benign kind: it runs through the real
     Prometheus, and a false alarm a naive rule raises on a benign event can be drawn."""
-    from gpuhealth.evaluation.scenario import ALL_FAULT_KINDS, ALL_NOISE_KINDS
+    from gpuhealth.evaluation.scenario import FAULT_KINDS, NOISE_KINDS
 
     kinds = SMALL.parent / "kinds.yaml"
     out, png = tmp_path / "result.json", tmp_path / "false-alarm.png"
@@ -272,8 +272,8 @@ def test_every_kind_runs_end_to_end_and_plots_a_false_alarm(tmp_path: Path, rule
     assert main([*argv, "--plot", str(png), "--plot-false-alarm"]) == 0
     result = json.loads(out.read_text())
     assert result["rule_errors"] == {}
-    assert {d["kind"] for d in result["failures_detail"]} == set(ALL_FAULT_KINDS)
-    assert set(result["noise_by_kind"]) == set(ALL_NOISE_KINDS)
+    assert {d["kind"] for d in result["failures_detail"]} == set(FAULT_KINDS)
+    assert set(result["noise_by_kind"]) == set(NOISE_KINDS)
     details = {(d["node"], d["gpu"]): d for d in result["failures_detail"]}
     # the HBM fault that logs a contained XID 94 at 42 h: its instant is that XID, not the death at 44 h
     early = details[("gpu-000", 4)]

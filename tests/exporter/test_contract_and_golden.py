@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from exporter_helpers import GOLDEN, promtool_check
 from gpuhealth.contract.faults import (
+    FABRIC_KINDS,
     FALLS_OFF_BUS_KINDS,
     FAULT_KINDS,
     FAULT_XIDS,
@@ -20,8 +21,9 @@ from gpuhealth.contract.metrics import CLOCK_EVENT_REASONS, COLLECTORS
 from gpuhealth.exporter import nvml_reader
 from gpuhealth.exporter.collector import load_collectors
 from gpuhealth.exporter.metrics import SPECS
+from gpuhealth.exporter.sim.fabric import FabricRun
 from gpuhealth.exporter.sim.gpu import FaultRun, Node
-from gpuhealth.exporter.sim.scenario import parse_scenario
+from gpuhealth.exporter.sim.scenario import NOISE_KINDS, parse_scenario
 
 CONTRACT = Path(__file__).parents[2] / "docs" / "contract.md"
 
@@ -74,11 +76,17 @@ def test_the_shared_clock_event_reasons_are_the_ones_the_exporter_reads() -> Non
     assert tuple(nvml_reader.CLOCK_EVENT_REASONS) == CLOCK_EVENT_REASONS
 
 
+GPU_FAULT_KINDS = tuple(kind for kind in FAULT_KINDS if kind not in FABRIC_KINDS)
+
+
 def test_the_simulator_implements_every_fault_and_node_noise_kind() -> None:
-    for kind in (*FAULT_KINDS, *NODE_NOISE_KINDS):
-        assert callable(getattr(FaultRun, f"_{kind}", None)), kind
+    assert set(NODE_NOISE_KINDS) <= set(NOISE_KINDS)
+    for kind in (*FAULT_KINDS, *NOISE_KINDS):
+        run = FabricRun if kind in FABRIC_KINDS else FaultRun
+        assert callable(getattr(run, f"_{kind}", None)), kind
     for kind in FAULT_KINDS:
-        assert callable(getattr(FaultRun, f"_fail_{kind}", None)), kind
+        run = FabricRun if kind in FABRIC_KINDS else FaultRun
+        assert callable(getattr(run, f"_fail_{kind}", None)), kind
 
 
 def _logged(kind: str) -> tuple[set[int], bool]:
@@ -95,7 +103,7 @@ def _logged(kind: str) -> tuple[set[int], bool]:
     return xids, node.gpus[0].lost
 
 
-@pytest.mark.parametrize("kind", FAULT_KINDS)
+@pytest.mark.parametrize("kind", GPU_FAULT_KINDS)
 def test_the_simulators_faults_log_the_shared_xids(kind: str) -> None:
     xids, lost = _logged(kind)
     wear = {63} if kind == "hbm_degradation" else set()  # rows remapped while HBM wears out

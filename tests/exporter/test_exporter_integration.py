@@ -23,6 +23,8 @@ FAULTS = {"gpus": 4, "nvlinks": 2, "faults": [
     {"kind": "hbm_degradation", "gpu": 2, "start": 0, "precursor": 4, "xid": 95},
     {"kind": "nvlink_errors", "gpu": 1, "link": 1, "precursor": 3},
     {"kind": "fell_off_bus", "gpu": 3, "start": 2},
+    {"kind": "ib_rate_downgrade", "nic": 2, "precursor": 3},
+    {"kind": "nvswitch_fatal", "precursor": 2, "count": 1},
 ]}
 
 
@@ -88,6 +90,16 @@ def test_faults_show_on_the_right_gpu_in_prometheus(node) -> None:
     assert value(prometheus, 'gpuhealth_gpu_up{gpu="0"}') == 1
     assert value(prometheus, 'sum(gpuhealth_gpu_ecc_errors_total{type="corrected",counter="volatile",'
                              'gpu!="2"})') == 0
+    # the fabric, from the simulator's sysfs tree: NIC 2 retrained at 200 Gb/s, beside GPU 1
+    eventually(prometheus, 'gpuhealth_nic_port_rate_bytes_per_second{device="mlx5_2"} '
+                           '< gpuhealth_nic_port_expected_rate_bytes_per_second')
+    eventually(prometheus, 'gpuhealth_sxid_events_total{severity="fatal"} == 1')
+    assert value(prometheus, 'gpuhealth_nic_port_rate_bytes_per_second{device="mlx5_2"}') == 2.5e10
+    assert value(prometheus, 'count(gpuhealth_nic_port_up == 1)') == 8
+    assert value(prometheus, 'gpuhealth_nic_gpu_affinity_info{device="mlx5_2",gpu="1",'
+                             'scope="pcie_switch"}') == 1
+    eventually(prometheus, 'gpuhealth_fabric_manager_up == 1')
+    assert value(prometheus, 'gpuhealth_gpus_expected') == 4  # counted on the simulated PCI bus
     assert value(prometheus, 'min(gpuhealth_collector_success)') == 1
     assert value(prometheus, 'gpuhealth_kmsg_lines_total{result="malformed"}') == 0
     promtool_check(exporter.scrape())

@@ -19,7 +19,7 @@ from gpuhealth.exporter.nvml_errors import UNCOUNTED, Reaction, error_label, rea
 from gpuhealth.exporter.sim.nvml import SimulatedNvml
 from gpuhealth.exporter.sim.scenario import parse_scenario
 from gpuhealth.exporter.validate import APPLICATION_XIDS, Options, main, seconds_after_boot, validate
-from gpuhealth.exporter.validate_checks import Check, KernelLog
+from gpuhealth.exporter.validate_checks import Check, KernelLog, NicPorts
 from test_nvml_errors import ERRORS, GPU_DOWN, NVML_DOWN
 
 PASSED, FAILED, CANNOT = 0, 1, 2
@@ -43,12 +43,69 @@ def run(nvml: SimulatedNvml, **options: Any) -> tuple[int, dict[str, Check]]:
 def test_a_healthy_node_passes_every_check() -> None:
     code, checks = run(sim({"driver_version": NEW_DRIVER}))
     assert code == PASSED
-    assert list(checks) == ["nvml", "gpus_visible", "row_remap", "recovery_action", "fabric", "ecc_mode",
-                            "temperature", "xid"]
-    assert all(check.ok is True for name, check in checks.items() if name != "xid"), checks
+    assert list(checks) == ["nvml", "gpus_visible", "row_remap", "recovery_action", "fabric", "nic_ports",
+                            "ecc_mode", "temperature", "xid"]
+    assert checks["nic_ports"].ok is None  # no port expected
+    assert all(check.ok is True for name, check in checks.items() if name not in ("xid", "nic_ports")), checks
     assert checks["xid"].ok is None  # no kernel log given
     assert checks["gpus_visible"].value["answering"] == 8
     assert checks["recovery_action"].value == {str(i): "none" for i in range(8)}
+
+
+def sim_with_nics(tmp_path: Path, faults: list[dict[str, Any]]) -> SimulatedNvml:
+    """A simulated node one second into ``faults``, its sysfs tree (8 NDR NICs) under ``tmp_path``."""
+    clock = FakeClock()
+    nvml = SimulatedNvml(parse_scenario({"faults": faults}), clock=clock, sleep=lambda seconds: None,
+                         sysfs=tmp_path)
+    clock.advance(1.0)
+    return nvml
+
+
+def test_every_nic_port_up_at_its_rate_passes(tmp_path: Path) -> None:
+    code, checks = run(sim_with_nics(tmp_path, []), nic_ports=NicPorts(tmp_path, (), 400))
+    assert code == PASSED
+    assert (checks["nic_ports"].ok, checks["nic_ports"].detail) == (True, "8 NIC ports up at 400 Gb/s")
+    assert checks["nic_ports"].value["mlx5_7:1"] == {"up": True, "state": 4, "physical_state": 5,
+                                                     "rate_gbps": 400.0}
+
+
+@pytest.mark.parametrize(("fault", "ports", "problem"), [
+    ({"kind": "ib_rate_downgrade", "nic": 5, "precursor": 0}, (),
+     "mlx5_5 port 1 at 200 Gb/s, expected 400 Gb/s"),
+    ({"kind": "ib_link_flap", "nic": 2, "precursor": 0}, (("mlx5_2", "1"), ("mlx5_3", "1")),
+     "mlx5_2 port 1 down (state 1, physical state 2)"),
+    ({"kind": "switch_reboot", "duration": 600}, (("mlx5_0", "1"),),
+     "mlx5_0 port 1 down (state 1, physical state 2)"),
+    ({"kind": "ib_boot_flap", "nic": 0, "start": 3600}, (("mlx5_0", "1"), ("mlx5_9", "1")),
+     "mlx5_9 port 1 missing"),
+])
+def test_a_port_down_slow_or_missing_fails(tmp_path: Path, fault: dict[str, Any], ports: tuple,
+                                           problem: str) -> None:
+    code, checks = run(sim_with_nics(tmp_path, [fault]), nic_ports=NicPorts(tmp_path, ports, 400))
+    assert code == FAILED
+    assert (checks["nic_ports"].ok, checks["nic_ports"].detail) == (False, problem)
+
+
+def test_ports_without_a_rate_only_need_to_be_up_and_no_port_at_all_fails(tmp_path: Path) -> None:
+    fixture = Path(__file__).parent / "fixtures" / "sysfs-fabric"  # mlx5_2 runs at 200 Gb/s, mlx5_1 is down
+    code, checks = run(sim({"gpus": 2}), nic_ports=NicPorts(fixture, (("mlx5_0", "1"), ("mlx5_2", "1"))))
+    assert (code, checks["nic_ports"].ok, checks["nic_ports"].detail) == (PASSED, True, "2 NIC ports up")
+    code, checks = run(sim({"gpus": 2}), nic_ports=NicPorts(fixture, (), None))
+    assert checks["nic_ports"].detail == "mlx5_1 port 1 down (state 1, physical state 2)"
+    code, checks = run(sim({"gpus": 2}), nic_ports=NicPorts(tmp_path, (), 400))
+    assert code == FAILED and checks["nic_ports"].detail.startswith("no InfiniBand/RoCE port under")
+
+
+def test_cli_checks_the_simulated_ports(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, verdict, err = cli(capsys, "--backend", "sim", "--nic-rate-gbps", "400")
+    assert code == 0, err
+    assert {check["name"]: check["detail"] for check in verdict["checks"]}["nic_ports"] == \
+        "8 NIC ports up at 400 Gb/s"
+    scenario = tmp_path / "faults.yml"
+    scenario.write_text(yaml.safe_dump({"faults": [{"kind": "ib_symbol_errors", "nic": 3, "precursor": 0}]}))
+    code, verdict, err = cli(capsys, "--backend", "sim", "--sim-profile", "b200", "--scenario", str(scenario),
+                             "--nic-ports", "mlx5_0,mlx5_3:1")
+    assert code == 1 and verdict["failed"] == ["nic_ports"]
 
 
 def test_a_driver_before_r565_has_no_recovery_action_to_check() -> None:
@@ -367,6 +424,9 @@ def test_cli_without_an_nvidia_driver_cannot_check(capsys: pytest.CaptureFixture
     (["--backend", "sim", "--site-timeout", "0"], "expected a positive number"),
     (["--backend", "sim", "--gpus-expected", "2.5"], "expected a whole number"),
     (["--backend", "sim", "--xid-ignore", "79,x"], "expected XID numbers"),
+    (["--backend", "sim", "--nic-ports", "mlx5_0:x"], "expected HCA[:PORT]"),
+    (["--backend", "sim", "--nic-ports", "../etc"], "expected HCA[:PORT]"),
+    (["--backend", "sim", "--nic-rate-gbps", "-400"], "expected a positive number"),
 ])
 def test_cli_usage_errors_exit_2_with_a_message(capsys: pytest.CaptureFixture[str], argv: list[str],
                                                 message: str) -> None:
