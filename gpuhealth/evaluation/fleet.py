@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from gpuhealth.evaluation.blocks import BlockWriter
 from gpuhealth.evaluation.expand import Expander
-from gpuhealth.evaluation.openmetrics import BlockFiles, Thinning, write_blocks
+from gpuhealth.evaluation.openmetrics import Thinning
 from gpuhealth.evaluation.progress import Progress
 from gpuhealth.evaluation.ranges import grid, label_text, range_matrix
 from gpuhealth.evaluation.rulefiles import RuleSet, load_rules, selectors, subqueries
@@ -118,24 +119,19 @@ def run_parallel(
             proc.wait()
 
 
-def backfill_series(
-    signals: FleetSignals, selection: Selection, workdir: Path, data_dir: Path, *, progress: bool
-) -> int:
-    """Write the fleet's series as OpenMetrics and turn them into TSDB blocks in ``data_dir``."""
-    staging = workdir / "openmetrics"
+def backfill_series(signals: FleetSignals, selection: Selection, data_dir: Path, *, progress: bool) -> int:
+    """Write the fleet's series as TSDB blocks in ``data_dir``; return the sample count."""
     families = [name for name in signals.builders if selection.family_wanted(name)]
     with Progress("generating series", len(families), enabled=progress) as bar:
-
-        def counted() -> Iterator[Any]:
-            for family in signals.families(selection.family_wanted):
-                yield family
-                bar.advance()
-
-        paths, samples = write_blocks(counted(), staging, signals.timeline, selection)
-    log.info("series written samples=%d files=%d", samples, len(paths))
-    promtool_blocks(paths, data_dir, "backfilling blocks", progress=progress, workdir=workdir)
-    shutil.rmtree(staging, ignore_errors=True)
-    return samples
+        writer = BlockWriter(data_dir, signals.timeline)
+        for family in signals.families(selection.family_wanted):
+            selection.write(family, writer)
+            bar.advance()
+    with Progress("writing block indexes", 1, enabled=progress) as bar:
+        paths = writer.close()
+        bar.advance()
+    log.info("series written samples=%d blocks=%d", writer.samples, len(paths))
+    return writer.samples
 
 
 def promtool_blocks(paths: list[Path], out: Path, label: str, *, progress: bool, workdir: Path) -> None:
@@ -158,22 +154,19 @@ def add_series(
 ) -> None:
     """Add series to a running Prometheus, each batch's families sampled at its ``times``: backfill
     them beside the TSDB, then restart Prometheus on its data directory with the new blocks in place."""
-    staging = workdir / "staging"
-    paths: list[Path] = []
-    for index, (families, times) in enumerate(batches):
-        step = float(times[1] - times[0]) if times.size > 1 else 60.0
-        files = BlockFiles(staging / str(index), Timeline(float(times[0]), step, times.size))
-        try:
+    blocks = workdir / "staging"
+    with Progress(label, len(batches), enabled=progress) as bar:
+        for families, times in batches:
+            step = float(times[1] - times[0]) if times.size > 1 else 60.0
+            writer = BlockWriter(blocks, Timeline(float(times[0]), step, times.size))
             for family in families:
-                files.write(family, Thinning(0, 0))
-        finally:
-            paths += files.close()
-    blocks = staging / "blocks"
-    promtool_blocks(paths, blocks, label, progress=progress, workdir=workdir)
+                writer.write(family, Thinning(0, 0))
+            writer.close()
+            bar.advance()
     server.stop()
     for block in blocks.iterdir():
         block.rename(server.data_dir / block.name)
-    shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(blocks, ignore_errors=True)
     server.start(timeout=300)
 
 
@@ -331,7 +324,7 @@ def backfilled_prometheus(
     signals = FleetSignals(scenario)
     selection = Selection.for_rules(rules, scenario.step)
     data_dir = workdir / "data"
-    samples = backfill_series(signals, selection, workdir, data_dir, progress=progress)
+    samples = backfill_series(signals, selection, data_dir, progress=progress)
     server = start_prometheus(workdir, data_dir, rules.interval if rules else 60.0)
     try:
         if rules is not None and record and rules.records:
