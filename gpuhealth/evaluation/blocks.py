@@ -15,6 +15,7 @@ link's state, a zero counter), which the index allows: a chunk reference is only
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -256,30 +257,38 @@ class BlockWriter:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.timeline = timeline
-        unix = timeline.unix
-        self.millis = unix.astype(np.int64) * 1000  # whole seconds, as the text path wrote them
-        self.window = (unix // BLOCK_SECONDS).astype(np.int64)
         self.windows: dict[int, _Window] = {}
         self.series: list[tuple[Labels, int]] = []  # label set, content id
-        self.contents: dict[tuple[Thinning, bytes], int] = {}
+        self.contents: dict[tuple[Thinning, tuple[float, float, int], bytes], int] = {}
         self.samples = 0
-        self._queue: list[tuple[int, np.ndarray]] = []  # (content id, kept sample indices)
+        self._queue: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []  # content, t, window, v
         self._queued = 0
-        self._values: dict[int, np.ndarray] = {}  # content id -> its kept values, until encoded
         self._sizes: dict[int, int] = {}  # content id -> samples kept
+        self._grids: dict[tuple[float, float, int], tuple[np.ndarray, np.ndarray]] = {}
 
-    def write(self, family: Family, thinning: Thinning) -> None:
-        """Add the family's series; series with the same values (and thinning) share their chunks."""
-        step = self.timeline.step
+    def _grid(self, timeline: Timeline) -> tuple[np.ndarray, np.ndarray]:
+        """The timeline's instants in ms (whole seconds, as the text path wrote them) and windows."""
+        key = (timeline.start, timeline.step, timeline.count)
+        if key not in self._grids:
+            unix = timeline.unix
+            self._grids[key] = (unix.astype(np.int64) * 1000, (unix // BLOCK_SECONDS).astype(np.int64))
+        return self._grids[key]
+
+    def write(self, family: Family, thinning: Thinning, timeline: Timeline | None = None) -> None:
+        """Add the family's series, sampled on ``timeline`` (the writer's by default); series with the
+        same samples share their chunks. Blocks written already get the series at the next ``close``."""
+        timeline = timeline or self.timeline
+        millis, window = self._grid(timeline)
+        grid = (timeline.start, timeline.step, timeline.count)
         for labels, values in family.series:
             values = np.ascontiguousarray(values, dtype=np.float64)
-            key = (thinning, hashlib.blake2b(values.data, digest_size=16).digest())
+            key = (thinning, grid, hashlib.blake2b(values.data, digest_size=16).digest())
             content = self.contents.get(key)
             if content is None:
                 content = self.contents[key] = len(self.contents)
-                kept = np.flatnonzero(thinning.keep(values, step))
-                self._queue.append((content, kept))
-                self._values[content] = values[kept] + 0.0  # -0.0 reads back as 0, as from text
+                kept = np.flatnonzero(thinning.keep(values, timeline.step))
+                # -0.0 reads back as 0, as it did from text
+                self._queue.append((content, millis[kept], window[kept], values[kept] + 0.0))
                 self._sizes[content] = kept.size
                 self._queued += kept.size
                 if self._queued >= BATCH_SAMPLES:
@@ -288,29 +297,31 @@ class BlockWriter:
             self.samples += self._sizes[content]
 
     def _open(self, window: int) -> _Window:
+        """The window's block, its chunk file open for appending."""
         if window not in self.windows:
             directory = self.directory / ulid(window * BLOCK_SECONDS * 1000)
             (directory / "chunks").mkdir(parents=True)
             handle = (directory / "chunks" / "000001").open("wb")
             handle.write(CHUNKS_HEADER)
             self.windows[window] = _Window(directory, handle, len(CHUNKS_HEADER))
-        return self.windows[window]
+        target = self.windows[window]
+        if target.handle.closed:
+            target.handle = (target.directory / "chunks" / "000001").open("ab")
+        return target
 
     def _flush(self) -> None:
         """Encode the queued contents and append their chunks to each window's chunk file."""
-        queue = [(c, k) for c, k in self._queue if k.size]
+        queue = [item for item in self._queue if item[1].size]
         self._queue, self._queued = [], 0
         if not queue:
             return
-        index = np.concatenate([k for _, k in queue])
-        t = self.millis[index]
-        window = self.window[index]
-        owner = np.repeat(np.arange(len(queue)), [k.size for _, k in queue])
-        first = np.ones(index.size, dtype=bool)
+        t, window, values = (np.concatenate([item[k] for item in queue]) for k in (1, 2, 3))
+        owner = np.repeat(np.arange(len(queue)), [item[1].size for item in queue])
+        first = np.ones(t.size, dtype=bool)
         first[1:] = (owner[1:] != owner[:-1]) | (window[1:] != window[:-1])
-        data, offsets = encode_chunks(t, np.concatenate([self._values.pop(c) for c, _ in queue]), first)
+        data, offsets = encode_chunks(t, values, first)
         begin = np.flatnonzero(first)
-        end = np.append(begin[1:], index.size) - 1
+        end = np.append(begin[1:], t.size) - 1
         lengths = _uvarints(np.diff(offsets))
         chunks = zip(
             offsets[:-1].tolist(), offsets[1:].tolist(), begin.tolist(), end.tolist(), lengths, strict=True
@@ -328,9 +339,13 @@ class BlockWriter:
             target.size += len(framed)
 
     def close(self) -> list[Path]:
-        """Write every block's index, meta.json and tombstones; return the block directories."""
+        """Write (or write again, with the series added since) every block's index, meta.json and
+        tombstones; return the block directories. Prometheus must not have them open meanwhile."""
         self._flush()
         self.series.sort(key=lambda s: s[0])
+        for (labels, _), (following, _) in itertools.pairwise(self.series):
+            if labels == following:
+                raise ValueError(f"series written twice: {dict(labels)}")
         catalogue = _Catalogue.of(self.series)
         paths = []
         for window in sorted(self.windows):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import subprocess
 import time
 from collections import Counter
@@ -56,6 +55,7 @@ class BackfilledFleet:
     (unix seconds), ``data_start`` is where the warm-up history begins."""
 
     server: PrometheusServer
+    blocks: BlockWriter  # writes the blocks it serves; ``add_series`` adds to them
     scenario: Scenario
     signals: FleetSignals
     rules: RuleSet | None
@@ -119,8 +119,10 @@ def run_parallel(
             proc.wait()
 
 
-def backfill_series(signals: FleetSignals, selection: Selection, data_dir: Path, *, progress: bool) -> int:
-    """Write the fleet's series as TSDB blocks in ``data_dir``; return the sample count."""
+def backfill_series(
+    signals: FleetSignals, selection: Selection, data_dir: Path, *, progress: bool
+) -> BlockWriter:
+    """Write the fleet's series as TSDB blocks in ``data_dir``; return their writer, to add more."""
     families = [name for name in signals.builders if selection.family_wanted(name)]
     with Progress("generating series", len(families), enabled=progress) as bar:
         writer = BlockWriter(data_dir, signals.timeline)
@@ -131,7 +133,7 @@ def backfill_series(signals: FleetSignals, selection: Selection, data_dir: Path,
         paths = writer.close()
         bar.advance()
     log.info("series written samples=%d blocks=%d", writer.samples, len(paths))
-    return writer.samples
+    return writer
 
 
 def promtool_blocks(paths: list[Path], out: Path, label: str, *, progress: bool, workdir: Path) -> None:
@@ -146,27 +148,25 @@ def promtool_blocks(paths: list[Path], out: Path, label: str, *, progress: bool,
 
 def add_series(
     server: PrometheusServer,
+    blocks: BlockWriter,
     batches: list[tuple[list[Family], np.ndarray]],
-    workdir: Path,
     label: str,
     *,
     progress: bool,
 ) -> None:
-    """Add series to a running Prometheus, each batch's families sampled at its ``times``: backfill
-    them beside the TSDB, then restart Prometheus on its data directory with the new blocks in place."""
-    blocks = workdir / "staging"
-    with Progress(label, len(batches), enabled=progress) as bar:
+    """Add series to a running Prometheus, each batch's families sampled at its ``times``: stop it,
+    write them into the blocks it serves (``blocks`` wrote them), and start it again. New blocks
+    beside the old would overlap them, and Prometheus would merge every pair, competing with the
+    queries for the CPU."""
+    server.stop()
+    with Progress(label, len(batches) + 1, enabled=progress) as bar:
         for families, times in batches:
             step = float(times[1] - times[0]) if times.size > 1 else 60.0
-            writer = BlockWriter(blocks, Timeline(float(times[0]), step, times.size))
             for family in families:
-                writer.write(family, Thinning(0, 0))
-            writer.close()
+                blocks.write(family, Thinning(0, 0), Timeline(float(times[0]), step, times.size))
             bar.advance()
-    server.stop()
-    for block in blocks.iterdir():
-        block.rename(server.data_dir / block.name)
-    shutil.rmtree(blocks, ignore_errors=True)
+        blocks.close()
+        bar.advance()
     server.start(timeout=300)
 
 
@@ -197,7 +197,7 @@ def _recorded(
 
 
 def backfill_records(
-    server: PrometheusServer, rules: RuleSet, start: float, end: float, workdir: Path, *, progress: bool
+    server: PrometheusServer, blocks: BlockWriter, rules: RuleSet, start: float, end: float, *, progress: bool
 ) -> None:
     """Record every recording rule over [start, end] at the rules' interval. Each recorded name is
     computed from raw series by its expanded expression (see ``expand``), so no rule reads another's
@@ -207,7 +207,7 @@ def backfill_records(
     names = expander.records_used(every)  # dependencies first
     times = grid(start, end, rules.interval)
     families = _recorded(server, expander, names, times, progress=progress)
-    add_series(server, [(families, times)], workdir, "backfilling records", progress=progress)
+    add_series(server, blocks, [(families, times)], "backfilling records", progress=progress)
 
 
 def record_levels(expander: Expander, names: list[str]) -> list[list[str]]:
@@ -237,12 +237,12 @@ def records_to_store(expander: Expander, expr: str) -> list[str]:
 
 def store_records(
     server: PrometheusServer,
+    blocks: BlockWriter,
     expander: Expander,
     expr: str,
     start: float,
     end: float,
     step: float,
-    workdir: Path,
     *,
     progress: bool,
 ) -> list[str]:
@@ -265,7 +265,7 @@ def store_records(
             log.info("record computed name=%s step=%gs seconds=%.1f", name, every, time.monotonic() - queried)
         batches = [(families, grid(start, end, every)) for every, families in by_grid.items() if families]
         if batches:
-            add_series(server, batches, workdir, f"storing records, level {number}", progress=progress)
+            add_series(server, blocks, batches, f"storing records, level {number}", progress=progress)
         for families, _ in batches:
             for family in families:
                 if family.name in ranged:
@@ -324,11 +324,11 @@ def backfilled_prometheus(
     signals = FleetSignals(scenario)
     selection = Selection.for_rules(rules, scenario.step)
     data_dir = workdir / "data"
-    samples = backfill_series(signals, selection, data_dir, progress=progress)
+    blocks = backfill_series(signals, selection, data_dir, progress=progress)
     server = start_prometheus(workdir, data_dir, rules.interval if rules else 60.0)
     try:
         if rules is not None and record and rules.records:
-            backfill_records(server, rules, scenario.data_start, scenario.end, workdir, progress=progress)
-        yield BackfilledFleet(server, scenario, signals, rules, samples)
+            backfill_records(server, blocks, rules, scenario.data_start, scenario.end, progress=progress)
+        yield BackfilledFleet(server, blocks, scenario, signals, rules, blocks.samples)
     finally:
         server.stop()
