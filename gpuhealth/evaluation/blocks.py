@@ -342,17 +342,14 @@ class BlockWriter:
         """Write (or write again, with the series added since) every block's index, meta.json and
         tombstones; return the block directories. Prometheus must not have them open meanwhile."""
         self._flush()
+        for target in self.windows.values():
+            target.handle.close()
         self.series.sort(key=lambda s: s[0])
         for (labels, _), (following, _) in itertools.pairwise(self.series):
             if labels == following:
                 raise ValueError(f"series written twice: {dict(labels)}")
         catalogue = _Catalogue.of(self.series)
-        paths = []
-        for window in sorted(self.windows):
-            target = self.windows[window]
-            target.handle.close()
-            paths.append(self._finish(target, catalogue))
-        return paths
+        return [self._finish(self.windows[window], catalogue) for window in sorted(self.windows)]
 
     def _finish(self, target: _Window, catalogue: _Catalogue) -> Path:
         """One block's index (format v2: symbols, series, label indices, postings, their tables, TOC)."""

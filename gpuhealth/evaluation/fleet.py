@@ -1,4 +1,4 @@
-"""A real Prometheus holding a simulated fleet's history, backfilled with promtool.
+"""A real Prometheus holding a simulated fleet's history, written as TSDB blocks (``blocks``).
 
 ``backfilled_prometheus`` is the entry point for anything that needs realistic fleet data in a real
 Prometheus (the benchmark, dashboard previews and tests). Prometheus 2.42 only loads blocks present
@@ -137,7 +137,8 @@ def backfill_series(
 
 
 def promtool_blocks(paths: list[Path], out: Path, label: str, *, progress: bool, workdir: Path) -> None:
-    """Turn OpenMetrics files into TSDB blocks in ``out``, removing each file once it is in."""
+    """Turn OpenMetrics files into TSDB blocks in ``out`` with promtool, removing each file once it is
+    in: the reference ``blocks.BlockWriter`` is tested against, and a way in for other tools' data."""
     promtool = find_binary("promtool")
     out.mkdir(parents=True, exist_ok=True)
     commands = [

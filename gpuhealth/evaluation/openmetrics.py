@@ -1,4 +1,5 @@
-"""Stream metric families into OpenMetrics files, one per TSDB block window, for promtool to backfill.
+"""Stream metric families into OpenMetrics files, one per TSDB block window, for promtool to backfill:
+the text form ``blocks.BlockWriter`` is held to, and the thinning both apply.
 
 promtool (2.42) re-reads its whole input once per 2-hour block it creates, so a file per block window
 keeps backfilling linear in the data. Samples that no query could tell apart from their neighbours are

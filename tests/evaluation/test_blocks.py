@@ -109,3 +109,23 @@ def test_fleet_blocks_equal_promtools(tmp_path: Path) -> None:
     direct = dump(tmp_path / "direct")
     assert len(direct) == writer.samples == files.samples > 100_000
     assert direct == dump(tmp_path / "promtool")
+
+
+def test_series_added_later_go_into_the_same_blocks(tmp_path: Path) -> None:
+    """A second write on another grid (records every 5 minutes) rewrites the indexes of the blocks
+    already there: no block overlaps another, which Prometheus would merge while it serves queries."""
+    writer = BlockWriter(tmp_path / "data", Timeline(START, STEP, 240))
+    writer.write(Family("raw", "gauge", [('node="a"', np.arange(240.0))]), Thinning(0, 0))
+    first = writer.close()
+    writer.write(
+        Family("record", "gauge", [('node="a"', np.full(48, 2.5))]), Thinning(0, 0), Timeline(START, 300, 48)
+    )
+    assert writer.close() == first and len(first) == 2
+    with pytest.raises(ValueError, match="written twice"):
+        writer.write(
+            Family("record", "gauge", [('node="a"', np.ones(48))]), Thinning(0, 0), Timeline(START, 300, 48)
+        )
+        writer.close()
+    lines = dump(tmp_path / "data")
+    assert sum(line.startswith('{__name__="raw"') for line in lines) == 240
+    assert sum(line.startswith('{__name__="record"') and " 2.5 " in line for line in lines) == 48
