@@ -77,12 +77,12 @@ def evaluate_fleet(fleet: BackfilledFleet, options: Options, began: float) -> di
     if not options.fold_records:
         store_records(
             fleet.server,
+            fleet.blocks,
             evaluator.expander,
             " or ".join(r.expr for r in rules.alerts),
             fleet.data_start,
             fleet.end,
             fused_step,
-            options.workdir,
             progress=options.progress,
         )
     direct = [r for r in rules.alerts if not reads_alerts(r)]
@@ -92,8 +92,8 @@ def evaluate_fleet(fleet: BackfilledFleet, options: Options, began: float) -> di
     if second:
         add_series(
             fleet.server,
+            fleet.blocks,
             [([alerts_family(evaluator.run)], evaluator.times)],
-            options.workdir,
             "backfilling ALERTS",
             progress=options.progress,
         )

@@ -1,4 +1,4 @@
-"""A real Prometheus holding a simulated fleet's history, backfilled with promtool.
+"""A real Prometheus holding a simulated fleet's history, written as TSDB blocks (``blocks``).
 
 ``backfilled_prometheus`` is the entry point for anything that needs realistic fleet data in a real
 Prometheus (the benchmark, dashboard previews and tests). Prometheus 2.42 only loads blocks present
@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import subprocess
 import time
 from collections import Counter
@@ -21,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from gpuhealth.evaluation.blocks import BlockWriter
 from gpuhealth.evaluation.expand import Expander
-from gpuhealth.evaluation.openmetrics import BlockFiles, Thinning, write_blocks
+from gpuhealth.evaluation.openmetrics import Thinning
 from gpuhealth.evaluation.progress import Progress
 from gpuhealth.evaluation.ranges import grid, label_text, range_matrix
 from gpuhealth.evaluation.rulefiles import RuleSet, load_rules, selectors, subqueries
@@ -55,6 +55,7 @@ class BackfilledFleet:
     (unix seconds), ``data_start`` is where the warm-up history begins."""
 
     server: PrometheusServer
+    blocks: BlockWriter  # writes the blocks it serves; ``add_series`` adds to them
     scenario: Scenario
     signals: FleetSignals
     rules: RuleSet | None
@@ -119,27 +120,25 @@ def run_parallel(
 
 
 def backfill_series(
-    signals: FleetSignals, selection: Selection, workdir: Path, data_dir: Path, *, progress: bool
-) -> int:
-    """Write the fleet's series as OpenMetrics and turn them into TSDB blocks in ``data_dir``."""
-    staging = workdir / "openmetrics"
+    signals: FleetSignals, selection: Selection, data_dir: Path, *, progress: bool
+) -> BlockWriter:
+    """Write the fleet's series as TSDB blocks in ``data_dir``; return their writer, to add more."""
     families = [name for name in signals.builders if selection.family_wanted(name)]
     with Progress("generating series", len(families), enabled=progress) as bar:
-
-        def counted() -> Iterator[Any]:
-            for family in signals.families(selection.family_wanted):
-                yield family
-                bar.advance()
-
-        paths, samples = write_blocks(counted(), staging, signals.timeline, selection)
-    log.info("series written samples=%d files=%d", samples, len(paths))
-    promtool_blocks(paths, data_dir, "backfilling blocks", progress=progress, workdir=workdir)
-    shutil.rmtree(staging, ignore_errors=True)
-    return samples
+        writer = BlockWriter(data_dir, signals.timeline)
+        for family in signals.families(selection.family_wanted):
+            selection.write(family, writer)
+            bar.advance()
+    with Progress("writing block indexes", 1, enabled=progress) as bar:
+        paths = writer.close()
+        bar.advance()
+    log.info("series written samples=%d blocks=%d", writer.samples, len(paths))
+    return writer
 
 
 def promtool_blocks(paths: list[Path], out: Path, label: str, *, progress: bool, workdir: Path) -> None:
-    """Turn OpenMetrics files into TSDB blocks in ``out``, removing each file once it is in."""
+    """Turn OpenMetrics files into TSDB blocks in ``out`` with promtool, removing each file once it is
+    in: the reference ``blocks.BlockWriter`` is tested against, and a way in for other tools' data."""
     promtool = find_binary("promtool")
     out.mkdir(parents=True, exist_ok=True)
     commands = [
@@ -150,30 +149,25 @@ def promtool_blocks(paths: list[Path], out: Path, label: str, *, progress: bool,
 
 def add_series(
     server: PrometheusServer,
+    blocks: BlockWriter,
     batches: list[tuple[list[Family], np.ndarray]],
-    workdir: Path,
     label: str,
     *,
     progress: bool,
 ) -> None:
-    """Add series to a running Prometheus, each batch's families sampled at its ``times``: backfill
-    them beside the TSDB, then restart Prometheus on its data directory with the new blocks in place."""
-    staging = workdir / "staging"
-    paths: list[Path] = []
-    for index, (families, times) in enumerate(batches):
-        step = float(times[1] - times[0]) if times.size > 1 else 60.0
-        files = BlockFiles(staging / str(index), Timeline(float(times[0]), step, times.size))
-        try:
-            for family in families:
-                files.write(family, Thinning(0, 0))
-        finally:
-            paths += files.close()
-    blocks = staging / "blocks"
-    promtool_blocks(paths, blocks, label, progress=progress, workdir=workdir)
+    """Add series to a running Prometheus, each batch's families sampled at its ``times``: stop it,
+    write them into the blocks it serves (``blocks`` wrote them), and start it again. New blocks
+    beside the old would overlap them, and Prometheus would merge every pair, competing with the
+    queries for the CPU."""
     server.stop()
-    for block in blocks.iterdir():
-        block.rename(server.data_dir / block.name)
-    shutil.rmtree(staging, ignore_errors=True)
+    with Progress(label, len(batches) + 1, enabled=progress) as bar:
+        for families, times in batches:
+            step = float(times[1] - times[0]) if times.size > 1 else 60.0
+            for family in families:
+                blocks.write(family, Thinning(0, 0), Timeline(float(times[0]), step, times.size))
+            bar.advance()
+        blocks.close()
+        bar.advance()
     server.start(timeout=300)
 
 
@@ -204,7 +198,7 @@ def _recorded(
 
 
 def backfill_records(
-    server: PrometheusServer, rules: RuleSet, start: float, end: float, workdir: Path, *, progress: bool
+    server: PrometheusServer, blocks: BlockWriter, rules: RuleSet, start: float, end: float, *, progress: bool
 ) -> None:
     """Record every recording rule over [start, end] at the rules' interval. Each recorded name is
     computed from raw series by its expanded expression (see ``expand``), so no rule reads another's
@@ -214,7 +208,7 @@ def backfill_records(
     names = expander.records_used(every)  # dependencies first
     times = grid(start, end, rules.interval)
     families = _recorded(server, expander, names, times, progress=progress)
-    add_series(server, [(families, times)], workdir, "backfilling records", progress=progress)
+    add_series(server, blocks, [(families, times)], "backfilling records", progress=progress)
 
 
 def record_levels(expander: Expander, names: list[str]) -> list[list[str]]:
@@ -244,12 +238,12 @@ def records_to_store(expander: Expander, expr: str) -> list[str]:
 
 def store_records(
     server: PrometheusServer,
+    blocks: BlockWriter,
     expander: Expander,
     expr: str,
     start: float,
     end: float,
     step: float,
-    workdir: Path,
     *,
     progress: bool,
 ) -> list[str]:
@@ -272,7 +266,7 @@ def store_records(
             log.info("record computed name=%s step=%gs seconds=%.1f", name, every, time.monotonic() - queried)
         batches = [(families, grid(start, end, every)) for every, families in by_grid.items() if families]
         if batches:
-            add_series(server, batches, workdir, f"storing records, level {number}", progress=progress)
+            add_series(server, blocks, batches, f"storing records, level {number}", progress=progress)
         for families, _ in batches:
             for family in families:
                 if family.name in ranged:
@@ -331,11 +325,11 @@ def backfilled_prometheus(
     signals = FleetSignals(scenario)
     selection = Selection.for_rules(rules, scenario.step)
     data_dir = workdir / "data"
-    samples = backfill_series(signals, selection, workdir, data_dir, progress=progress)
+    blocks = backfill_series(signals, selection, data_dir, progress=progress)
     server = start_prometheus(workdir, data_dir, rules.interval if rules else 60.0)
     try:
         if rules is not None and record and rules.records:
-            backfill_records(server, rules, scenario.data_start, scenario.end, workdir, progress=progress)
-        yield BackfilledFleet(server, scenario, signals, rules, samples)
+            backfill_records(server, blocks, rules, scenario.data_start, scenario.end, progress=progress)
+        yield BackfilledFleet(server, blocks, scenario, signals, rules, blocks.samples)
     finally:
         server.stop()

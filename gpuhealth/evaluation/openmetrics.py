@@ -1,4 +1,5 @@
-"""Stream metric families into OpenMetrics files, one per TSDB block window, for promtool to backfill.
+"""Stream metric families into OpenMetrics files, one per TSDB block window, for promtool to backfill:
+the text form ``blocks.BlockWriter`` is held to, and the thinning both apply.
 
 promtool (2.42) re-reads its whole input once per 2-hour block it creates, so a file per block window
 keeps backfilling linear in the data. Samples that no query could tell apart from their neighbours are
@@ -8,18 +9,13 @@ dropped (see ``Thinning``), which keeps multi-week fleets within minutes.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from gpuhealth.evaluation.signals import Family
 from gpuhealth.evaluation.workload import Timeline
-
-if TYPE_CHECKING:
-    from gpuhealth.evaluation.selection import Selection
 
 BLOCK_SECONDS = 7200  # the TSDB's block range: promtool cuts blocks on these boundaries
 LOOKBACK_SECONDS = 300  # Prometheus's default lookback for instant selectors
@@ -103,17 +99,3 @@ class BlockFiles:
             handle.write("# EOF\n")
             handle.close()
         return self.paths
-
-
-def write_blocks(
-    families: Iterable[Family], directory: Path, timeline: Timeline, selection: Selection
-) -> tuple[list[Path], int]:
-    """Write the families and series ``selection`` wants; return the files and the sample count."""
-    files = BlockFiles(directory, timeline)
-    try:
-        for family in families:
-            rows = [row for row in family.series if selection.series_wanted(family.name, row[0])]
-            files.write(Family(family.name, family.kind, rows), selection.thinning(family.name))
-    finally:
-        paths = files.close()
-    return paths, files.samples

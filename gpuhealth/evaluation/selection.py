@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gpuhealth.evaluation.openmetrics import LOOKBACK_SECONDS, Thinning
 from gpuhealth.evaluation.rulefiles import RuleSet, Selector, rule_selectors
+from gpuhealth.evaluation.signals import Family
 
 # Written whatever the rules read: what the fleet is, and whether its GPUs are there.
 IDENTITY = (
@@ -27,6 +29,12 @@ SAMPLE_COUNTING = ("count_over_time", "sum_over_time")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 # Without rules (dashboards): thinning that keeps every range window up to an hour exact.
 UNRULED = Thinning(reach=3600, grid=120)
+
+
+class SeriesWriter(Protocol):
+    """Where series go: TSDB blocks (``blocks.BlockWriter``), or promtool's input (``BlockFiles``)."""
+
+    def write(self, family: Family, thinning: Thinning) -> None: ...
 
 
 def label_dict(text: str) -> dict[str, str]:
@@ -60,6 +68,11 @@ class Selection:
             return True
         parsed = label_dict(labels)
         return any(s.accepts(name, parsed) for s in self.relevant(name))
+
+    def write(self, family: Family, writer: SeriesWriter) -> None:
+        """Hand ``writer`` the series of ``family`` this plan wants, with the family's thinning."""
+        rows = [row for row in family.series if self.series_wanted(family.name, row[0])]
+        writer.write(Family(family.name, family.kind, rows), self.thinning(family.name))
 
     def thinning(self, name: str) -> Thinning:
         if self.selectors is None:

@@ -102,12 +102,12 @@ def test_stored_records_give_the_folded_episodes_and_values(tmp_path: Path) -> N
             if store:
                 stored = store_records(
                     fleet.server,
+                    fleet.blocks,
                     evaluator.expander,
                     " or ".join(r.expr for r in reading),
                     fleet.data_start,
                     fleet.end,
                     STEP,
-                    tmp_path,
                     progress=False,
                 )
                 assert {SAMPLED, DEVIATION, BASELINE} <= set(stored)

@@ -6,8 +6,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from gpuhealth.evaluation.fleet import promtool_blocks, start_prometheus
-from gpuhealth.evaluation.openmetrics import BlockFiles, Thinning
+from gpuhealth.evaluation.blocks import BlockWriter
+from gpuhealth.evaluation.fleet import start_prometheus
+from gpuhealth.evaluation.openmetrics import Thinning
 from gpuhealth.evaluation.signals import Family
 from gpuhealth.evaluation.workload import Timeline
 from gpuhealth.local.prometheus import PrometheusServer
@@ -21,13 +22,13 @@ def prometheus_on(
 ) -> Iterator[tuple[PrometheusServer, list[int]]]:
     """Backfill ``families`` (sampled from START every STEP) and serve them; yields the server and
     the samples written per family."""
-    files = BlockFiles(workdir / "om", Timeline(START, STEP, COUNT))
+    writer = BlockWriter(workdir / "data", Timeline(START, STEP, COUNT))
     written = []
     for family, thinning in families:
-        before = files.samples
-        files.write(family, thinning)
-        written.append(files.samples - before)
-    promtool_blocks(files.close(), workdir / "data", "test", progress=False, workdir=workdir)
+        before = writer.samples
+        writer.write(family, thinning)
+        written.append(writer.samples - before)
+    writer.close()
     server = start_prometheus(workdir, workdir / "data", STEP)
     try:
         yield server, written
