@@ -70,8 +70,10 @@ def _pad(buffer: bytearray, align: int) -> None:
 
 
 def parse_labels(name: str, text: str) -> Labels:
-    """The label set of a series written as OpenMetrics label text, ``__name__`` included, sorted."""
-    pairs = {k: _UNESCAPE.sub(lambda m: "\n" if m[1] == "n" else m[1], v) for k, v in _LABEL.findall(text)}
+    """The label set of a series written as OpenMetrics label text, ``__name__`` included, sorted. A label
+    with an empty value is no label in Prometheus (``netdev=""`` of an InfiniBand port), so it is left out."""
+    pairs = {k: _UNESCAPE.sub(lambda m: "\n" if m[1] == "n" else m[1], v)
+             for k, v in _LABEL.findall(text) if v}
     pairs["__name__"] = name
     return tuple(sorted(pairs.items(), key=lambda kv: kv[0].encode()))
 

@@ -8,15 +8,19 @@ from functools import cache
 
 import numpy as np
 import pytest
+from gpuhealth.contract.faults import FABRIC_KINDS
 
 from gpuhealth.evaluation.scenario import NOISE_KINDS, parse_scenario
 from gpuhealth.evaluation.signals import FleetSignals
+
+GPU_NOISE_KINDS = tuple(k for k in NOISE_KINDS if k not in FABRIC_KINDS)  # fabric kinds: test_fabric.py
 
 HOUR = 3600
 AT = 10 * HOUR  # every benign event starts here (the checkpoint storm later, alone)
 # node index and GPU of each benign event; rack kinds sit alone in their racks of four
 PLACES = {
-    kind: (i, 2) for i, kind in enumerate(k for k in NOISE_KINDS if k not in ("rack_cooling", "power_brake"))
+    kind: (i, 2)
+    for i, kind in enumerate(k for k in GPU_NOISE_KINDS if k not in ("rack_cooling", "power_brake"))
 }
 PLACES |= {"power_brake": (20, None), "rack_cooling": (24, None)}
 LENGTHS = {
@@ -312,7 +316,7 @@ CHECKS: dict[str, Callable[[], None]] = {
 }
 
 
-@pytest.mark.parametrize("kind", NOISE_KINDS)
+@pytest.mark.parametrize("kind", GPU_NOISE_KINDS)
 def test_benign_kind_moves_the_signals_it_should(kind: str) -> None:
     assert kind in CHECKS, f"no check for {kind}"
     CHECKS[kind]()

@@ -21,7 +21,7 @@ XID_LINES = [  # the simulator's GPU 0 is at 0000:18:00, GPU 1 at 0000:2a:00
     "3,100,5000,-;NVRM: Xid (PCI:0000:18:00): 31, pid=77, name=python, Ch 00000008",
     "3,101,5001,-;NVRM: Xid (PCI:0000:2a:00): 79, GPU has fallen off the bus.",
 ]
-ONLY_XID = {"gpu": False, "host": False, "nfs": False, "jobs": False}
+ONLY_XID = {"gpu": False, "host": False, "nfs": False, "jobs": False, "fabric": False}
 
 
 def _sampler(tmp_path: Path, clock: FakeClock, choices: dict[str, bool]) -> tuple[Sampler, Path]:
