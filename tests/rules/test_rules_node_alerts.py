@@ -7,11 +7,13 @@ from rules_promtool import JOBS, SOURCES, Fleet, alert, run_promtool
 
 
 def _firing(node: str, alertname: str, action: str, hours: list[int], total_hours: int,
-            severity: str = "critical") -> tuple[str, str]:
-    """An ALERTS series as Prometheus writes it (10-minute samples), firing an hour from each of ``hours``."""
+            severity: str = "critical", minutes: tuple[int, int] = (0, 60)) -> tuple[str, str]:
+    """An ALERTS series as Prometheus writes it (10-minute samples), firing from ``minutes[0]`` to
+    ``minutes[1]`` past each of ``hours``."""
     labels = (f'ALERTS{{alertname="{alertname}", alertstate="firing", node="{node}", gpu="0", '
               f'severity="{severity}", action="{action}"}}')
-    points = ["1" if any(h * 6 <= t < (h + 1) * 6 for h in hours) else "_"
+    first, last = minutes[0] // 10, minutes[1] // 10
+    points = ["1" if any(h * 6 + first <= t < h * 6 + last for h in hours) else "_"
               for t in range(total_hours * 6 + 1)]
     return labels, " ".join(points)
 
@@ -26,14 +28,20 @@ def test_lemon_node(tmp_path, source):
     fleet.raw(*_firing("n3", "GPUHealthNfsQueueingDominates", "none", [10, 40, 70], hours))
     fleet.raw(*_firing("n4", "GPUHealthRowRemapPending", "drain_reset_gpu", [2, 30, 60], hours,
                        severity="info"))                                                     # routine resets
+    # Three 20-minute drains between hourly grid points: no instant lookup at a grid point sees them.
+    fleet.raw(*_firing("n5", "GPUHealthXidResetGpu", "drain_reset_gpu", [3, 31, 59], hours, minutes=(20, 40)))
     lemon = alert("GPUHealthLemonNode", {"alertname": "GPUHealthLemonNode", "node": "n1"},
                   "n1 failed 3 times recently: take it out of rotation",
                   "n1 had 3 separate failures or exclusions in the lemon window. A few nodes cause most "
                   "failures; keep this one out of rotation until it is repaired.", "warning", "replace")
+    short = alert("GPUHealthLemonNode", {"alertname": "GPUHealthLemonNode", "node": "n5"},
+                  "n5 failed 3 times recently: take it out of rotation",
+                  "n5 had 3 separate failures or exclusions in the lemon window. A few nodes cause most "
+                  "failures; keep this one out of rotation until it is repaired.", "warning", "replace")
     checks = [
         {"eval_time": "59h", "alertname": "GPUHealthLemonNode", "exp_alerts": []},
-        {"eval_time": "61h", "alertname": "GPUHealthLemonNode", "exp_alerts": [lemon]},
-        {"eval_time": "99h", "alertname": "GPUHealthLemonNode", "exp_alerts": [lemon]},
+        {"eval_time": "61h", "alertname": "GPUHealthLemonNode", "exp_alerts": [lemon, short]},
+        {"eval_time": "99h", "alertname": "GPUHealthLemonNode", "exp_alerts": [lemon, short]},
     ]
     run_promtool(tmp_path, source, ["lemon"], [{"interval": "10m", "input_series": fleet.input_series(),
                                                 "alert_rule_test": checks}], evaluation_interval="10m")

@@ -36,9 +36,10 @@ def _rule_files(tier: str, out: Path) -> list[Path]:
 
 def _lemon_history(now: float) -> list[str]:
     """Three failures of one node within the window: two while shard 0 scraped it, one after it moved
-    to shard 1 (a reshard), so each shard holds fewer than the lemon count."""
+    to shard 1 (a reshard), so each shard holds fewer than the lemon count. The gaps between them are
+    longer than two onset steps, so each is its own onset wherever the step grid falls."""
     lines = []
-    for shard, onset_minutes_ago in ((0, 95), (0, 65), (1, 35)):
+    for shard, onset_minutes_ago in ((0, 110), (0, 70), (1, 30)):
         labels = (f'alertname="GPUHealthXidResetGpu",alertstate="firing",action="drain_reset_gpu",'
                   f'severity="critical",node="{LEMON}",gpu="0",prometheus="shard-{shard}"')
         start = int(now) - onset_minutes_ago * 60
