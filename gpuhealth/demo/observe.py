@@ -12,7 +12,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from gpuhealth.demo.stack import ClosedLoopStack, Fault, started
+from gpuhealth.demo.stack import ClosedLoopStack, Fault
 from gpuhealth.local.training_job import Checkpoint, newest_checkpoint
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,10 @@ class Observer:
         self._event(injection.at, f"injected {fault.kind} on {fault.node} GPU {fault.gpu} ({what})")
         return injection
 
+    def note(self, text: str) -> None:
+        """Something the caller did to the stack, for the timeline."""
+        self._event(time.time(), text)
+
     def _event(self, at: float, text: str) -> None:
         self.events.append(Event(at, text))
         log.info("demo event t=%.1f %s", at - self.started, text)
@@ -139,7 +143,7 @@ class Observer:
         return snap
 
     def _poll_prometheus(self, snap: Snapshot) -> None:
-        api = started(self.stack.prometheus).api
+        api = self.stack.fleet_api
         for sample in api.query("gpuhealth:gpu_failure_risk:score"):
             labels = sample["metric"]
             snap.risk[(labels.get("node", ""), labels.get("gpu", ""))] = float(sample["value"][1])
@@ -169,7 +173,9 @@ class Observer:
         for alert in sorted(new.alerts - old.alerts):
             name, node, gpu, action = alert
             self._event(at, f"alert {name} firing for {node}{' GPU ' + gpu if gpu else ''} (action {action})")
+            self._milestone(f"alert {name}", node, at)
         for action_id, (action, node, state) in sorted(new.actions.items()):
+            self._milestone(f"webhook {action}", node, at)
             if old.actions.get(action_id, ("", "", ""))[2] != state:
                 self._event(at, f"webhook action {action_id} {action} on {node}: {state}")
         for node, (state, reason) in new.node_states.items():

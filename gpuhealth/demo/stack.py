@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,7 +39,7 @@ from gpuhealth.contract.faults import FABRIC_KINDS
 from gpuhealth.contract.faults import NODE_NOISE_KINDS as NOISE_KINDS
 from gpuhealth.demo import deployment
 from gpuhealth.local.process import ManagedProcess, ProcessError, free_port, http_ok, wait_until
-from gpuhealth.local.prometheus import AlertmanagerServer, PrometheusServer
+from gpuhealth.local.prometheus import AlertmanagerServer, PrometheusAPI, PrometheusServer
 from gpuhealth.local.slurm import SlurmCluster
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ OVERLAY = deployment.REPO / "rules" / "overlays" / "demo.yaml"
 NODE_WIDE_KINDS = ("hot_aisle", "idle_node", "app_xid", "slow_nvml", "power_brake")
 WEBHOOK_STAMP = re.compile(r"ts=(\S+ \S+) ")
 NIC_KINDS = ("ib_link_flap", "ib_symbol_errors", "ib_rate_downgrade", "ib_boot_flap")  # on the GPU's own NIC
+PROMETHEUS_RULES_DIR = deployment.role_defaults("gpuhealth_prometheus")["gpuhealth_prometheus_rules_dir"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ def started(daemon: T | None) -> T:
 class ClosedLoopStack:
     """Start, observe and tear down the loop. Always use it as a context manager."""
 
+    rules_tier = "single"  # what `gpuhealth rules generate --tier` the Prometheus loads
+
     def __init__(self, options: StackOptions | None = None, workdir: Path | None = None) -> None:
         self.options = options or StackOptions()
         self._own_workdir = workdir is None
@@ -132,10 +136,10 @@ class ClosedLoopStack:
             progress("starting one simulated-GPU exporter per node")
             self._start_exporters()
             progress("generating rules and starting Alertmanager, the webhook and Prometheus")
-            rules_dir, am_example = self._generate_rules()
-            self._start_alertmanager(am_example)
+            generated = self._generate_rules(self.rules_tier)
+            self._start_alertmanager(yaml.safe_load((generated / "alertmanager.yml").read_text()))
             self._start_webhook()
-            self._start_prometheus(rules_dir)
+            self._start_metrics(generated, progress)
             progress(f"submitting {self.options.jobs} training job(s) of {self.options.job_nodes} nodes")
             for index in range(self.options.jobs):
                 self.jobs.append(self.slurm.submit_training_job(
@@ -198,23 +202,36 @@ class ClosedLoopStack:
         url = f"http://127.0.0.1:{self.exporter_ports[node]}/healthz"
         self.exporters[node].wait_ready(functools.partial(http_ok, url))
 
-    def _generate_rules(self) -> tuple[Path, dict[str, Any]]:
-        out = self.root / "generated"
+    def _generate_rules(self, tier: str) -> Path:
+        """``gpuhealth rules generate --tier TIER`` over the demo overlay; the output folder (its
+        ``gpuhealth/*.yml`` and the Alertmanager example)."""
+        out = self.root / "generated" / tier
         overlay = self.root / "catalogue-overlay.yml"
         settings = yaml.safe_load(OVERLAY.read_text())
         settings["defaults"].update(scrape_interval=self.options.scrape_interval,
                                     evaluation_interval=self.options.evaluation_interval)
         deployment.write(overlay, yaml.safe_dump(settings, sort_keys=False))
         cmd = [self._bin("gpuhealth"), "rules", "generate", "--catalogue", str(overlay),
-               "--source", "gpuhealth", "--out", str(out)]
+               "--source", "gpuhealth", "--tier", tier, "--out", str(out)]
         result = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise ProcessError(f"rule generation failed:\n{result.stderr}")
-        rules_dir = self.root / "etc/prometheus/rules/gpuhealth"
-        rules_dir.mkdir(parents=True, exist_ok=True)
-        for path in sorted((out / "gpuhealth").glob("*.yml")):
-            (rules_dir / path.name).write_text(path.read_text())
-        return rules_dir, yaml.safe_load((out / "alertmanager.yml").read_text())
+        return out
+
+    def _install_rules(self, generated: Path, rules_dir: str) -> list[Path]:
+        """Copy the generated rule files to where the deployment reads them (``rules_dir`` under root)."""
+        target = self.root / rules_dir.lstrip("/")
+        target.mkdir(parents=True, exist_ok=True)
+        installed = []
+        for path in sorted((generated / "gpuhealth").glob("*.yml")):
+            installed.append(target / path.name)
+            installed[-1].write_text(path.read_text())
+        return installed
+
+    def _start_metrics(self, generated: Path, progress: Callable[[str], None]) -> None:
+        """The metrics tier: one Prometheus scraping every exporter and evaluating every rule."""
+        self._install_rules(generated, PROMETHEUS_RULES_DIR)
+        self.prometheus = PrometheusServer(self.root / "prometheus", self._prometheus_config()).start()
 
     def _start_alertmanager(self, example: dict[str, Any]) -> None:
         token_file = "/etc/prometheus/gpuhealth-webhook.token"
@@ -259,11 +276,13 @@ class ClosedLoopStack:
                                       self.root / "webhook.log", env={**os.environ, **self.slurm.env}).start()
         self.webhook.wait_ready(lambda: http_ok(f"{self.webhook_url}/healthz"))
 
-    def _start_prometheus(self, rules_dir: Path) -> None:
+    def _prometheus_config(self, **variables: Any) -> dict[str, Any]:
+        """prometheus.yml as the gpuhealth_prometheus role writes it (and its file_sd targets);
+        ``variables`` override the role's (a shard's index and remote write)."""
         file_sd = "/etc/prometheus/file_sd"
         common = {"gpuhealth_prometheus_root_prefix": str(self.root),
                   "gpuhealth_prometheus_file_sd_dir": file_sd,
-                  "gpuhealth_prometheus_rules_dir": "/etc/prometheus/rules/gpuhealth"}
+                  "gpuhealth_prometheus_rules_dir": PROMETHEUS_RULES_DIR}
         targets = [{"node": node, "address": f"127.0.0.1:{self.exporter_ports[node]}"} for node in self.nodes]
         deployment.write(self.root / file_sd.lstrip("/") / "gpuhealth-exporters.yml",
                          deployment.render("gpuhealth_prometheus", "gpuhealth-exporters.yml.j2",
@@ -276,8 +295,9 @@ class ClosedLoopStack:
             "gpuhealth_prometheus_evaluation_interval": self.options.evaluation_interval,
             "gpuhealth_prometheus_alertmanager_targets": [f"127.0.0.1:{started(self.alertmanager).port}"],
             "gpuhealth_prometheus_webhook_target": f"127.0.0.1:{self.webhook_port}",
+            **variables,
         })
-        self.prometheus = PrometheusServer(self.root / "prometheus", yaml.safe_load(text)).start()
+        return yaml.safe_load(text)
 
     # --- acting on the simulated fleet --------------------------------------------------------------
 
@@ -308,6 +328,11 @@ class ClosedLoopStack:
         log.info("node rebooted node=%s", node)
 
     # --- observing ---------------------------------------------------------------------------------
+
+    @property
+    def fleet_api(self) -> PrometheusAPI:
+        """Where every node's records and alerts can be read: the one Prometheus here."""
+        return started(self.prometheus).api
 
     def wait_targets_up(self, timeout: float = 60.0) -> None:
         assert self.prometheus is not None
