@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import re
 import subprocess
 import urllib.request
 from collections.abc import Iterable
@@ -108,6 +109,13 @@ class VmalertServer(ManagedProcess):
         super().start()
         self.wait_ready(lambda: http_ok(f"{self.url}/health"), timeout)
         return self
+
+    def iterations(self, group: str) -> int:
+        """How many times ``group`` has been evaluated so far (vmalert's own counter)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        pattern = re.compile(rf'^vmalert_iteration_total\{{group="{re.escape(group)}"[,}}].* (\d+)$', re.M)
+        return sum(int(count) for count in pattern.findall(text))
 
 
 def _rfc3339(seconds: float) -> str:

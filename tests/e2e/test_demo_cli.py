@@ -1,0 +1,39 @@
+"""`gpuhealth demo`'s arguments: a demo that cannot be played is refused at once, with the reason, before
+any daemon starts; `--help` says what `--shards` shows."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+GPUHEALTH = Path(sys.executable).with_name("gpuhealth")
+
+
+def _demo(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([GPUHEALTH, "demo", *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_help_says_what_the_sharded_demo_shows():
+    result = _demo("--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    for words in ("--shards N", "hashmod", "VictoriaMetrics", "vmalert", "which shard scrapes which node",
+                  "GPUHealthLemonNode"):
+        assert words in text
+
+
+@pytest.mark.parametrize(("args", "reason"), [
+    (("--shards", "3", "--nodes", "2"), "--shards 3 needs at least as many --nodes"),
+    (("--shards", "2", "--fault", "sbe_burst"), "--fault must be a fault, not the noise 'sbe_burst'"),
+    (("--shards", "0"), "--shards must be at least 1"),
+    (("--nodes", "1"), "--nodes must be at least 2"),
+])
+def test_a_demo_that_cannot_be_played_is_refused_before_anything_starts(tmp_path, args, reason):
+    result = _demo(*args, "--headless", "--workdir", str(tmp_path / "demo"))
+    assert result.returncode == 2
+    assert reason in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "demo").exists()
