@@ -224,8 +224,8 @@ def _play_sharded(stack: ShardedStack, args: argparse.Namespace, live: bool) -> 
     lines = [f"{i.fault.node} is scraped by {stack.shard_of[i.fault.node]}" for i in injections]
     lines += observer.summary()
     lines.append(f"{LEMON} for {lemon} (history from {former}, live failure in {stack.shard_of[lemon]}): "
-                 + (f"fired by the global tier {fired - injections[-1].at:.1f}s after the live fault began"
-                    if fired else "NOT fired")
+                 + (f"firing in the global tier's ALERTS {fired - injections[-1].at:.1f}s after the live "
+                    "fault began" if fired else "NOT fired")
                  + ("; the webhook acted (replace)" if lemon_reached() else "; NOT acted on by the webhook"))
     closed = observer.loop_closed() and lemon_reached()
     _report(args, lines, {"loop_closed": observer.loop_closed(), "latencies": observer.latencies(),
