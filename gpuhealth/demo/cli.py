@@ -239,7 +239,7 @@ def _draw(stack: ClosedLoopStack, observer: Observer, snap: Snapshot) -> None:
     lines = [f"gpuhealth demo   t={snap.at - observer.started:5.0f}s   Ctrl-C stops everything", ""]
     lines += [f"  {name:20s} {url}" for name, url in stack.urls().items()]
     shard_of = stack.shard_of if isinstance(stack, ShardedStack) else {}
-    lines += ["", f"{'NODE':8} {'SHARD  ' if shard_of else ''}{'SLURM':22} {'GPU':>3} {'RISK':>5}  "
+    lines += ["", f"{'NODE':8} {'SHARD    ' if shard_of else ''}{'SLURM':22} {'GPU':>3} {'RISK':>5}  "
                   "TOP SIGNALS / ALERTS"]
     for node in stack.nodes:
         state, _ = snap.node_states.get(node, ("?", ""))
@@ -248,7 +248,7 @@ def _draw(stack: ClosedLoopStack, observer: Observer, snap: Snapshot) -> None:
         top = ", ".join(f"{s}={v:.2f}" for s, v in snap.contributions.get((node, gpu), [])[:3])
         alerts = ", ".join(sorted({a[0] for a in snap.alerts if a[1] == node}))
         bar = "#" * round(score * 10)
-        shard = f"{shard_of.get(node, '?'):7}" if shard_of else ""
+        shard = f"{shard_of.get(node, '?'):8} " if shard_of else ""
         lines.append(f"{node:8} {shard}{state[:22]:22} {gpu:>3} {score:5.2f}  {bar:10} {top} {alerts}")
     lines += ["", "JOBS"]
     for job_id, (state, nodes, restarts) in snap.jobs.items():
