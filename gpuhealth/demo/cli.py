@@ -81,8 +81,9 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
         if args.fault not in FAULT_KINDS:
             return (f"--shards {args.shards} shows faults drained through the shards and a lemon node: "
                     f"--fault must be a fault, not the noise {args.fault!r}")
-        if args.shards > args.nodes:
-            return f"--shards {args.shards} needs at least as many --nodes (one per shard at least)"
+        if args.nodes < 2 * args.shards:
+            return (f"--shards {args.shards} needs --nodes {2 * args.shards} or more: a node of each shard "
+                    "is drained, and the webhook's breaker stops at half the fleet")
     return None
 
 
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     # Ctrl-C stops the demo even when it was started with SIGINT ignored (a background job of a script).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     live = not args.headless and sys.stdout.isatty()
-    options = StackOptions(nodes=args.nodes)
+    options = StackOptions(nodes=args.nodes, breaker_max_nodes=max(2, args.shards))
     stack = (ShardedStack(options, workdir=args.workdir, shards=args.shards) if args.shards > 1
              else ClosedLoopStack(options, workdir=args.workdir))
     try:

@@ -31,7 +31,7 @@ def test_help_says_what_the_sharded_demo_shows():
 
 
 @pytest.mark.parametrize(("args", "reason"), [
-    (("--shards", "3", "--nodes", "2"), "--shards 3 needs at least as many --nodes"),
+    (("--shards", "3", "--nodes", "5"), "--shards 3 needs --nodes 6 or more"),
     (("--shards", "2", "--fault", "sbe_burst"), "--fault must be a fault, not the noise 'sbe_burst'"),
     (("--shards", "0"), "--shards must be at least 1"),
     (("--nodes", "1"), "--nodes must be at least 2"),
