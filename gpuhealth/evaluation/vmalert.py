@@ -26,8 +26,9 @@ from gpuhealth.local.victoria import STALE_NAN, VictoriaMetricsServer, vmalert_r
 # Prometheus's lookback for instant selectors, 5 min, as the least and the most VictoriaMetrics looks
 # back. Backfilled blocks hold no staleness markers and are thinned where values stand still
 # (``openmetrics.Thinning``), so Prometheus reads a series' last sample for its whole lookback;
-# VictoriaMetrics, left to itself, for about one sample interval. (Not 5m1s, to include the window's
-# start as Prometheus 2 does: 1.79 then also widens every range shorter than it, `rate(x[5m])` too.)
+# VictoriaMetrics, left to itself, for about one sample interval. VictoriaMetrics leaves the window's
+# start out, so a series that stops is read one evaluation less than in Prometheus 2; 5m1s would
+# include it, but 1.79 then widens every range shorter than that, `rate(x[5m])` too.
 LOOKBACK_ARGS = ("-search.minStalenessInterval=5m", "-search.maxStalenessInterval=5m")
 # Labels vmalert adds to ALERTS that Prometheus does not.
 VMALERT_LABELS = ("alertgroup", "alertstate", "__name__")

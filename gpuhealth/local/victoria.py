@@ -6,6 +6,7 @@ these helpers start the same engines for tests, the local stack and benchmarks.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import json
@@ -234,7 +235,7 @@ def vmalert_replay(rule_files: Iterable[Path], server: VictoriaMetricsServer, st
 
 def _run_on_terminal(argv: list[str], log_path: Path, timeout: float) -> int:
     """Run ``argv`` with a pseudo-terminal as its stdin, stdout and stderr, copying its output to
-    ``log_path``; return its exit status (killed after ``timeout`` s)."""
+    ``log_path``; return its exit status. It is killed after ``timeout`` s, or when this call fails."""
     primary, secondary = os.openpty()
     try:
         proc = subprocess.Popen(argv, stdin=secondary, stdout=secondary, stderr=secondary,
@@ -243,21 +244,24 @@ def _run_on_terminal(argv: list[str], log_path: Path, timeout: float) -> int:
         os.close(secondary)
     deadline = time.monotonic() + timeout
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("wb") as log:
-        try:
+    try:
+        with log_path.open("wb") as log:
             while time.monotonic() < deadline:
-                if select.select([primary], [], [], 1.0)[0]:
-                    try:
-                        data = os.read(primary, 65536)
-                    except OSError:  # EIO: every holder of the terminal closed it
-                        break
-                    if not data:
-                        break
-                    log.write(data)
-            else:
-                proc.kill()
-        finally:
-            os.close(primary)
+                if not select.select([primary], [], [], 1.0)[0]:
+                    continue
+                try:
+                    data = os.read(primary, 65536)
+                except OSError:  # EIO: every holder of the terminal closed it
+                    break
+                if not data:
+                    break
+                log.write(data)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        os.close(primary)
+        if proc.poll() is None:  # past its timeout, or this call failed
+            proc.kill()
     return proc.wait()
 
 

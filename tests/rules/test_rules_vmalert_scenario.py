@@ -20,7 +20,8 @@ from gpuhealth.evaluation.alerts import Episode, reads_alerts
 from gpuhealth.evaluation.benchmark import Options, evaluate_alerts
 from gpuhealth.evaluation.fleet import backfilled_prometheus
 from gpuhealth.evaluation.rulefiles import Rule, RuleSet, load_rules, selectors
-from gpuhealth.evaluation.vmalert import Passes, replay
+from gpuhealth.evaluation.vmalert import LOOKBACK_ARGS, Passes, end_records, replay
+from gpuhealth.local.victoria import VictoriaMetricsServer
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ROOT / "bench" / "scenarios" / "small.yaml"
@@ -87,6 +88,26 @@ def test_replay_passes_refuse_records_that_read_each_other_in_a_cycle() -> None:
     c = Rule("record", "x:c:d", "x:a:b + 1", "g", 60.0)
     with pytest.raises(ValueError, match="cycle"):
         Passes.of(RuleSet([a, c]))
+
+
+def test_replayed_records_end_where_they_stop_as_with_staleness_markers(tmp_path: Path) -> None:
+    start, step = 1_767_571_200.0, 60.0
+    times = [start + step * i for i in range(1500)]  # over 64 KiB of protobuf: several snappy literals
+    gap = set(range(20, 30))  # the record returned nothing then
+    rule = Rule("record", "test:gpu_signal:ratio", "vector(1)", "g", step)
+    with VictoriaMetricsServer(tmp_path / "vm", extra_args=LOOKBACK_ARGS) as vm:
+        vm.start()
+        vm.remote_write([({"__name__": rule.name, "gpu": "0"},
+                          [(t, float(i)) for i, t in enumerate(times) if i not in gap]),
+                         ({"__name__": "test_raw", "gpu": "0"}, [(t, 1.0) for t in times[:10]])])
+        assert end_records(vm, [rule], start, times[-1]) == 1
+        read = {s["metric"]["__name__"]: s["values"] for s in vm.api.query_range(
+            '{__name__=~"test:gpu_signal:ratio|test_raw"}', start, times[-1], step)}
+    assert [float(t) for t, _ in read[rule.name]] == [t for i, t in enumerate(times) if i not in gap]
+    assert [float(v) for _, v in read[rule.name]][-1] == len(times) - 1
+    # a series without markers (the backfilled raw series) is read for the 5-minute lookback, its start
+    # left out (Prometheus 2 reads it at 5 min too: one evaluation, see LOOKBACK_ARGS)
+    assert [float(t) for t, _ in read["test_raw"]] == times[:14]
 
 
 @pytest.mark.slow
