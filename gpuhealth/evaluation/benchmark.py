@@ -64,8 +64,9 @@ def evaluate(options: Options) -> dict[str, Any]:
         return evaluate_fleet(fleet, options, began)
 
 
-def evaluate_fleet(fleet: BackfilledFleet, options: Options, began: float) -> dict[str, Any]:
-    """Evaluate every alert of ``fleet.rules`` over the fleet's period and score them."""
+def evaluate_alerts(fleet: BackfilledFleet, options: Options) -> AlertEvaluator:
+    """Every alert of ``fleet.rules`` over the fleet's period (from the longest ``for:`` before it),
+    by Prometheus's engine; alerts reading ALERTS read those of the others."""
     rules = fleet.rules
     assert rules is not None
     step = options.step or rules.interval
@@ -99,7 +100,14 @@ def evaluate_fleet(fleet: BackfilledFleet, options: Options, began: float) -> di
         )
         with Progress("evaluating ALERTS rules", len(second), enabled=options.progress) as bar:
             evaluator.evaluate_all(second, bar.advance)
+    return evaluator
+
+
+def evaluate_fleet(fleet: BackfilledFleet, options: Options, began: float) -> dict[str, Any]:
+    """Evaluate every alert of ``fleet.rules`` over the fleet's period and score them."""
+    evaluator = evaluate_alerts(fleet, options)
     episodes = [e for e in evaluator.run.episodes() if e.start >= fleet.start]
+    rules, step, fused_step = evaluator.rules, evaluator.step, evaluator.fused_step
     scenario = fleet.scenario
     result = score(
         scenario.failures,
