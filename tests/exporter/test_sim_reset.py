@@ -132,6 +132,7 @@ def _run_reset(control: Path, gpu: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=30, check=False)
 
 
+@pytest.mark.slow
 def test_gpuhealth_sim_reset_against_a_running_exporter(tmp_path: Path) -> None:
     scenario = tmp_path / "scenario.yml"
     scenario.write_text(yaml.safe_dump({"gpus": 4, "faults": [
@@ -151,6 +152,10 @@ def test_gpuhealth_sim_reset_against_a_running_exporter(tmp_path: Path) -> None:
         assert done.returncode == 0 and "successfully reset" in done.stdout, done
         wait_until(lambda: value(_metrics(port), pending, gpu="1") == 0, timeout=30,
                    what="the remap to be applied")
+        # the driver's XID 154 back to "None", read by the exporter's own kernel log follower
+        recovery = "gpuhealth_gpu_recovery_action"
+        wait_until(lambda: value(_metrics(port), recovery, gpu="1", action="none") == 1, timeout=30,
+                   what="the recovery action to be carried out")
         lost = _run_reset(control, "3")
         assert lost.returncode == 1 and "fallen off the bus" in lost.stderr, lost
         assert "Traceback" not in lost.stderr
