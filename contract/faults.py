@@ -70,6 +70,13 @@ FAULT_XIDS = {
 }
 # Faults whose GPU falls off the bus at the hard failure: NVML loses it, the kernel logs the fall.
 FALLS_OFF_BUS_KINDS = ("thermal_runaway", "pcie_degradation", "fell_off_bus")
+# Faults a GPU reset (``nvidia-smi -r``) repairs, struck or still in their precursor: the reset applies
+# the pending row remaps that retire the bad HBM rows, reloads the GPU's firmware (GSP) and retrains its
+# NVLinks. It cannot reach a GPU that fell off the bus (FALLS_OFF_BUS_KINDS: the node reboots), nor cool
+# a GPU or mend its PCIe link; those faults go on after a reset.
+RESET_REPAIRS_KINDS = ("hbm_degradation", "sram_uncorrectable", "gsp_timeout", "nvlink_errors")
+# Noise that lasts until the next GPU reset: a row marked for remapping stays pending until then.
+RESET_ENDS_NOISE_KINDS = ("benign_remap", "contained_xid94")
 # XID 154: the driver announces the recovery action it now requires (here a GPU reset).
 RECOVERY_ACTION_XID = 154
 # Faults after whose hard failure the driver asks for a GPU reset through XID 154.

@@ -21,6 +21,7 @@ from pydantic_core import PydanticCustomError
 
 DEFAULT_PORT = 9835
 BACKENDS = ("nvml", "sim")
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its terminating NUL
 
 
 class ConfigError(ValueError):
@@ -53,6 +54,7 @@ class Settings:
     web_config_file: Path | None = None  # exporter-toolkit format; overrides the web block
     sim_profile: str | None = None
     sim_mig: bool = False
+    sim_control: Path | None = None  # the simulator's control socket (gpuhealth-sim-reset)
     log_level: str = "info"
     fabric: FabricSettings = field(default_factory=FabricSettings)
 
@@ -125,6 +127,16 @@ def _writable_dir(value: Path) -> Path:
 def _kmsg_parent(value: Path) -> Path:
     if not value.exists() and not value.parent.is_dir():
         raise PydanticCustomError("path", "{path} is not a directory", {"path": str(value.parent)})
+    return value
+
+
+def _socket_path(value: Path) -> Path:
+    """A Unix socket to create: its folder exists and the path fits ``sun_path`` (108 bytes)."""
+    if not value.parent.is_dir():
+        raise PydanticCustomError("path", "{path} is not a directory", {"path": str(value.parent)})
+    if len(os.fsencode(value)) > UNIX_PATH_MAX:
+        raise PydanticCustomError("path", "a Unix socket path must be at most {limit} bytes",
+                                  {"limit": UNIX_PATH_MAX})
     return value
 
 
@@ -221,6 +233,7 @@ class ExporterFile(Model):
     web_config_file: ReadableFile | None = None  # exporter-toolkit format; overrides the web block
     sim_profile: Literal[tuple(PROFILES)] | None = None  # type: ignore[valid-type]  # from a table
     sim_mig: bool = False
+    sim_control: Annotated[Path_, AfterValidator(_socket_path)] | None = None
     log_level: Annotated[LogLevel, BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)] = "info"
     web: WebBlock = WebBlock()
     fabric: FabricBlock = FabricBlock()
@@ -233,6 +246,8 @@ class ExporterFile(Model):
             found.append((("sim_scenario",), "only used with --backend sim"))
         if ("sim_profile" in data or data.get("sim_mig")) and not simulated:
             found.append((("sim_profile, sim_mig",), "only used with --backend sim"))
+        if "sim_control" in data and not simulated:
+            found.append((("sim_control",), "only used with --backend sim"))
         timeout, window = data.get("nvml_timeout", 2.0), data.get("sampling_window", 15.0)
         if _number(timeout) and _number(window) and timeout >= window:
             found.append((("nvml_timeout",), "must be shorter than sampling_window"))

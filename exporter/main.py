@@ -25,6 +25,7 @@ from gpuhealth.exporter.fabric_settings import FabricSettings
 from gpuhealth.exporter.metrics import SPECS
 from gpuhealth.exporter.nvml_backend import load_nvml
 from gpuhealth.exporter.sampler import Sampler
+from gpuhealth.exporter.sim.control import ControlServer
 from gpuhealth.exporter.sim.fabric import NIC_RATE_GBPS
 from gpuhealth.exporter.sim.profiles import PROFILES
 from gpuhealth.exporter.web import hash_password, make_server, tls_context
@@ -46,6 +47,8 @@ def build_parser(collector_names: dict[str, str]) -> argparse.ArgumentParser:
     add("--sim-scenario", metavar="FILE", help="simulator scenario (YAML); default: 8 healthy H100s")
     add("--sim-profile", choices=sorted(PROFILES), help="simulated hardware: model, memory, NVLink "
         "generation and which queries answer (default h100-sxm; sets the scenario's model and NVLinks)")
+    add("--sim-control", metavar="SOCKET", help="serve the simulator's control socket here (mode 0600), "
+        "through which gpuhealth-sim-reset resets a simulated GPU as nvidia-smi -r does")
     add("--sim-mig", action="store_true", default=None, help="simulate MIG mode inside a container: no "
         "utilisation, NoPermission on some queries")
     add("--kmsg-path", metavar="PATH", help="kernel log to follow: /dev/kmsg (default with nvml) or a "
@@ -180,6 +183,12 @@ def _serve(settings: Settings, tmpdir: Path | None) -> int:
         print(f"gpuhealth-exporter: cannot serve on {settings.listen}: {exc.strerror or exc}",
               file=sys.stderr)
         return 2
+    try:
+        control = None if settings.sim_control is None else ControlServer(settings.sim_control, nvml)
+    except OSError as exc:
+        print(f"gpuhealth-exporter: cannot serve the control socket {settings.sim_control}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
 
     def reload(*_: object) -> None:
@@ -212,6 +221,8 @@ def _serve(settings: Settings, tmpdir: Path | None) -> int:
         pass
     log.info("shutting down")
     server.shutdown()
+    if control is not None:
+        control.close()
     sampler.stop()
     return 0
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pynvml
-from gpuhealth.contract.faults import FABRIC_KINDS
+from gpuhealth.contract.faults import FABRIC_KINDS, RESET_ENDS_NOISE_KINDS, RESET_REPAIRS_KINDS
 from gpuhealth.exporter.sim import kernel_lines
 from gpuhealth.exporter.sim.scenario import Fault, Scenario
 
@@ -31,6 +31,11 @@ REASON_SW_THERMAL = pynvml.nvmlClocksEventReasonSwThermalSlowdown
 REASON_HW_THERMAL = pynvml.nvmlClocksEventReasonHwThermalSlowdown
 REASON_HW_SLOWDOWN = pynvml.nvmlClocksEventReasonHwSlowdown
 REASON_HW_POWER_BRAKE = pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown
+
+# Recovery actions a GPU reset carries out, as XID 154 names them; any other (a node reboot) outlives it.
+RESET_RECOVERY_ACTIONS = {pynvml.NVML_GPU_RECOVERY_ACTION_NONE: "None",
+                          pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET: "GPU Reset Required",
+                          pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET: "Drain and Reset Required"}
 
 Emit = Callable[[int, str, int | None], None]  # (gpu index, kernel log text, NVML XID event or None)
 
@@ -98,6 +103,7 @@ class FaultRun:
         self.emit = emit
         self.progress = 0.0
         self.failed = False
+        self.repaired: set[int] = set()  # GPUs a reset repaired: the event is over on them
 
     def phase_progress(self, t: float) -> float | None:
         """Progress 0..1 through the precursor (or noise) phase; None before it starts."""
@@ -112,13 +118,14 @@ class FaultRun:
         if p is None:
             return
         noise_over = self.fault.is_noise and t > self.fault.start + self.fault.duration
-        for index in self.fault.gpus:
+        affected = [index for index in self.fault.gpus if index not in self.repaired]
+        for index in affected:
             gpu = gpus[index]
             if not gpu.lost:
                 getattr(self, f"_{self.fault.kind}")(gpu, p, self.progress, active=not noise_over)
         if not self.fault.is_noise and p >= 1.0 and not self.failed:
             self.failed = True
-            for index in self.fault.gpus:
+            for index in affected:
                 getattr(self, f"_fail_{self.fault.kind}")(gpus[index])
         self.progress = p
 
@@ -305,6 +312,10 @@ class FaultRun:
             gpu.power_watts = min(gpu.power_watts, 0.45 * POWER_LIMIT_W)
 
 
+class ResetRefused(Exception):
+    """A GPU reset that fails, as ``nvidia-smi -r`` does; the message says why."""
+
+
 def _idle(gpu: GpuState) -> None:
     gpu.utilization = gpu.memory_utilization = 0.0
     gpu.pcie_gen = 1  # link power saving, as real GPUs do at idle
@@ -335,6 +346,35 @@ class Node:
             gpu.nvlink_down.clear()
             gpu.remap_pending = gpu.retired_pending = 0
             gpu.ecc_corrected_volatile = gpu.ecc_uncorrected_volatile = 0.0
+
+    def reset_gpu(self, index: int) -> None:
+        """What ``nvidia-smi -r -i INDEX`` does: volatile ECC counts cleared, pending row remaps applied,
+        a recovery action of reset kind carried out, the GPU's hang and down links cleared, and the
+        faults a reset repairs (``RESET_REPAIRS_KINDS``) over on it. Raises ``ResetRefused`` as the
+        real reset fails: on a GPU off the bus, one still in use, or one whose driver asks for more."""
+        gpu = self.gpus[index]
+        if gpu.lost:
+            raise ResetRefused(f"GPU {index} ({gpu.pci_bus_id}) has fallen off the bus: a reset cannot reach "
+                               "it, the node needs a reboot")
+        users = sorted(p.pid for p in self.scenario.processes if index in p.gpus)
+        if users:
+            raise ResetRefused(f"GPU {index} ({gpu.pci_bus_id}) is in use by process(es) "
+                               f"{', '.join(map(str, users))}: stop them before the reset")
+        if gpu.recovery_action not in RESET_RECOVERY_ACTIONS:
+            raise ResetRefused(f"GPU {index} ({gpu.pci_bus_id}): the driver's recovery action "
+                               f"{gpu.recovery_action} is more than a GPU reset (a node reboot)")
+        for run in self.runs:
+            if index in run.fault.gpus and run.fault.kind in (*RESET_REPAIRS_KINDS, *RESET_ENDS_NOISE_KINDS):
+                run.repaired.add(index)
+        gpu.hung = False
+        if gpu.recovery_action != pynvml.NVML_GPU_RECOVERY_ACTION_NONE:  # the driver announces the change
+            self.emit(index, f"NVRM: Xid ({gpu.pci_kernel}): 154, GPU recovery action changed from "
+                             f"0x{gpu.recovery_action:x} ({RESET_RECOVERY_ACTIONS[gpu.recovery_action]}) to "
+                             "0x0 (None)", 154)
+            gpu.recovery_action = pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+        gpu.remap_pending = gpu.retired_pending = 0  # applied: the rows stay counted as remapped
+        gpu.ecc_corrected_volatile = gpu.ecc_uncorrected_volatile = 0.0
+        gpu.nvlink_down.clear()
 
     def advance(self, t: float) -> None:
         w = self.scenario.workload

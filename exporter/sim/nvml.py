@@ -26,6 +26,7 @@ from gpuhealth.exporter.sim.gpu import (
     SM_CLOCK_MAX,
     GpuState,
     Node,
+    ResetRefused,
 )
 from gpuhealth.exporter.sim.kmsg_writer import KmsgWriter
 from gpuhealth.exporter.sim.nvml_current import MEMORY_MAX_OPERATING_C, NvmlCurrent, wrap_queries
@@ -91,6 +92,21 @@ class SimulatedNvml(NvmlCurrent):
             self._node.load(scenario)
             self._start = self._clock()
             self._advanced_to = None
+
+    def reset_gpu(self, gpu: str) -> str:
+        """Reset one GPU, named by index or UUID, as ``nvidia-smi -r -i GPU`` would (``Node.reset_gpu``);
+        what nvidia-smi prints. Raises ``ResetRefused`` when the reset fails."""
+        with self._lock:
+            self._advance()
+            uuids = [self._uuid(index) for index in range(len(self._node.gpus))]
+            if gpu.isdecimal() and int(gpu) < len(uuids):
+                index = int(gpu)
+            elif gpu in uuids:
+                index = uuids.index(gpu)
+            else:
+                raise ResetRefused(f"no GPU {gpu!r} on this node (indices 0-{len(uuids) - 1} or GPU-<uuid>)")
+            self._node.reset_gpu(index)
+            return f"GPU {self._node.gpus[index].pci_bus_id} was successfully reset."
 
     @property
     def fabric_manager_pid_file(self) -> Path | None:
@@ -165,7 +181,10 @@ class SimulatedNvml(NvmlCurrent):
     # identity
     def nvmlDeviceGetUUID(self, handle: SimHandle) -> str:
         self._gpu(handle)
-        return f"GPU-{uuid.UUID(int=(self._node.scenario.seed << 16) + handle.index + 0x5EED)}"
+        return self._uuid(handle.index)
+
+    def _uuid(self, index: int) -> str:
+        return f"GPU-{uuid.UUID(int=(self._node.scenario.seed << 16) + index + 0x5EED)}"
 
     def nvmlDeviceGetName(self, handle: SimHandle) -> str:
         self._gpu(handle)

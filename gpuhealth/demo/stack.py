@@ -5,6 +5,10 @@ a real Prometheus loading the generated rules, a real Alertmanager routing to th
 webhook acting on Slurm. Faults are injected into a running exporter by rewriting its scenario file
 and sending SIGHUP. Used by ``gpuhealth demo``, the end-to-end test and ``bench/e2e.py``.
 
+The webhook resets a GPU as a site's ``reset_gpu_command`` would (``ssh -- {node} nvidia-smi -r -i {gpu}``):
+``gpuhealth-sim-reset`` asks the node's exporter, over its ``--sim-control`` socket, to reset the GPU
+in its simulator, which succeeds or fails as ``nvidia-smi -r`` does (exporter/README.md).
+
 The webhook returns a node to service as on a real fleet: after its alerts resolved and
 ``gpuhealth-validate`` passed, run here on this host with the simulator against the node's hardware
 (``nodes/<node>/hardware.yml``: every fault injected on it, as it is once the fault has struck).
@@ -172,6 +176,10 @@ class ClosedLoopStack:
     def _hardware_path(self, node: str) -> Path:
         return self.root / "nodes" / node / "hardware.yml"
 
+    def _control_path(self, node: str) -> Path:
+        """The socket through which ``gpuhealth-sim-reset`` resets the node's simulated GPUs."""
+        return self.root / "nodes" / node / "sim-control.sock"
+
     def _write_scenario(self, node: str) -> None:
         """The exporter's scenario (each fault from its precursor's onset), and the node's hardware as
         ``gpuhealth-validate`` sees it: every fault already struck, so that no node under a precursor
@@ -194,7 +202,7 @@ class ClosedLoopStack:
         argv: list[str | Path] = [self._bin("gpuhealth-exporter"), "--backend", "sim",
                 "--sim-scenario", self._scenario_path(node), "--kmsg-path", node_dir / "kmsg",
                 "--listen", f"127.0.0.1:{port}", "--state-dir", node_dir / "state",
-                "--sampling.window", "5"]
+                "--sampling.window", "5", "--sim-control", self._control_path(node)]
         proc = ManagedProcess(f"exporter-{node}", argv, node_dir / "exporter.log").start()
         self.exporters[node], self.exporter_ports[node] = proc, port
 
@@ -253,7 +261,11 @@ class ClosedLoopStack:
             "gpuhealth_webhook_config_dir": config_dir,
             "gpuhealth_webhook_state_dir": "/var/lib/gpuhealth-webhook",
             "gpuhealth_webhook_port": self.webhook_port,
-            "gpuhealth_webhook_backend": {"type": "slurm", "slurm_conf": str(self.slurm.conf_path)},
+            "gpuhealth_webhook_backend": {
+                "type": "slurm", "slurm_conf": str(self.slurm.conf_path),
+                # nvidia-smi -r -i {gpu} on the node, played by its simulator
+                "reset_gpu_command": [self._bin("gpuhealth-sim-reset"), "--control",
+                                      str(self._control_path("{node}")), "-i", "{gpu}"]},
             "gpuhealth_webhook_guardrails": {
                 "breaker_max_nodes": self.options.breaker_max_nodes,
                 "breaker_max_fraction": 0.5,

@@ -156,6 +156,34 @@ def test_training_jobs_checkpoint_and_the_demo_sees_it(loop):
         assert saved.path.parent == stack.slurm.checkpoint_dir(job_id)
 
 
+def test_the_gpu_reset_step_succeeded_and_repaired_the_memory_fault(loop):
+    """The predictive action's last step resets the GPU through ``gpuhealth-sim-reset``: the action is
+    done, the exporter shows the volatile ECC count cleared (the aggregate kept), and the HBM fault,
+    its weak rows remapped, never reaches its uncorrectable error."""
+    stack, _, where = loop
+    node = where["slow"]
+
+    def resets() -> list[dict]:
+        return [a for a in stack.webhook_get("/actions")["actions"]
+                if a["node"] == node and a["kind"].endswith("drain_reset_gpu")]
+    # the loop closes at the requeue; the reset comes after it
+    ended = ("done", "failed", "skipped", "cancelled")
+    wait_until(lambda: resets() and resets()[0]["state"] in ended, timeout=60, interval=0.5,
+               what="the reset action to end")
+    first = resets()[0]
+    assert first["gpu"] == "5" and first["state"] == "done", first
+    assert not [a for a in resets() if a["state"] == "failed"], resets()
+    assert stack.webhook_logged(rf"event=slurm_reset_gpu node={node} gpu=5\b")
+    ecc = f'gpuhealth_gpu_ecc_errors_total{{node="{node}",gpu="5",type="corrected",counter="%s"}}'
+
+    def cleared() -> bool:
+        volatile, aggregate = (stack.fleet_api.query(ecc % c) for c in ("volatile", "aggregate"))
+        return bool(volatile and aggregate) and float(volatile[0]["value"][1]) == 0 < float(
+            aggregate[0]["value"][1])
+    wait_until(cleared, timeout=30, interval=1.0, what="the reset GPU's volatile ECC count at 0")
+    assert ": 95," not in (stack.root / "nodes" / node / "kmsg").read_text()
+
+
 def test_a_rebooted_node_takes_a_job_only_after_gpuhealth_validate_passed(loop):
     """Last: it returns the hard-failure node to service. The webhook asked Slurm to reboot it; the
     reboot is played with a job waiting for exactly that node, and Slurm's own log must not allocate

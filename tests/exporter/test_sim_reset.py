@@ -1,0 +1,172 @@
+"""A simulated GPU reset: what ``nvidia-smi -r`` does and does not do, in the simulator and through
+``gpuhealth-sim-reset`` against a running exporter's control socket."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pynvml
+import pytest
+import yaml
+from exporter_helpers import FakeClock, value
+from gpuhealth.contract.faults import FALLS_OFF_BUS_KINDS, RESET_REPAIRS_KINDS
+from gpuhealth.exporter.sim.control import ControlServer, Unreachable, reset_gpu
+from gpuhealth.exporter.sim.gpu import ResetRefused
+from gpuhealth.exporter.sim.nvml import SimulatedNvml
+from gpuhealth.exporter.sim.scenario import parse_scenario
+
+from gpuhealth.local.process import ManagedProcess, free_port, http_ok, wait_until
+
+BIN = Path(sys.executable).parent
+VOLATILE = (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC)
+AGGREGATE = (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_AGGREGATE_ECC)
+
+
+def sim(scenario: dict, clock: FakeClock, kmsg: Path | None = None) -> SimulatedNvml:
+    nvml = SimulatedNvml(parse_scenario(scenario), kmsg, clock=clock)
+    nvml.nvmlInit()
+    return nvml
+
+
+def test_reset_applies_the_pending_remap_and_ends_the_memory_fault(clock: FakeClock, tmp_path: Path) -> None:
+    kmsg = tmp_path / "kmsg"
+    nvml = sim({"gpus": 2, "faults": [{"kind": "hbm_degradation", "gpu": 1, "precursor": 10}]}, clock, kmsg)
+    handle = nvml.nvmlDeviceGetHandleByIndex(1)
+    clock.advance(11)
+    corrected, uncorrected, pending, failed = nvml.nvmlDeviceGetRemappedRows(handle)
+    assert pending == 1 and uncorrected == 1
+    assert nvml.nvmlDeviceGetTotalEccErrors(handle, *VOLATILE) > 0
+    assert nvml._node.gpus[1].recovery_action == pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
+    aggregate = nvml.nvmlDeviceGetTotalEccErrors(handle, *AGGREGATE)
+
+    assert nvml.reset_gpu("1") == "GPU 00000000:2A:00.0 was successfully reset."
+    clock.advance(30)
+    # the remap is applied: no longer pending, still counted; volatile counts cleared, aggregate kept
+    assert nvml.nvmlDeviceGetRemappedRows(handle) == (corrected, uncorrected, 0, failed)
+    assert nvml.nvmlDeviceGetTotalEccErrors(handle, *VOLATILE) == 0
+    assert nvml.nvmlDeviceGetTotalEccErrors(handle, *AGGREGATE) == aggregate
+    assert nvml._node.gpus[1].recovery_action == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    assert "154, GPU recovery action changed from 0x1 (GPU Reset Required) to 0x0 (None)" in kmsg.read_text()
+
+
+def test_a_reset_in_the_precursor_ends_it_before_the_hard_failure(clock: FakeClock, tmp_path: Path) -> None:
+    kmsg = tmp_path / "kmsg"
+    nvml = sim({"gpus": 1, "faults": [{"kind": "hbm_degradation", "gpu": 0, "precursor": 60},
+                                      {"kind": "thermal_runaway", "gpu": 0, "precursor": 80}]}, clock, kmsg)
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    clock.advance(50)
+    nvml.reset_gpu("0")
+    errors = nvml.nvmlDeviceGetTotalEccErrors(handle, *VOLATILE)
+    clock.advance(20)  # past the HBM fault's hard failure: the reset repaired the HBM...
+    assert nvml.nvmlDeviceGetTotalEccErrors(handle, *VOLATILE) == errors == 0
+    assert nvml.nvmlDeviceGetRemappedRows(handle)[2] == 0
+    assert ": 95," not in kmsg.read_text()
+    clock.advance(15)  # ... not the cooling: the GPU still overheats and falls off the bus
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        nvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
+
+
+def test_reset_ends_a_pending_remap_noise_and_retrains_links(clock: FakeClock) -> None:
+    nvml = sim({"gpus": 1, "faults": [{"kind": "benign_remap", "gpu": 0, "duration": 100},
+                                      {"kind": "nvlink_errors", "gpu": 0, "link": 3, "precursor": 1}]}, clock)
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    clock.advance(5)
+    assert nvml.nvmlDeviceGetRemappedRows(handle)[2] == 1
+    assert nvml.nvmlDeviceGetNvLinkState(handle, 3) == pynvml.NVML_FEATURE_DISABLED
+    nvml.reset_gpu(nvml.nvmlDeviceGetUUID(handle))  # by UUID, as an alert's gpu label may name it
+    clock.advance(5)
+    assert nvml.nvmlDeviceGetRemappedRows(handle)[2] == 0
+    assert nvml.nvmlDeviceGetNvLinkState(handle, 3) == pynvml.NVML_FEATURE_ENABLED
+
+
+@pytest.mark.parametrize("kind", FALLS_OFF_BUS_KINDS)
+def test_reset_fails_on_a_gpu_off_the_bus(clock: FakeClock, kind: str) -> None:
+    assert kind not in RESET_REPAIRS_KINDS
+    nvml = sim({"gpus": 1, "faults": [{"kind": kind, "gpu": 0, "precursor": 1}]}, clock)
+    clock.advance(2)
+    with pytest.raises(ResetRefused, match="fallen off the bus"):
+        nvml.reset_gpu("0")
+
+
+def test_reset_fails_while_processes_use_the_gpu_and_for_an_unknown_gpu(clock: FakeClock) -> None:
+    nvml = sim({"gpus": 2, "processes": [{"pid": 4242, "gpus": [1]}]}, clock)
+    with pytest.raises(ResetRefused, match=r"in use by process.*4242"):
+        nvml.reset_gpu("1")
+    nvml.reset_gpu("0")
+    for gpu in ("2", "GPU-00000000-0000-0000-0000-000000000000", "-1"):
+        with pytest.raises(ResetRefused, match="no GPU"):
+            nvml.reset_gpu(gpu)
+
+
+def test_the_control_socket_answers_bad_requests_and_is_private(clock: FakeClock, tmp_path: Path) -> None:
+    nvml = sim({"gpus": 1}, clock)
+    server = ControlServer(tmp_path / "ctl.sock", nvml)
+    try:
+        assert (tmp_path / "ctl.sock").stat().st_mode & 0o777 == 0o600
+        for request in (b"not json\n", b'{"op": "reboot"}\n', b'["reset_gpu"]\n'):
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.connect(str(tmp_path / "ctl.sock"))
+                sock.sendall(request)
+                answer = json.loads(sock.makefile("rb").readline())
+            assert answer["ok"] is False and answer["error"], request
+        assert "successfully reset" in reset_gpu(tmp_path / "ctl.sock", "0")
+    finally:
+        server.close()
+    assert not (tmp_path / "ctl.sock").exists()
+    with pytest.raises(Unreachable, match="cannot reach"):
+        reset_gpu(tmp_path / "ctl.sock", "0")
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
+def _run_reset(control: Path, gpu: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([BIN / "gpuhealth-sim-reset", "--control", str(control), "-i", gpu],
+                          capture_output=True, text=True, timeout=30, check=False)
+
+
+@pytest.mark.slow
+def test_gpuhealth_sim_reset_against_a_running_exporter(tmp_path: Path) -> None:
+    scenario = tmp_path / "scenario.yml"
+    scenario.write_text(yaml.safe_dump({"gpus": 4, "faults": [
+        {"kind": "hbm_degradation", "gpu": 1, "precursor": 0},
+        {"kind": "fell_off_bus", "gpu": 3}]}))
+    port, control = free_port(), tmp_path / "sim.sock"
+    exporter = ManagedProcess("exporter", [
+        BIN / "gpuhealth-exporter", "--backend", "sim", "--sim-scenario", scenario, "--sim-control", control,
+        "--kmsg-path", tmp_path / "kmsg", "--listen", f"127.0.0.1:{port}", "--sampling.interval", "0.2",
+        "--sampling.window", "3"], tmp_path / "exporter.log").start()
+    try:
+        exporter.wait_ready(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"))
+        pending = "gpuhealth_gpu_remap_pending"
+        wait_until(lambda: value(_metrics(port), pending, gpu="1") == 1, timeout=30,
+                   what="the pending remap to show")
+        done = _run_reset(control, "1")
+        assert done.returncode == 0 and "successfully reset" in done.stdout, done
+        wait_until(lambda: value(_metrics(port), pending, gpu="1") == 0, timeout=30,
+                   what="the remap to be applied")
+        # the driver's XID 154 back to "None", read by the exporter's own kernel log follower
+        recovery = "gpuhealth_gpu_recovery_action"
+        wait_until(lambda: value(_metrics(port), recovery, gpu="1", action="none") == 1, timeout=30,
+                   what="the recovery action to be carried out")
+        lost = _run_reset(control, "3")
+        assert lost.returncode == 1 and "fallen off the bus" in lost.stderr, lost
+        assert "Traceback" not in lost.stderr
+    finally:
+        exporter.stop()
+    assert not control.exists()
+    gone = _run_reset(control, "1")
+    assert gone.returncode == 2 and "--sim-control" in gone.stderr, gone
+
+
+def test_gpuhealth_sim_reset_help() -> None:
+    result = subprocess.run([BIN / "gpuhealth-sim-reset", "--help"], capture_output=True, text=True,
+                            check=True)
+    assert "--control" in result.stdout and "fell" in result.stdout
