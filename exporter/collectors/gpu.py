@@ -122,7 +122,7 @@ class GpuCollector:
             log.warning("nvml stall %s gpus=%d", "began" if stalled else "ended", len(indices))
         self.stalled = stalled
         for index, outcome in outcomes.items():
-            track = self.tracks.setdefault(index, GpuTrack())
+            track = self.tracks.get(index) or self.tracks.setdefault(index, GpuTrack())  # not built per run
             if isinstance(outcome, NvmlDown):
                 session.lost(outcome.error)
                 self._down(index, track, outcome, index < count)
