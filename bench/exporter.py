@@ -5,6 +5,7 @@ a second each (Prometheus scrapes every 15 s; more scrapes give a steadier p99).
 simulates 8 GPUs of the chosen profile (default H100 SXM) with 18 NVLinks each and samples every second.
 
     .venv/bin/python bench/exporter.py --duration 300 [--sim-profile b200] [--baseline main]
+    .venv/bin/python bench/exporter.py --exporter-arg=--no-collector.fabric   # a collector's share
 
 ``--baseline REF`` adds the exporter as it was at a git commit (its ``exporter/`` and ``gpuhealth/``
 trees, run with this venv's interpreter and libraries) as a third target in the same run, so a change
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import shutil
 import statistics
 import subprocess
@@ -91,6 +93,9 @@ def main() -> int:
     parser.add_argument("--sim-profile", help="simulator hardware profile (h100-sxm, h200, b200, gb200)")
     parser.add_argument("--baseline", metavar="REF", help="also run the exporter as it was at this git "
                         "commit or branch (e.g. main), side by side")
+    parser.add_argument("--exporter-arg", metavar="ARG", action="append", default=[],
+                        help="extra argument for every gpuhealth-exporter target, e.g. "
+                        "--exporter-arg=--no-collector.fabric (repeatable)")
     args = parser.parse_args()
     node_exporter = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
     if node_exporter is None:
@@ -100,7 +105,7 @@ def main() -> int:
     gh_port, ne_port = free_port(), free_port()
     exporter = Path(sys.executable).parent / "gpuhealth-exporter"
     sim_args = ["--backend", "sim", "--sampling.interval", "1",
-                *(["--sim-profile", args.sim_profile] if args.sim_profile else [])]
+                *(["--sim-profile", args.sim_profile] if args.sim_profile else []), *args.exporter_arg]
     targets = [
         Target("gpuhealth-exporter", [str(exporter), *sim_args, "--listen", f"127.0.0.1:{gh_port}"],
                gh_port, workdir),
@@ -123,6 +128,7 @@ def main() -> int:
             target.start()
         time.sleep(WARMUP_S)
         cpu_start = {t.name: cpu_seconds(t.ps) for t in targets}
+        load_start = os.getloadavg()[0]
         start = time.monotonic()
         while time.monotonic() - start < args.duration:
             tick = time.monotonic()
@@ -130,14 +136,17 @@ def main() -> int:
                 target.measure()
             time.sleep(max(0.0, args.scrape_interval - (time.monotonic() - tick)))
         elapsed = time.monotonic() - start
+        load_end = os.getloadavg()[0]
         cpu = {t.name: (cpu_seconds(t.ps) - cpu_start[t.name]) / elapsed for t in targets}
     finally:
         for target in targets:
             target.process.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"profile {args.sim_profile or 'default (h100-sxm)'}, duration {elapsed:.0f} s, "
+          f"exporter arguments {' '.join(args.exporter_arg) or 'none'}, "
           f"{len(targets[0].latencies)} scrapes each, "
-          f"{args.scrape_interval:g} s apart, alternating")
+          f"{args.scrape_interval:g} s apart, alternating; load average {load_start:.1f} at the start, "
+          f"{load_end:.1f} at the end ({os.cpu_count()} CPUs)")
     print(f"{'target':<20}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'CPU %':>8}{'RSS MB start':>14}"
           f"{'RSS MB end':>12}{'RSS MB max':>12}{'body KB':>9}")
     for t in targets:

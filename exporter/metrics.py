@@ -121,17 +121,20 @@ class _Line:
 
 
 class Renderer:
-    """Prometheus text format, with each series' name-and-labels prefix built once and reused.
+    """Prometheus text format, rendered every sampling run: the exporter's hottest loop.
 
-    The exposition is rendered every sampling run, so this is the exporter's hottest loop; series
-    are stable from one run to the next, so nearly every prefix comes from the cache, found by the
-    label values alone (a family's label names are fixed by ``SPECS``).
+    Two caches make it cheap. A family whose series and values all equal the previous run's (most
+    of them: counters and link state are read every few seconds, health gauges rarely change) reuses
+    its whole encoded block, found by one comparison of its pairs. Within a family that changed, each
+    series' name-and-labels prefix is built once and found by the label values alone (a family's
+    label names are fixed by ``SPECS``), and a series whose value held keeps its line.
     """
 
     def __init__(self) -> None:
         self._series_lines: dict[str, dict[_SeriesKey, _Line]] = {}  # sample name -> label values -> line
         self._cached = 0
         self._headers: dict[tuple[str, str, str], str] = {}
+        self._blocks: dict[str, tuple[list[Series], bytes]] = {}  # sample name -> last pairs, their block
 
     def _prefix(self, name: str, labels: dict[str, str]) -> str:
         inner = ",".join(f'{k}="{_utf8(str(v)).translate(_ESCAPES)}"' for k, v in sorted(labels.items()))
@@ -143,36 +146,49 @@ class Renderer:
             self._cached = 0
         return self._series_lines.setdefault(name, {})
 
-    def render(self, families: Iterable[Exposed]) -> bytes:
-        lines: list[str] = []
-        for family in families:
-            header_key = (family.name, family.type, family.documentation)
-            header = self._headers.get(header_key)
-            if header is None:
-                name = family.name + ("_total" if family.type == "counter" else "")
-                doc = family.documentation.replace("\\", "\\\\").replace("\n", "\\n")
-                header = self._headers[header_key] = f"# HELP {name} {doc}\n# TYPE {name} {family.type}"
-            lines.append(header)
-            if isinstance(family, Family):
-                series = self._series(family.sample_name)
-                for values, value in family.pairs:
-                    line = series.get(values)
-                    if line is None:
-                        labels = dict(zip(family.label_names, values, strict=False))
-                        line = series[values] = _Line(self._prefix(family.sample_name, labels))
-                        self._cached += 1
-                    lines.append(line.text if line.value == value else line.update(value))
-            else:
-                for sample in family.samples:
-                    series = self._series(sample.name)
-                    key = tuple(sorted(sample.labels.items()))  # pairs: never equal to a Family's values
-                    line = series.get(key)
-                    if line is None:
-                        line = series[key] = _Line(self._prefix(sample.name, sample.labels))
-                        self._cached += 1
-                    lines.append(line.update(sample.value))
+    def _header(self, family: Exposed) -> str:
+        header_key = (family.name, family.type, family.documentation)
+        header = self._headers.get(header_key)
+        if header is None:
+            name = family.name + ("_total" if family.type == "counter" else "")
+            doc = family.documentation.replace("\\", "\\\\").replace("\n", "\\n")
+            header = self._headers[header_key] = f"# HELP {name} {doc}\n# TYPE {name} {family.type}"
+        return header
+
+    def _family_block(self, family: Family) -> bytes:
+        kept = self._blocks.get(family.sample_name)
+        if kept is not None and kept[0] == family.pairs:
+            return kept[1]
+        lines = [self._header(family)]
+        series = self._series(family.sample_name)
+        for values, value in family.pairs:
+            line = series.get(values)
+            if line is None:
+                labels = dict(zip(family.label_names, values, strict=False))
+                line = series[values] = _Line(self._prefix(family.sample_name, labels))
+                self._cached += 1
+            lines.append(line.text if line.value == value else line.update(value))
+        lines.append("")
+        block = "\n".join(lines).encode()
+        self._blocks[family.sample_name] = (family.pairs.copy(), block)  # a collector may reuse its list
+        return block
+
+    def _metric_block(self, family: Metric) -> bytes:
+        lines = [self._header(family)]
+        for sample in family.samples:
+            series = self._series(sample.name)
+            key = tuple(sorted(sample.labels.items()))  # pairs: never equal to a Family's values
+            line = series.get(key)
+            if line is None:
+                line = series[key] = _Line(self._prefix(sample.name, sample.labels))
+                self._cached += 1
+            lines.append(line.update(sample.value))
         lines.append("")
         return "\n".join(lines).encode()
+
+    def render(self, families: Iterable[Exposed]) -> bytes:
+        return b"".join(self._family_block(f) if isinstance(f, Family) else self._metric_block(f)
+                        for f in families)
 
 
 def render(families: Iterable[Exposed]) -> bytes:

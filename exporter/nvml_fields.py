@@ -9,6 +9,8 @@ NotSupported for is remembered and left out of later batches.
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +79,26 @@ def value_members(nvml: Any) -> dict[int, str]:
             nvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal", nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
             nvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal", nvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
             nvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal"}
+
+
+_STRUCTURE_GET = ctypes.Structure.__getattribute__
+_UNION_GET = ctypes.Union.__getattribute__
+
+
+def answers(values: Iterable[Any], members: dict[int, str]) -> Iterator[tuple[int, float]]:
+    """(return code, number) of each ``c_nvmlFieldValue_t``, read through ctypes' own accessors.
+
+    pynvml's structures pass every attribute through a Python ``__getattribute__`` (it decodes byte
+    strings, which a field value has none of): for the hundreds of fields of a Blackwell GPU that
+    cost more than everything else done with them. The number is 0.0 when the code is not success.
+    """
+    for value in values:
+        code = _STRUCTURE_GET(value, "nvmlReturn")
+        if code:
+            yield code, 0.0
+            continue
+        member = members.get(_STRUCTURE_GET(value, "valueType"), "ullVal")
+        yield code, float(_UNION_GET(_STRUCTURE_GET(value, "value"), member))
 
 
 def ber(raw: float) -> float:

@@ -32,9 +32,13 @@ from gpuhealth.exporter.nvml_fields import (
     LINK_FIELDS,
     RECOVERY_ACTION_FIELD,
     FieldSpec,
+    answers,
     ber,
     value_members,
 )
+
+# (spec, scope, field id, label values after gpu) of one field value to ask; spec None: the recovery action
+FieldRequest = tuple["FieldSpec | None", int, int, tuple[str, ...]]
 
 CLOCK_EVENT_REASONS = {  # label -> pynvml constant suffix
     "gpu_idle": "GpuIdle",
@@ -71,6 +75,10 @@ class GpuReading:
             self.samples.append((name, labels, float(value)))
 
 
+def _field_labels(spec: FieldSpec, scope: int) -> tuple[str, ...]:
+    return (str(scope), *spec.labels) if spec.per_link else spec.labels
+
+
 def _stable(value: Any) -> Any:
     return value if isinstance(value, int | float | str) else type(value).__name__
 
@@ -95,7 +103,7 @@ class NvmlReader:
         self._recovery_field = getattr(nvml, RECOVERY_ACTION_FIELD)
         self._value_members = value_members(nvml)
         self._success = nvml.NVML_SUCCESS
-        self._requests: dict[int, tuple[int, list[tuple[FieldSpec | None, int, int]]]] = {}
+        self._requests: dict[int, tuple[int, list[FieldRequest]]] = {}
         self._absent_version = 0
 
     def forget(self) -> None:
@@ -334,8 +342,8 @@ class NvmlReader:
                 raise cls(error_label(exc), "nv_link_state") from exc
             return None
 
-    def _field_requests(self, index: int, links: list[int]) -> list[tuple[FieldSpec | None, int, int]]:
-        """(spec, scope, field id) still worth asking this GPU; spec None is the recovery action.
+    def _field_requests(self, index: int, links: list[int]) -> list[FieldRequest]:
+        """The field values still worth asking this GPU, with their label values.
 
         Rebuilt only when something became absent: a sample reads the cached list.
         """
@@ -343,9 +351,11 @@ class NvmlReader:
             cached = self._requests.get(index)
             if cached is not None and cached[0] == self._absent_version:
                 return cached[1]
-            everything = [*((spec, 0, field_id) for spec, field_id in self._device_fields),
-                          (None, 0, self._recovery_field),
-                          *((spec, link, field_id) for link in links for spec, field_id in self._link_fields)]
+            everything: list[FieldRequest] = [
+                *((spec, 0, field_id, _field_labels(spec, 0)) for spec, field_id in self._device_fields),
+                (None, 0, self._recovery_field, ()),
+                *((spec, link, field_id, _field_labels(spec, link))
+                  for link in links for spec, field_id in self._link_fields)]
             requests = [q for q in everything if (index, "field", q[2], q[1]) not in self._absent]
             self._requests[index] = (self._absent_version, requests)
             return requests
@@ -357,27 +367,26 @@ class NvmlReader:
         requests = self._field_requests(index, links)
         if not requests:
             return False
-        pairs = [(field_id, scope) for _, scope, field_id in requests]  # pynvml's (field, scope) form
+        pairs = [(field_id, scope) for _, scope, field_id, _ in requests]  # pynvml's (field, scope) form
         values = self.ask(r, index, nvml.nvmlDeviceGetFieldValues, handle, pairs)
         if values is None:
             return False
         total: float | None = None
-        for (spec, scope, field_id), value in zip(requests, values, strict=True):
-            if value.nvmlReturn != self._success:
-                exc = nvml.NVMLError(value.nvmlReturn)  # pynvml picks the subclass for the code
+        for (spec, scope, field_id, labels), (code, number) in zip(
+                requests, answers(values, self._value_members), strict=True):
+            if code != self._success:
+                exc = nvml.NVMLError(code)  # pynvml picks the subclass for the code
                 if reaction(nvml, exc) is Reaction.ABSENT:
                     self._remember_absent((index, "field", field_id, scope))
                 if error_label(exc) not in UNCOUNTED:
                     r.errors[(error_label(exc), "field_values")] += 1
                 continue
-            number = float(getattr(value.value, self._value_members.get(value.valueType, "ullVal")))
             if spec is None:
                 if 0 <= number < len(RECOVERY_ACTIONS):
                     r.recovery_action = RECOVERY_ACTIONS[int(number)]
                 continue
             if spec.metric == "gpuhealth_gpu_nvlink_bit_error_rate":
                 number = ber(number)
-            labels = (str(scope), *spec.labels) if spec.per_link else spec.labels
             r.add(spec.metric, number * spec.scale, *labels)
             if spec.metric == "gpuhealth_gpu_clock_event_seconds_total":
                 r.driver_clock_event_reasons.add(spec.labels[0])

@@ -22,12 +22,23 @@ PHYS_STATE_LINK_UP = 5     # IB PortPhysicalState: 2 Polling, 3 Disabled, 5 Link
 ROCE = "Ethernet"
 
 ReadErrors = collections.Counter[tuple[str, str]]  # (device, error) -> failed reads
+StrPath = str | os.PathLike[str]
+ATTRIBUTE_BYTES = 4096  # a sysfs attribute is at most one page, returned by one read
 
 
-def read_text(path: Path, device: str, errors: ReadErrors) -> str | None:
-    """The stripped contents of a sysfs file, or None with the failure counted for ``device``."""
+def read_text(path: StrPath, device: str, errors: ReadErrors) -> str | None:
+    """The stripped contents of a sysfs file, or None with the failure counted for ``device``.
+
+    One ``open``/``read``/``close`` on a plain path: a node has dozens of these files per port, read
+    every few seconds, and pathlib's objects and buffered file cost more than the reads themselves.
+    """
     try:
-        return path.read_bytes().decode(errors="surrogateescape").strip()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            data = os.read(fd, ATTRIBUTE_BYTES)
+        finally:
+            os.close(fd)
+        return data.decode(errors="surrogateescape").strip()
     except FileNotFoundError:
         errors[device, "missing"] += 1
     except PermissionError:
@@ -37,7 +48,7 @@ def read_text(path: Path, device: str, errors: ReadErrors) -> str | None:
     return None
 
 
-def read_number(path: Path, device: str, errors: ReadErrors) -> int | None:
+def read_number(path: StrPath, device: str, errors: ReadErrors) -> int | None:
     """A decimal counter or gauge; ``N/A (no PMA)`` and other text count as malformed."""
     text = read_text(path, device, errors)
     if text is None:
@@ -91,7 +102,7 @@ class Netdev:
     speed: float | None = None  # bytes per second
 
 
-def _listing(path: Path, device: str, errors: ReadErrors) -> list[str]:
+def _listing(path: StrPath, device: str, errors: ReadErrors) -> list[str]:
     try:
         return sorted(entry.name for entry in os.scandir(path))
     except FileNotFoundError:
@@ -103,7 +114,7 @@ def _listing(path: Path, device: str, errors: ReadErrors) -> list[str]:
     return []
 
 
-def _state(path: Path, device: str, errors: ReadErrors) -> int | None:
+def _state(path: StrPath, device: str, errors: ReadErrors) -> int | None:
     text = read_text(path, device, errors)
     if text is None:
         return None
@@ -127,23 +138,23 @@ def _roce_netdev(hca: Path, port: str, device: str, errors: ReadErrors) -> str:
 
 def read_port(hca: Path, port: str, errors: ReadErrors) -> Port:
     device = hca.name
-    base = hca / "ports" / port
+    base = f"{hca}/ports/{port}"  # plain text paths: see read_text
     found = Port(device, port)
-    found.link_layer = read_text(base / "link_layer", device, errors) or ""
+    found.link_layer = read_text(f"{base}/link_layer", device, errors) or ""
     if found.link_layer == ROCE:
         found.netdev = _roce_netdev(hca, port, device, errors)
-    found.state = _state(base / "state", device, errors)
-    found.physical_state = _state(base / "phys_state", device, errors)
-    if (rate := read_text(base / "rate", device, errors)) is not None:
+    found.state = _state(f"{base}/state", device, errors)
+    found.physical_state = _state(f"{base}/phys_state", device, errors)
+    if (rate := read_text(f"{base}/rate", device, errors)) is not None:
         found.rate = parse_rate(rate)
         if found.rate is None:
             errors[device, "malformed"] += 1
     for name in ("link_downed", *NIC_PORT_ERRORS):
-        if (value := read_number(base / "counters" / name, device, errors)) is not None:
+        if (value := read_number(f"{base}/counters/{name}", device, errors)) is not None:
             found.counters[name] = value
-    present = set(_listing(base / "hw_counters", device, errors))
+    present = set(_listing(f"{base}/hw_counters", device, errors))
     for name in sorted(present.intersection(NIC_HW_ERRORS)):
-        if (value := read_number(base / "hw_counters" / name, device, errors)) is not None:
+        if (value := read_number(f"{base}/hw_counters/{name}", device, errors)) is not None:
             found.hw_counters[name] = value
     return found
 

@@ -33,12 +33,20 @@ SAMPLE = "sample"  # the query label of errors that marked the GPU down
 
 
 def _by_family(gpu: str, samples: list[tuple[str, tuple[str, ...], float]]) -> dict[str, list[Series]]:
-    """A full reading's samples as ready series by family: they are published unchanged for several
-    runs (FULL_EVERY_SECONDS), so they are labelled once, not added one by one at every run."""
+    """A reading's samples as ready series by family (the reader's labels are text already): a
+    full reading's are published unchanged for several runs (FULL_EVERY_SECONDS), so they are
+    labelled once, not added one by one at every run."""
     families: dict[str, list[Series]] = {}
     for name, labels, value in samples:
-        families.setdefault(name, []).append(((gpu, *map(str, labels)), value))
+        families.setdefault(name, []).append(((gpu, *labels), value))
     return families
+
+
+@functools.cache
+def _labels(gpu: str) -> tuple[tuple[tuple[str, str], ...], dict[str, tuple[str, str]]]:
+    """The label values of a GPU's series that every run publishes for each recovery action and
+    clock-event reason: built once per GPU, not at every run."""
+    return tuple((gpu, action) for action in RECOVERY_ACTIONS), {r: (gpu, r) for r in CLOCK_EVENT_REASONS}
 
 
 @dataclass
@@ -54,6 +62,7 @@ class GpuTrack:
     clock_event_seconds: dict[str, float] = field(default_factory=dict)
     last_sample: float | None = None
     reading: GpuReading | None = None
+    fast: dict[str, list[Series]] = field(default_factory=dict)  # the last reading's, by family
     slow: dict[str, list[Series]] = field(default_factory=dict)  # the last full reading's, by family
     slowdown_threshold: float | None = None
     driver_clock_event_reasons: set[str] = field(default_factory=set)
@@ -113,12 +122,12 @@ class GpuCollector:
             log.warning("nvml stall %s gpus=%d", "began" if stalled else "ended", len(indices))
         self.stalled = stalled
         for index, outcome in outcomes.items():
-            track = self.tracks.setdefault(index, GpuTrack())
+            track = self.tracks.get(index) or self.tracks.setdefault(index, GpuTrack())  # not built per run
             if isinstance(outcome, NvmlDown):
                 session.lost(outcome.error)
                 self._down(index, track, outcome, index < count)
             elif stalled:
-                track.reading, track.slow = None, {}  # no fresh data; not a lost GPU either
+                track.reading, track.fast, track.slow = None, {}, {}  # no fresh data; not a lost GPU either
                 self._remember(track, ctx.clock(), None, ctx.nvml_timeout_seconds)
             elif isinstance(outcome, BaseException):
                 self._down(index, track, outcome, index < count)
@@ -136,7 +145,7 @@ class GpuCollector:
         track.up = False
         track.visible = enumerated and error != "gpu_is_lost"
         track.errors[(error, SAMPLE)] += 1
-        track.reading, track.slow, track.last_full = None, {}, None
+        track.reading, track.fast, track.slow, track.last_full = None, {}, {}, None
         self.ctx.inventory.processes.pop(index, None)
         now = self.ctx.clock()
         latency = self.ctx.nvml_timeout_seconds if error == "timeout" else 0.0
@@ -160,6 +169,7 @@ class GpuCollector:
         if reading.recovery_action is not None:
             track.recovery_action = reading.recovery_action
         track.up, track.visible, track.reading = True, True, reading
+        track.fast = _by_family(str(index), reading.samples)
         self.ctx.inventory.processes[index] = reading.pids
         self._remember(track, now, reading.temperature, latency)
 
@@ -181,6 +191,7 @@ class GpuCollector:
         inventory = self.ctx.inventory
         for index in indices:
             gpu, track = str(index), self.tracks[index]
+            action_labels, reason_labels = _labels(gpu)
             identity = inventory.gpus.get(index)
             if identity is not None:
                 f.add("gpuhealth_gpu_info", 1, [gpu, identity.uuid, identity.pci_bus_id, identity.model,
@@ -193,12 +204,12 @@ class GpuCollector:
                 f.add("gpuhealth_gpu_nvml_latency_seconds", max(latency for _, _, latency in track.window),
                       [gpu])
             requested = track.recovery_action or inventory.logged_recovery.get(gpu, "none")
-            for action in RECOVERY_ACTIONS:
-                f.add("gpuhealth_gpu_recovery_action", int(action == requested), [gpu, action])
+            f.extend("gpuhealth_gpu_recovery_action",
+                     [(labels, float(labels[1] == requested)) for labels in action_labels])
             if track.reading is None:
                 continue
-            for name, labels, value in track.reading.samples:
-                f.add(name, value, [gpu, *labels])
+            for name, series in track.fast.items():
+                f.extend(name, series)
             for name, series in track.slow.items():
                 f.extend(name, series)
             temperatures = [t for _, t, _ in track.window if t is not None]
@@ -207,8 +218,8 @@ class GpuCollector:
                 if track.slowdown_threshold is not None:
                     f.add("gpuhealth_gpu_temperature_slowdown_margin_celsius",
                           track.slowdown_threshold - max(temperatures), [gpu])
-            for reason in CLOCK_EVENT_REASONS:
-                if reason in track.clock_event_seconds:
-                    f.add("gpuhealth_gpu_clock_event_seconds_total", track.clock_event_seconds[reason],
-                          [gpu, reason])
+            seconds = track.clock_event_seconds
+            f.extend("gpuhealth_gpu_clock_event_seconds_total",
+                     [(labels, seconds[reason]) for reason, labels in reason_labels.items()
+                      if reason in seconds])
         yield from f

@@ -27,6 +27,22 @@ def test_a_reused_renderer_follows_every_value() -> None:
     assert 'gpuhealth_gpu_nvml_errors_total{error="timeout",gpu="0",query="sample"} 4.0\n' in text
 
 
+def test_a_family_kept_by_its_collector_and_changed_in_place_is_rendered_afresh() -> None:
+    """Unchanged families reuse their block; the comparison is with a copy of what was rendered, so a
+    collector that keeps its family (the fabric collector does, between sysfs reads) and changes a
+    value in place is not served the old block."""
+    renderer = Renderer()
+    families = Families()
+    families.add("gpuhealth_gpu_temperature_celsius", 60.0, [0])
+    (kept,) = families
+    first = renderer.render([kept])
+    assert renderer.render([kept]) is first
+    kept.pairs[0] = (("0",), 71.0)
+    assert 'gpuhealth_gpu_temperature_celsius{gpu="0"} 71.0\n' in renderer.render([kept]).decode()
+    kept.pairs.append((("1",), 55.0))
+    assert renderer.render([kept]) == render([kept])
+
+
 def test_families_render_as_prometheus_client_families() -> None:
     gauge = GaugeMetricFamily("gpuhealth_gpu_temperature_celsius",
                               SPECS["gpuhealth_gpu_temperature_celsius"].help, labels=["gpu"])
