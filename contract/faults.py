@@ -70,11 +70,13 @@ FAULT_XIDS = {
 }
 # Faults whose GPU falls off the bus at the hard failure: NVML loses it, the kernel logs the fall.
 FALLS_OFF_BUS_KINDS = ("thermal_runaway", "pcie_degradation", "fell_off_bus")
-# Faults a GPU reset (``nvidia-smi -r``) repairs, struck or still in their precursor: the reset applies
-# the pending row remaps that retire the bad HBM rows, reloads the GPU's firmware (GSP) and retrains its
-# NVLinks. It cannot reach a GPU that fell off the bus (FALLS_OFF_BUS_KINDS: the node reboots), nor cool
-# a GPU or mend its PCIe link; those faults go on after a reset.
-RESET_REPAIRS_KINDS = ("hbm_degradation", "sram_uncorrectable", "gsp_timeout", "nvlink_errors")
+# Faults a GPU reset (``nvidia-smi -r``) repairs, struck or still in their precursor: it reloads the
+# GPU's firmware (GSP) and clears a contained SRAM error. It applies the pending row remaps that retire
+# HBM rows already bad, but a wearing HBM stack goes on producing new ones, and it retrains NVLinks
+# whose errors come from the link's physics (connector, cable, SerDes), which it does not mend: those
+# faults go on after a reset, as do an overheating GPU and a degraded PCIe link. It cannot reach a GPU
+# that fell off the bus (FALLS_OFF_BUS_KINDS: the node reboots).
+RESET_REPAIRS_KINDS = ("sram_uncorrectable", "gsp_timeout")
 # Noise that lasts until the next GPU reset: a row marked for remapping stays pending until then.
 RESET_ENDS_NOISE_KINDS = ("benign_remap", "contained_xid94")
 # XID 154: the driver announces the recovery action it now requires (here a GPU reset).
