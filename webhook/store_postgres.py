@@ -312,20 +312,40 @@ class PostgresJournal(Journal):
                                   detail=detail, drop_drained=drop_drained, next_at=next_at,
                                   attempts=attempts)
 
+    def _claim(self, table: str, candidates: str, args: Sequence[Any],
+               choose: Callable[[list[Any]], list[int]], now: float) -> list[Any]:
+        """The claim step of ``due`` and ``due_chains``, in one transaction: read the candidate rows of
+        ``table`` (``candidates`` locks them ``FOR UPDATE SKIP LOCKED``: replicas never wait on each
+        other's rows), let ``choose`` pick ids among them, and claim those for one lease; the claimed
+        rows, oldest first."""
+        def run() -> list[Any]:
+            rows = self.db.execute(candidates, args).fetchall()
+            chosen = choose(rows)
+            if not chosen:
+                return []
+            claimed = self.db.execute(f"UPDATE {table} SET claimed_by = ?, lease_until = ? WHERE id = ANY(?) "
+                                      "RETURNING *", (self.replica, now + self.lease_seconds, chosen))
+            return sorted(claimed, key=lambda r: int(r["id"]))
+
+        result: list[Any] = self._tx(run)
+        return result
+
+    def _held_elsewhere(self, row: Any, now: float) -> bool:
+        """Another replica's claim on the row, its lease still running."""
+        return row["claimed_by"] not in ("", self.replica) and (row["lease_until"] or 0) > now
+
     def due(self, now: float, busy_nodes: Iterable[str], limit: int,
             yield_reasons: Iterable[str] = ()) -> list[Action]:
         """Claim what is due for this replica: its own claims (renewed), unclaimed actions, and those
         whose claim lapsed. A node whose oldest active action another replica holds is left to it."""
-        def run() -> list[Action]:
-            lease = now + self.lease_seconds
-            self._renew(now)
-            rows = self.db.execute("SELECT * FROM actions WHERE state IN (?, ?) ORDER BY id "
-                                   "FOR UPDATE SKIP LOCKED", (PENDING, RUNNING)).fetchall()
-            seen, yielding, chosen = set(busy_nodes), frozenset(yield_reasons), []
+        busy, yielding = frozenset(busy_nodes), frozenset(yield_reasons)
+
+        def choose(rows: list[Any]) -> list[int]:
+            seen, chosen = set(busy), []
             for row in rows:
                 if row["node"] in seen:
                     continue
-                if row["claimed_by"] not in ("", self.replica) and (row["lease_until"] or 0) > now:
+                if self._held_elsewhere(row, now):
                     seen.add(row["node"])  # another replica holds this node's queue
                     continue
                 if row["reason"] in yielding and row["state"] == PENDING and row["next_at"] > now:
@@ -335,13 +355,11 @@ class PostgresJournal(Journal):
                     chosen.append(int(row["id"]))
                     if len(chosen) >= limit:
                         break
-            claimed = self.db.execute(
-                "UPDATE actions SET claimed_by = ?, lease_until = ? WHERE id = ANY(?) RETURNING *",
-                (self.replica, lease, chosen)) if chosen else None
-            return sorted((_action(r) for r in claimed or ()), key=lambda a: a.id)
+            return chosen
 
-        result: list[Action] = self._tx(run)
-        return result
+        self._renew(now)
+        candidates = "SELECT * FROM actions WHERE state IN (?, ?) ORDER BY id FOR UPDATE SKIP LOCKED"
+        return [_action(r) for r in self._claim("actions", candidates, (PENDING, RUNNING), choose, now)]
 
     def _renew(self, now: float) -> None:
         """The heartbeat: extend this replica's claims, a few times per lease rather than per wake-up."""
@@ -388,30 +406,20 @@ class PostgresJournal(Journal):
             return super().escalate_chain(chain_id, expect, kind, action_state, detail)
 
     def due_chains(self, now: float, busy: Iterable[int], limit: int, reopen_since: float) -> list[Chain]:
-        """Claim the due chains no live replica holds (``FOR UPDATE SKIP LOCKED``), and renew this
-        replica's claims on the chains it is still verifying."""
-        def run() -> list[Chain]:
-            lease = now + self.lease_seconds
-            self.db.execute(f"UPDATE chains SET lease_until = ? WHERE claimed_by = ? AND state IN "
-                            f"({', '.join('?' * len(CHAIN_ACTIVE))})", (lease, self.replica, *CHAIN_ACTIVE))
-            rows = self.db.execute(self._DUE_CHAINS + " FOR UPDATE OF c SKIP LOCKED",
-                                   (now, *FINISHED_STATES, reopen_since)).fetchall()
-            skip, chosen = set(busy), []
-            for row in rows:
-                if row["id"] in skip:
-                    continue
-                if row["claimed_by"] not in ("", self.replica) and (row["lease_until"] or 0) > now:
-                    continue  # another live replica advances this one
-                chosen.append(int(row["id"]))
-                if len(chosen) >= limit:
-                    break
-            claimed = self.db.execute(
-                "UPDATE chains SET claimed_by = ?, lease_until = ? WHERE id = ANY(?) RETURNING *",
-                (self.replica, lease, chosen)) if chosen else None
-            return sorted((_chain(r) for r in claimed or ()), key=lambda c: c.id)
+        """Claim the due chains no live replica holds, and renew this replica's claims on the chains it
+        is still verifying."""
+        skip = set(busy)
 
-        result: list[Chain] = self._tx(run)
-        return result
+        def choose(rows: list[Any]) -> list[int]:  # another live replica advances those it holds
+            return [int(r["id"]) for r in rows
+                    if r["id"] not in skip and not self._held_elsewhere(r, now)][:limit]
+
+        self.db.execute(f"UPDATE chains SET lease_until = ? WHERE claimed_by = ? AND state IN "
+                        f"({', '.join('?' * len(CHAIN_ACTIVE))})", (now + self.lease_seconds, self.replica,
+                                                                    *CHAIN_ACTIVE))
+        candidates = self._DUE_CHAINS + " FOR UPDATE OF c SKIP LOCKED"
+        return [_chain(r) for r in self._claim("chains", candidates, (now, *FINISHED_STATES, reopen_since),
+                                                choose, now)]
 
 
 class AsyncPostgresJournal(AsyncJournal):
