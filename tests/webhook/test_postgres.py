@@ -23,7 +23,6 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
-from conftest import TOKEN, alert, notification, resolved
 from gpuhealth.webhook.config import parse_config
 from gpuhealth.webhook.intake import resolve
 from gpuhealth.webhook.journal import Journal
@@ -32,6 +31,7 @@ from gpuhealth.webhook.policy import decide
 from gpuhealth.webhook.schema import LATEST, MIGRATIONS, SchemaTooNew
 from gpuhealth.webhook.store import Chain
 from gpuhealth.webhook.store_postgres import PostgresJournal
+from webhook_helpers import TOKEN, alert, notification, resolved
 
 from gpuhealth.local.postgres import LocalPostgres, bindir
 from gpuhealth.local.process import ManagedProcess, free_port, http_ok, wait_until
