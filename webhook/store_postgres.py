@@ -540,15 +540,21 @@ class AsyncPostgresJournal(AsyncJournal):
     async def admission(self) -> AsyncIterator[None]:
         """Hold the fleet's admission lock: one replica admits at a time. The session stays open from
         one admission to the next (the engine admits one action at a time)."""
-        try:
-            conn = await self._connection("admission")
-            await conn.execute("SELECT pg_advisory_lock(%s)", (ADMISSION_LOCK,))
-        except BaseException as exc:
-            await self._drop_connection("admission")
-            if isinstance(exc, self.ERRORS):
+        kept = "admission" in self._loop_connections
+        while True:
+            try:
+                conn = await self._connection("admission")
+                await conn.execute("SELECT pg_advisory_lock(%s)", (ADMISSION_LOCK,))
+                break
+            except BaseException as exc:
+                await self._drop_connection("admission")
+                if not isinstance(exc, self.ERRORS):
+                    raise
+                if kept:  # a session the server ended meanwhile (restarted, cut): once more, on a new one
+                    kept = False
+                    continue
                 self._failed(exc)
                 raise JournalUnwritable(str(exc)) from exc
-            raise
         try:
             yield
         finally:
