@@ -269,8 +269,8 @@ def replicas(workdir: Path, notifications: int, concurrency: int, baseline: str 
         stack.callback(pg.__exit__)  # registered before it starts: an interrupt mid-start stops it too
         pg.start()
         sides: list[tuple[str, str | None, list[tuple[str, psutil.Process]]]] = []  # name, database, servers
+        code = None if baseline is None else _checkout(baseline, workdir / "baseline")
         if baseline is not None:
-            code = _checkout(baseline, workdir / "baseline")
             with psycopg.connect(pg.url, autocommit=True) as conn:
                 conn.execute("CREATE DATABASE baseline")
             url = pg.url.rsplit("/", 1)[0] + "/baseline"
@@ -308,7 +308,48 @@ def replicas(workdir: Path, notifications: int, concurrency: int, baseline: str 
             failed |= not whole
             print(f"{name}: {total} actions for {sent} alerts sent to the pair "
                   f"({'no loss, no double' if whole else 'MISMATCH'})")
+        for number, (name, database, _) in enumerate(sides):
+            if database is not None:
+                failed |= not _acting_pair(workdir / f"acting-{number}", name, database,
+                                           code if number == 0 else None)
         return 1 if failed else 0
+
+
+ACTING_ALERTS = 2000
+
+
+def _acting_pair(workdir: Path, name: str, journal: str, code: Path | None) -> bool:
+    """The workers of a pair: two replicas that act (no approval) on a fresh database beside
+    ``journal``, and one notification of ``ACTING_ALERTS`` alerts delivered to both at once, as an HA
+    Alertmanager pair does; how long until every action ended, and whether each alert has exactly one
+    action, ended. Every action passes admission (the fleet's lock) and journals each step."""
+    import psycopg
+
+    database = f"acting_{workdir.name.replace('-', '_')}"
+    with psycopg.connect(journal, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {database}")
+    url = journal.rsplit("/", 1)[0] + "/" + database
+    workdir.mkdir()
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(_webhook(workdir / replica, False, {"url": url, "replica": replica},
+                                                code)) for replica in ("a", "b")]
+        body = _notification(ACTING_ALERTS)
+        started = time.perf_counter()
+        _load([server_url for server_url, _ in servers], [body, body], 2)
+        with psycopg.connect(url, autocommit=True) as conn:
+            def counts() -> tuple[int, int, int]:
+                row = conn.execute("SELECT COUNT(*), COUNT(DISTINCT fingerprint), COUNT(*) FILTER "
+                                   "(WHERE state IN ('pending', 'running')) FROM actions").fetchone()
+                return (0, 0, 0) if row is None else row
+
+            while (now := counts())[2] or not now[0]:
+                time.sleep(0.2)
+        acted = time.perf_counter() - started
+    whole = now[0] == now[1] == ACTING_ALERTS
+    print(f"{name}, acting: {ACTING_ALERTS} alerts to both replicas, {now[0]} actions all ended "
+          f"{acted:.1f} s after sending ({now[0] / acted:.0f} actions/s; "
+          f"{'one per alert' if whole else 'MISMATCH'})", flush=True)
+    return whole
 
 
 def run(workdir: Path, notifications: int, concurrency: int) -> int:
