@@ -7,13 +7,13 @@ what sharing one journal between replicas needs:
   alerts' primary key (fingerprint + startsAt) makes the insert of an alert another replica holds
   uncommitted wait for it, and then find it, a duplicate; a resolution, which reads and cancels
   actions, is journaled with the alerts table locked against every other intake;
-- actions are claimed row by row: ``due`` picks candidates ``FOR UPDATE SKIP LOCKED`` (replicas
-  never wait on each other's rows) and claims them with a lease, renewed on every pass of the
-  worker; a replica that dies stops renewing and, once the lease has run out, another claims its
-  actions and resumes them after their last journaled step;
-- admission (guardrails, then pending -> running) holds a session advisory lock, so the breaker,
-  cooldowns and rate limits read a journal no other replica is changing meanwhile: they are
-  fleet-wide.
+- actions are claimed row by row: ``due`` reads the queue, picks what it may run, and claims only
+  those rows, ``FOR UPDATE SKIP LOCKED`` (replicas never wait on each other's rows) with a lease,
+  renewed on every pass of the worker; a replica that dies stops renewing and, once the lease has
+  run out, another claims its actions and resumes them after their last journaled step;
+- admission (guardrails, then pending -> running) holds a session advisory lock, on a session kept
+  open for it, so the breaker, cooldowns and rate limits read a journal no other replica is changing
+  meanwhile: they are fleet-wide.
 """
 
 from __future__ import annotations
@@ -313,22 +313,25 @@ class PostgresJournal(Journal):
                                   attempts=attempts)
 
     def _claim(self, table: str, candidates: str, args: Sequence[Any],
-               choose: Callable[[list[Any]], list[int]], now: float) -> list[Any]:
-        """The claim step of ``due`` and ``due_chains``, in one transaction: read the candidate rows of
-        ``table`` (``candidates`` locks them ``FOR UPDATE SKIP LOCKED``: replicas never wait on each
-        other's rows), let ``choose`` pick ids among them, and claim those for one lease; the claimed
-        rows, oldest first."""
-        def run() -> list[Any]:
-            rows = self.db.execute(candidates, args).fetchall()
-            chosen = choose(rows)
-            if not chosen:
-                return []
-            claimed = self.db.execute(f"UPDATE {table} SET claimed_by = ?, lease_until = ? WHERE id = ANY(?) "
-                                      "RETURNING *", (self.replica, now + self.lease_seconds, chosen))
-            return sorted(claimed, key=lambda r: int(r["id"]))
+               choose: Callable[[list[Any]], list[int]], now: float, claimable: str = "") -> list[Any]:
+        """The claim step of ``due`` and ``due_chains``: read the candidate rows of ``table`` without
+        locking them, let ``choose`` pick ids among them, and claim those for one lease in one statement
+        that takes only their rows, skips a row another replica is claiming now (``FOR UPDATE SKIP
+        LOCKED``: replicas never wait on each other) and checks again on the row itself that no other
+        live replica holds it (and ``claimable``); the claimed rows, oldest first.
 
-        result: list[Any] = self._tx(run)
-        return result
+        Locking only the chosen rows matters: a backlog of thousands of pending actions would otherwise
+        be locked (written) on every pass of the worker, and a replica skipping the oldest action of a
+        node that another replica is claiming would take the next one of that node."""
+        chosen = choose(self.db.execute(candidates, args).fetchall())
+        if not chosen:
+            return []
+        claimed = self.db.execute(
+            f"UPDATE {table} SET claimed_by = ?, lease_until = ? WHERE id IN (SELECT id FROM {table} WHERE "
+            f"id = ANY(?) AND (claimed_by IN ('', ?) OR lease_until IS NULL OR lease_until <= ?){claimable} "
+            "FOR UPDATE SKIP LOCKED) RETURNING *",
+            (self.replica, now + self.lease_seconds, chosen, self.replica, now))
+        return sorted(claimed, key=lambda r: int(r["id"]))
 
     def _held_elsewhere(self, row: Any, now: float) -> bool:
         """Another replica's claim on the row, its lease still running."""
@@ -358,8 +361,10 @@ class PostgresJournal(Journal):
             return chosen
 
         self._renew(now)
-        candidates = "SELECT * FROM actions WHERE state IN (?, ?) ORDER BY id FOR UPDATE SKIP LOCKED"
-        return [_action(r) for r in self._claim("actions", candidates, (PENDING, RUNNING), choose, now)]
+        candidates = ("SELECT id, node, state, reason, next_at, claimed_by, lease_until FROM actions "
+                      "WHERE state IN (?, ?) ORDER BY id")
+        return [_action(r) for r in self._claim("actions", candidates, (PENDING, RUNNING), choose, now,
+                                                 f" AND state IN ('{PENDING}', '{RUNNING}')")]
 
     def _renew(self, now: float) -> None:
         """The heartbeat: extend this replica's claims, a few times per lease rather than per wake-up."""
@@ -417,9 +422,8 @@ class PostgresJournal(Journal):
         self.db.execute(f"UPDATE chains SET lease_until = ? WHERE claimed_by = ? AND state IN "
                         f"({', '.join('?' * len(CHAIN_ACTIVE))})", (now + self.lease_seconds, self.replica,
                                                                     *CHAIN_ACTIVE))
-        candidates = self._DUE_CHAINS + " FOR UPDATE OF c SKIP LOCKED"
-        return [_chain(r) for r in self._claim("chains", candidates, (now, *FINISHED_STATES, reopen_since),
-                                                choose, now)]
+        due = self._claim("chains", self._DUE_CHAINS, (now, *FINISHED_STATES, reopen_since), choose, now)
+        return [_chain(r) for r in due]
 
 
 class AsyncPostgresJournal(AsyncJournal):

@@ -153,6 +153,25 @@ def test_two_stores_record_one_alert_once_and_claim_each_action_once(database):
     b.close()
 
 
+def test_a_node_whose_oldest_action_another_replica_is_claiming_is_left_to_it(database):
+    """Per-node order holds across replicas: while another session holds the row of a node's oldest
+    action (a replica claiming it), ``due`` takes neither that action nor the next one of the node, and
+    locks nothing it does not claim (other nodes' actions are claimed as usual)."""
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    parsed = parse_notification(notification(alert("gpu01", action="drain"), alert("gpu01", action="replace"),
+                                             alert("gpu02", action="drain")))
+    journal = PostgresJournal(database, "b", LEASE)
+    [recorded] = journal.record([(parsed, decide(parsed, config))], resolve)
+    oldest, following, other_node = recorded.new_actions
+    with psycopg.connect(database) as claiming:
+        claiming.execute("SELECT id FROM actions WHERE id = %s FOR UPDATE", (oldest,))
+        assert [a.id for a in journal.due(time.time(), (), 10)] == [other_node]
+        claiming.rollback()
+    assert [a.id for a in journal.due(time.time(), (), 10)] == [oldest, other_node]  # its own claim again
+    assert following not in {a.id for a in journal.due(time.time(), (), 10)}
+    journal.close()
+
+
 def test_intake_journals_what_the_sqlite_journal_does_in_one_statement_per_notification(database, tmp_path):
     """The same batches through both stores: the same answers and the same rows (PostgreSQL journals
     firing alerts in one statement per notification, SQLite statement by statement)."""
