@@ -315,7 +315,7 @@ def replicas(workdir: Path, notifications: int, concurrency: int, baseline: str 
         return 1 if failed else 0
 
 
-ACTING_ALERTS = 2000
+ACTING_ALERTS = 500
 
 
 def _acting_pair(workdir: Path, name: str, journal: str, code: Path | None) -> bool:
