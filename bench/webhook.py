@@ -4,7 +4,8 @@ Runs the real ``gpuhealth-webhook`` as a separate process on loopback (simulated
 and drives it with concurrent Alertmanager-style POSTs:
   1. intake, with every action held for approval so the worker stays idle: notifications of 1 alert
      (the common case) and of 10 alerts, side by side; besides wall-clock rates it prints the
-     server's CPU time per alert, which a busy shared machine does not distort;
+     server's CPU time per alert, which a busy shared machine does not distort, and the sender's
+     (a minimal keep-alive HTTP/1.1 client, so that it takes little of the CPUs it measures on);
   2. one notification carrying 10,000 alerts to a webhook that acts: every alert must become exactly
      one journaled action, and the worker must finish them all.
 Targets (issue 4): >= 1,000 alerts/s and p99 < 50 ms on 2 cores.
@@ -12,7 +13,8 @@ Targets (issue 4): >= 1,000 alerts/s and p99 < 50 ms on 2 cores.
 With ``--journal postgres`` it runs instead, in one run on one PostgreSQL started for it, two
 replicas sharing the journal (each sender alternates between them, as an Alertmanager HA pair
 delivers to both) beside one replica on SQLite, under the same load; and checks that the shared
-journal holds exactly one action per alert sent. Targets (issue 16): >= 1,000 alerts/s in total,
+journal holds exactly one action per alert sent; it also prints PostgreSQL's CPU per alert (its
+processes alive at the start and end of each case). Targets (issue 16): >= 1,000 alerts/s in total,
 p99 < 50 ms, no loss. ``--baseline REV`` adds a second pair running the webhook as it was at git
 revision REV (on its own database of the same PostgreSQL), driven in turn with the others, so a
 change is measured before and after in one run, under one load.
@@ -31,6 +33,7 @@ import asyncio
 import contextlib
 import io
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -45,8 +48,8 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-import aiohttp
 import psutil
 import yaml
 
@@ -87,37 +90,72 @@ def _load(url: str | list[str], bodies: list[dict[str, Any]], concurrency: int) 
 
 async def _send(url: str | list[str], bodies: list[dict[str, Any]], concurrency: int
                 ) -> tuple[float, list[float]]:
-    queue = list(reversed(bodies))
-    targets = itertools.cycle([url] if isinstance(url, str) else url)
+    """Each sender keeps one keep-alive HTTP/1.1 connection to each server and writes its requests
+    itself, the bodies encoded beforehand: a minimal client, so that the sender (Alertmanager's stand-in,
+    on other machines in a fleet) takes as little as it can of the CPUs the servers are measured on.
+    A request's latency runs from its first byte written to the last byte of the answer read."""
+    payloads = [json.dumps(body).encode() for body in reversed(bodies)]
+    servers = [urlsplit(u) for u in ([url] if isinstance(url, str) else url)]
+    heads = [(f"POST /alerts HTTP/1.1\r\nHost: {s.netloc}\r\nAuthorization: Bearer {TOKEN}\r\n"
+              "Content-Type: application/json\r\nContent-Length: ").encode() for s in servers]
+    targets = itertools.cycle(range(len(servers)))
     latencies: list[float] = []
-    headers = {"Authorization": f"Bearer {TOKEN}"}
 
-    async def client(session: aiohttp.ClientSession) -> None:
-        while queue:
-            body = queue.pop()
-            started = time.perf_counter()
-            async with session.post(f"{next(targets)}/alerts", json=body, headers=headers) as resp:
-                await resp.read()
-                if resp.status != 200:
-                    raise RuntimeError(f"POST /alerts answered {resp.status}: {await resp.text()}")
-            latencies.append(time.perf_counter() - started)
+    async def client() -> None:
+        connections: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
+        try:
+            while payloads:
+                body, target = payloads.pop(), next(targets)
+                if target not in connections:
+                    connections[target] = await asyncio.open_connection(servers[target].hostname,
+                                                                        servers[target].port)
+                reader, writer = connections[target]
+                started = time.perf_counter()
+                writer.write(b"%s%d\r\n\r\n%s" % (heads[target], len(body), body))
+                await writer.drain()
+                status, answer = await _answer(reader)
+                if status != 200:
+                    raise RuntimeError(f"POST /alerts answered {status}: {answer[:500]!r}")
+                latencies.append(time.perf_counter() - started)
+        finally:
+            for _, writer in connections.values():
+                writer.close()
 
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        started = time.perf_counter()
-        await asyncio.gather(*(client(session) for _ in range(concurrency)))
-        return time.perf_counter() - started, latencies
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return time.perf_counter() - started, latencies
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """One HTTP/1.1 answer with a Content-Length (the webhook's are): its status and body."""
+    status_line = await reader.readline()
+    length = None
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    if length is None:
+        raise RuntimeError(f"an answer without Content-Length: {status_line!r}")
+    return int(status_line.split()[1]), await reader.readexactly(length)
 
 
 def _p(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=1000)[int(q * 1000) - 1] if len(values) > 1 else values[0]
 
 
-def _report(name: str, alerts: int, wall: float, latencies: list[float], cpu: float,
-            load: float | None = None) -> None:
+def _report(name: str, alerts: int, wall: float, latencies: list[float], cpu: float, sender: float,
+            database: float | None = None, load: float | None = None) -> None:
+    """One case: wall-clock rate and latency, then CPU per alert of the servers, the sender and (on
+    PostgreSQL) the database, and the 1-minute load average when the case started."""
     print(f"{name:<{34 if load is not None else 26}} {alerts:>6} {alerts / wall:8.0f} "
           f"{_p(latencies, 0.5) * 1000:7.1f} {_p(latencies, 0.99) * 1000:7.1f} {cpu / alerts * 1e6:12.0f} "
-          f"{alerts / cpu:12.0f}" + ("" if load is None else f" {load:5.1f}"), flush=True)
+          f"{alerts / cpu:12.0f} {sender / alerts * 1e6:9.0f}"
+          + ("" if load is None else f" {'-' if database is None else f'{database / alerts * 1e6:.0f}':>8} "
+                                     f"{load:5.1f}"), flush=True)
+
+
+_HEADER = (f"{'alerts':>6} {'alerts/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'CPU us/alert':>12} "
+           f"{'alerts/CPU-s':>12} {'sender us':>9}")
 
 
 def _journal_counts(path: Path) -> tuple[int, int]:
@@ -159,6 +197,15 @@ def _cpu(process: psutil.Process) -> float:
     return times.user + times.system
 
 
+def _tree_cpu(process: psutil.Process) -> float:
+    """CPU time of a server and its children (PostgreSQL's backends, alive at the time of asking)."""
+    total = 0.0
+    for each in (process, *process.children(recursive=True)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += _cpu(each)
+    return total
+
+
 def _checkout(rev: str, into: Path) -> Path:
     """The packages at git revision ``rev``, laid out as installed (``pyproject.toml``'s package-dir):
     a folder to put first on PYTHONPATH."""
@@ -180,14 +227,14 @@ def intake(workdir: Path, notifications: int, concurrency: int) -> None:
     """Accepted and journaled alerts per second, the worker idle (every action awaits approval)."""
     with _webhook(workdir, approval=True) as (url, server):
         _load(url, [_notification(1) for _ in range(200)], concurrency)  # warm-up
-        print(f"{'intake, worker idle':<26} {'alerts':>6} {'alerts/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
-              f"{'CPU us/alert':>12} {'alerts/CPU-s':>12}")
+        print(f"{'intake, worker idle':<26} {_HEADER}")
         for size in (1, 10):
             count = notifications // size
             bodies = [_notification(size) for _ in range(count)]
-            cpu = _cpu(server)
+            cpu, sender = _cpu(server), time.process_time()
             wall, latencies = _load(url, bodies, concurrency)
-            _report(f"{count} x {size}-alert notification", count * size, wall, latencies, _cpu(server) - cpu)
+            _report(f"{count} x {size}-alert notification", count * size, wall, latencies, _cpu(server) - cpu,
+                    time.process_time() - sender)
 
 
 def storm(workdir: Path) -> int:
@@ -222,8 +269,8 @@ def replicas(workdir: Path, notifications: int, concurrency: int, baseline: str 
         stack.callback(pg.__exit__)  # registered before it starts: an interrupt mid-start stops it too
         pg.start()
         sides: list[tuple[str, str | None, list[tuple[str, psutil.Process]]]] = []  # name, database, servers
+        code = None if baseline is None else _checkout(baseline, workdir / "baseline")
         if baseline is not None:
-            code = _checkout(baseline, workdir / "baseline")
             with psycopg.connect(pg.url, autocommit=True) as conn:
                 conn.execute("CREATE DATABASE baseline")
             url = pg.url.rsplit("/", 1)[0] + "/baseline"
@@ -235,17 +282,20 @@ def replicas(workdir: Path, notifications: int, concurrency: int, baseline: str 
         sides.append(("1 on SQLite", None, [stack.enter_context(_webhook(workdir / "sqlite", True))]))
         for _, _, servers in sides:
             _load([url for url, _ in servers], [_notification(1) for _ in range(200)], concurrency)  # warm-up
-        print(f"{'intake, worker idle':<34} {'alerts':>6} {'alerts/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
-              f"{'CPU us/alert':>12} {'alerts/CPU-s':>12} {'load':>5}")
+        assert pg.process is not None and pg.process.proc is not None
+        database_server = psutil.Process(pg.process.proc.pid)
+        print(f"{'intake, worker idle':<34} {_HEADER} {'db us':>8} {'load':>5}")
         for size in (1, 10):
             count = notifications // size
-            for name, _, servers in sides:
+            for name, database, servers in sides:
                 bodies = [_notification(size) for _ in range(count)]
                 load = os.getloadavg()[0]
-                cpu = sum(_cpu(p) for _, p in servers)
+                cpu, sender = sum(_cpu(p) for _, p in servers), time.process_time()
+                db = _tree_cpu(database_server)
                 wall, latencies = _load([url for url, _ in servers], bodies, concurrency)
                 _report(f"{name}, {count} x {size}", count * size, wall, latencies,
-                        sum(_cpu(p) for _, p in servers) - cpu, load)
+                        sum(_cpu(p) for _, p in servers) - cpu, time.process_time() - sender,
+                        None if database is None else _tree_cpu(database_server) - db, load)
         failed = 0
         for name, database, _ in sides:
             if database is None:
@@ -258,7 +308,48 @@ def replicas(workdir: Path, notifications: int, concurrency: int, baseline: str 
             failed |= not whole
             print(f"{name}: {total} actions for {sent} alerts sent to the pair "
                   f"({'no loss, no double' if whole else 'MISMATCH'})")
+        for number, (name, database, _) in enumerate(sides):
+            if database is not None:
+                failed |= not _acting_pair(workdir / f"acting-{number}", name, database,
+                                           code if number == 0 else None)
         return 1 if failed else 0
+
+
+ACTING_ALERTS = 500
+
+
+def _acting_pair(workdir: Path, name: str, journal: str, code: Path | None) -> bool:
+    """The workers of a pair: two replicas that act (no approval) on a fresh database beside
+    ``journal``, and one notification of ``ACTING_ALERTS`` alerts delivered to both at once, as an HA
+    Alertmanager pair does; how long until every action ended, and whether each alert has exactly one
+    action, ended. Every action passes admission (the fleet's lock) and journals each step."""
+    import psycopg
+
+    database = f"acting_{workdir.name.replace('-', '_')}"
+    with psycopg.connect(journal, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {database}")
+    url = journal.rsplit("/", 1)[0] + "/" + database
+    workdir.mkdir()
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(_webhook(workdir / replica, False, {"url": url, "replica": replica},
+                                                code)) for replica in ("a", "b")]
+        body = _notification(ACTING_ALERTS)
+        started = time.perf_counter()
+        _load([server_url for server_url, _ in servers], [body, body], 2)
+        with psycopg.connect(url, autocommit=True) as conn:
+            def counts() -> tuple[int, int, int]:
+                row = conn.execute("SELECT COUNT(*), COUNT(DISTINCT fingerprint), COUNT(*) FILTER "
+                                   "(WHERE state IN ('pending', 'running')) FROM actions").fetchone()
+                return (0, 0, 0) if row is None else row
+
+            while (now := counts())[2] or not now[0]:
+                time.sleep(0.2)
+        acted = time.perf_counter() - started
+    whole = now[0] == now[1] == ACTING_ALERTS
+    print(f"{name}, acting: {ACTING_ALERTS} alerts to both replicas, {now[0]} actions all ended "
+          f"{acted:.1f} s after sending ({now[0] / acted:.0f} actions/s; "
+          f"{'one per alert' if whole else 'MISMATCH'})", flush=True)
+    return whole
 
 
 def run(workdir: Path, notifications: int, concurrency: int) -> int:

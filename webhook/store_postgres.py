@@ -7,17 +7,19 @@ what sharing one journal between replicas needs:
   alerts' primary key (fingerprint + startsAt) makes the insert of an alert another replica holds
   uncommitted wait for it, and then find it, a duplicate; a resolution, which reads and cancels
   actions, is journaled with the alerts table locked against every other intake;
-- actions are claimed row by row: ``due`` picks candidates ``FOR UPDATE SKIP LOCKED`` (replicas
-  never wait on each other's rows) and claims them with a lease, renewed on every pass of the
-  worker; a replica that dies stops renewing and, once the lease has run out, another claims its
-  actions and resumes them after their last journaled step;
-- admission (guardrails, then pending -> running) holds a session advisory lock, so the breaker,
-  cooldowns and rate limits read a journal no other replica is changing meanwhile: they are
-  fleet-wide.
+- actions are claimed row by row: ``due`` reads the queue, picks what it may run, and claims only
+  those rows, ``FOR UPDATE SKIP LOCKED`` (replicas never wait on each other's rows) with a lease,
+  renewed on every pass of the worker; a replica that dies stops renewing and, once the lease has
+  run out, another claims its actions and resumes them after their last journaled step;
+- admission (guardrails, then pending -> running) holds a session advisory lock, on a session kept
+  open for it, so the breaker, cooldowns and rate limits read a journal no other replica is changing
+  meanwhile: they are fleet-wide.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
 import functools
 import json
@@ -63,6 +65,17 @@ ADMISSION_LOCK = 0x67707568_0002
 _KEYS = {"drained": "node", "jobs": "job_id", "meta": "key"}  # INSERT OR REPLACE targets
 _WITH_ID = ("notifications", "actions", "transitions", "chains")
 
+Batch = list[tuple[Notification, dict[tuple[str, str], Decision]]]
+REFUSED = (ValueError, psycopg.DataError, psycopg.IntegrityError)  # one notification the database refuses
+# What sends a group commit statement by statement instead: a notification the database refuses (found
+# in its own savepoint there), or a deadlock with another replica's intake on the same alerts.
+ONE_BY_ONE = (*REFUSED, psycopg.errors.DeadlockDetected)
+
+
+def all_firing(batch: Batch) -> bool:
+    """Whether the batch is firing alerts only: those go in one statement (``_RECORD_FIRING``)."""
+    return all(alert.status == "firing" for notification, _ in batch for alert in notification.alerts)
+
 
 # A group commit of firing notifications in one statement, so one round trip and one transaction: the
 # notifications, their new alerts (a conflict on the primary key, fingerprint + startsAt, is a
@@ -104,8 +117,7 @@ ORDER BY notes.position, c.id
 """
 
 
-def _firing_arguments(batch: list[tuple[Notification, dict[tuple[str, str], Decision]]], now: float
-                      ) -> dict[str, Any]:
+def _firing_arguments(batch: Batch, now: float) -> dict[str, Any]:
     """``_RECORD_FIRING``'s parameters: the rows the journal's own statements would write."""
     notifications, alerts, actions = [], [], []
     for position, (notification, decisions) in enumerate(batch, start=1):
@@ -123,8 +135,7 @@ def _firing_arguments(batch: list[tuple[Notification, dict[tuple[str, str], Deci
             "actions": json.dumps(actions)}
 
 
-def _firing_results(batch: list[tuple[Notification, dict[tuple[str, str], Decision]]],
-                    rows: list[tuple[Any, ...]]) -> list[RecordResult | Exception]:
+def _firing_results(batch: Batch, rows: list[tuple[Any, ...]]) -> list[RecordResult | Exception]:
     results: dict[int, RecordResult] = {}
     for position, notification_id, new_alerts, action_id, kind, state, reason, detail in rows:
         if position not in results:
@@ -223,7 +234,7 @@ class _Connection:
 class PostgresJournal(Journal):
     """``Journal`` on one PostgreSQL connection, with claims for replicas."""
 
-    REFUSED = (ValueError, psycopg.DataError, psycopg.IntegrityError)
+    REFUSED = REFUSED
     DIALECT = "postgres"
     LOCK_ROWS = " FOR UPDATE"  # a resolution's actions: a replica's worker cannot start one meanwhile
 
@@ -244,25 +255,27 @@ class PostgresJournal(Journal):
     def _set_schema_version(self, version: int) -> None:
         self.db.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
 
-    def record(self, batch: list[tuple[Notification, dict[tuple[str, str], Decision]]], resolve: Resolver
-               ) -> list[RecordResult | Exception]:
+    def record(self, batch: Batch, resolve: Resolver) -> list[RecordResult | Exception]:
         """Firing alerts, the bulk of intake, go in one statement per group commit (one round trip),
         beside the other replicas' intake: the alerts' primary key makes the second delivery of an alert
-        a duplicate, whichever replica has it.
-
-        A batch with a resolution runs the journal's own statements with the alerts table locked against
-        every other intake (what a resolution reads and cancels must not change meanwhile), and so does
-        a batch the database refused (a notification it cannot store, isolated there in its savepoint)
-        or one that crossed another replica's on the same alerts in another order (a deadlock, which
-        PostgreSQL broke).
-        """
-        if all(alert.status == "firing" for notification, _ in batch for alert in notification.alerts):
+        a duplicate, whichever replica has it. Anything else goes statement by statement
+        (``record_one_by_one``). The webhook itself sends firing notifications through
+        ``AsyncPostgresJournal``, which runs the same statement on the event loop."""
+        if all_firing(batch):
             try:
                 rows = cast(_Connection, self.db).record_firing(_firing_arguments(batch, time.time()))
-            except (*self.REFUSED, psycopg.errors.DeadlockDetected) as exc:
+            except ONE_BY_ONE as exc:
                 log.info("event=intake_one_by_one notifications=%d why=%r", len(batch), exc)
             else:
                 return _firing_results(batch, rows)
+        return self.record_one_by_one(batch, resolve)
+
+    def record_one_by_one(self, batch: Batch, resolve: Resolver) -> list[RecordResult | Exception]:
+        """The journal's own statements, with the alerts table locked against every other intake: for a
+        batch with a resolution (what it reads and cancels must not change meanwhile), one the database
+        refused in one statement (a notification it cannot store is isolated here in its savepoint),
+        and one that crossed another replica's on the same alerts in another order (a deadlock, which
+        PostgreSQL broke)."""
         return super().record(batch, resolve)
 
     def _lock_intake(self) -> None:
@@ -299,20 +312,43 @@ class PostgresJournal(Journal):
                                   detail=detail, drop_drained=drop_drained, next_at=next_at,
                                   attempts=attempts)
 
+    def _claim(self, table: str, candidates: str, args: Sequence[Any],
+               choose: Callable[[list[Any]], list[int]], now: float, claimable: str = "") -> list[Any]:
+        """The claim step of ``due`` and ``due_chains``: read the candidate rows of ``table`` without
+        locking them, let ``choose`` pick ids among them, and claim those for one lease in one statement
+        that takes only their rows, skips a row another replica is claiming now (``FOR UPDATE SKIP
+        LOCKED``: replicas never wait on each other) and checks again on the row itself that no other
+        live replica holds it (and ``claimable``); the claimed rows, oldest first.
+
+        Locking only the chosen rows matters: a backlog of thousands of pending actions would otherwise
+        be locked (written) on every pass of the worker, and a replica skipping the oldest action of a
+        node that another replica is claiming would take the next one of that node."""
+        chosen = choose(self.db.execute(candidates, args).fetchall())
+        if not chosen:
+            return []
+        claimed = self.db.execute(
+            f"UPDATE {table} SET claimed_by = ?, lease_until = ? WHERE id IN (SELECT id FROM {table} WHERE "
+            f"id = ANY(?) AND (claimed_by IN ('', ?) OR lease_until IS NULL OR lease_until <= ?){claimable} "
+            "FOR UPDATE SKIP LOCKED) RETURNING *",
+            (self.replica, now + self.lease_seconds, chosen, self.replica, now))
+        return sorted(claimed, key=lambda r: int(r["id"]))
+
+    def _held_elsewhere(self, row: Any, now: float) -> bool:
+        """Another replica's claim on the row, its lease still running."""
+        return row["claimed_by"] not in ("", self.replica) and (row["lease_until"] or 0) > now
+
     def due(self, now: float, busy_nodes: Iterable[str], limit: int,
             yield_reasons: Iterable[str] = ()) -> list[Action]:
         """Claim what is due for this replica: its own claims (renewed), unclaimed actions, and those
         whose claim lapsed. A node whose oldest active action another replica holds is left to it."""
-        def run() -> list[Action]:
-            lease = now + self.lease_seconds
-            self._renew(now)
-            rows = self.db.execute("SELECT * FROM actions WHERE state IN (?, ?) ORDER BY id "
-                                   "FOR UPDATE SKIP LOCKED", (PENDING, RUNNING)).fetchall()
-            seen, yielding, chosen = set(busy_nodes), frozenset(yield_reasons), []
+        busy, yielding = frozenset(busy_nodes), frozenset(yield_reasons)
+
+        def choose(rows: list[Any]) -> list[int]:
+            seen, chosen = set(busy), []
             for row in rows:
                 if row["node"] in seen:
                     continue
-                if row["claimed_by"] not in ("", self.replica) and (row["lease_until"] or 0) > now:
+                if self._held_elsewhere(row, now):
                     seen.add(row["node"])  # another replica holds this node's queue
                     continue
                 if row["reason"] in yielding and row["state"] == PENDING and row["next_at"] > now:
@@ -322,13 +358,13 @@ class PostgresJournal(Journal):
                     chosen.append(int(row["id"]))
                     if len(chosen) >= limit:
                         break
-            claimed = self.db.execute(
-                "UPDATE actions SET claimed_by = ?, lease_until = ? WHERE id = ANY(?) RETURNING *",
-                (self.replica, lease, chosen)) if chosen else None
-            return sorted((_action(r) for r in claimed or ()), key=lambda a: a.id)
+            return chosen
 
-        result: list[Action] = self._tx(run)
-        return result
+        self._renew(now)
+        candidates = ("SELECT id, node, state, reason, next_at, claimed_by, lease_until FROM actions "
+                      "WHERE state IN (?, ?) ORDER BY id")
+        return [_action(r) for r in self._claim("actions", candidates, (PENDING, RUNNING), choose, now,
+                                                 f" AND state IN ('{PENDING}', '{RUNNING}')")]
 
     def _renew(self, now: float) -> None:
         """The heartbeat: extend this replica's claims, a few times per lease rather than per wake-up."""
@@ -375,34 +411,31 @@ class PostgresJournal(Journal):
             return super().escalate_chain(chain_id, expect, kind, action_state, detail)
 
     def due_chains(self, now: float, busy: Iterable[int], limit: int, reopen_since: float) -> list[Chain]:
-        """Claim the due chains no live replica holds (``FOR UPDATE SKIP LOCKED``), and renew this
-        replica's claims on the chains it is still verifying."""
-        def run() -> list[Chain]:
-            lease = now + self.lease_seconds
-            self.db.execute(f"UPDATE chains SET lease_until = ? WHERE claimed_by = ? AND state IN "
-                            f"({', '.join('?' * len(CHAIN_ACTIVE))})", (lease, self.replica, *CHAIN_ACTIVE))
-            rows = self.db.execute(self._DUE_CHAINS + " FOR UPDATE OF c SKIP LOCKED",
-                                   (now, *FINISHED_STATES, reopen_since)).fetchall()
-            skip, chosen = set(busy), []
-            for row in rows:
-                if row["id"] in skip:
-                    continue
-                if row["claimed_by"] not in ("", self.replica) and (row["lease_until"] or 0) > now:
-                    continue  # another live replica advances this one
-                chosen.append(int(row["id"]))
-                if len(chosen) >= limit:
-                    break
-            claimed = self.db.execute(
-                "UPDATE chains SET claimed_by = ?, lease_until = ? WHERE id = ANY(?) RETURNING *",
-                (self.replica, lease, chosen)) if chosen else None
-            return sorted((_chain(r) for r in claimed or ()), key=lambda c: c.id)
+        """Claim the due chains no live replica holds, and renew this replica's claims on the chains it
+        is still verifying."""
+        skip = set(busy)
 
-        result: list[Chain] = self._tx(run)
-        return result
+        def choose(rows: list[Any]) -> list[int]:  # another live replica advances those it holds
+            return [int(r["id"]) for r in rows
+                    if r["id"] not in skip and not self._held_elsewhere(r, now)][:limit]
+
+        self.db.execute(f"UPDATE chains SET lease_until = ? WHERE claimed_by = ? AND state IN "
+                        f"({', '.join('?' * len(CHAIN_ACTIVE))})", (now + self.lease_seconds, self.replica,
+                                                                    *CHAIN_ACTIVE))
+        due = self._claim("chains", self._DUE_CHAINS, (now, *FINISHED_STATES, reopen_since), choose, now)
+        return [_chain(r) for r in due]
 
 
 class AsyncPostgresJournal(AsyncJournal):
-    """The ``Store`` on PostgreSQL: the SQLite store's threads, one connection each."""
+    """The ``Store`` on PostgreSQL: the SQLite store's threads, one connection each, and two connections
+    on the event loop, each kept open and opened again once broken.
+
+    Firing notifications, the bulk of intake, are group-committed on the event loop (``_RECORD_FIRING``,
+    one round trip): no thread hand-off, so an answer does not wait for a journal thread to get the
+    interpreter back from the request handlers. What else intake journals (resolutions, and a group
+    commit the database refused or broke off in a deadlock) runs statement by statement on the intake
+    thread. Admission holds the fleet's advisory lock on a connection of its own.
+    """
 
     ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, OSError)
 
@@ -410,9 +443,94 @@ class AsyncPostgresJournal(AsyncJournal):
                  on_failure: Callable[[], object] | None = None) -> None:
         self._url, self._lease_seconds = url, lease_seconds
         super().__init__(None, resolve, on_failure=on_failure, replica=replica)
+        self._firing: collections.deque[tuple[Notification, dict[tuple[str, str], Decision],
+                                              asyncio.Future[RecordResult]]] = collections.deque()
+        self._committer: asyncio.Task[None] | None = None
+        self._loop_connections: dict[str, psycopg.AsyncConnection[Any]] = {}  # "intake", "admission"
 
     def _open(self, power_safe: bool) -> Journal:
         return PostgresJournal(self._url, self.replica, self._lease_seconds)
+
+    async def _connection(self, name: str) -> psycopg.AsyncConnection[Any]:
+        conn = self._loop_connections.get(name)
+        if conn is None or conn.closed:
+            conn = await psycopg.AsyncConnection.connect(self._url, autocommit=True, connect_timeout=5)
+            self._loop_connections[name] = conn
+        return conn
+
+    async def _drop_connection(self, name: str) -> None:
+        """Close a connection whose state is unknown (broken, or a call on it cancelled): the next use
+        opens another, and the server ends what the old session held (an advisory lock)."""
+        conn = self._loop_connections.pop(name, None)
+        if conn is not None:
+            await conn.close()
+
+    async def record(self, notification: Notification,
+                     decisions: dict[tuple[str, str], Decision]) -> RecordResult:
+        """Journal one notification, group-committed with the firing ones waiting at the same time.
+
+        The commit runs in a task of its own, whatever becomes of the caller: a request cancelled
+        mid-way is journaled all the same (and deduplicated when Alertmanager retries)."""
+        if not all_firing([(notification, decisions)]):
+            return await super().record(notification, decisions)
+        done: asyncio.Future[RecordResult] = asyncio.get_running_loop().create_future()
+        self._firing.append((notification, decisions, done))
+        if self._committer is None:
+            self._committer = asyncio.create_task(self._commit_firing(), name="journal-intake")
+        return await asyncio.shield(done)
+
+    async def _commit_firing(self) -> None:
+        """Commit what waits, in one statement per batch; what arrives meanwhile is the next batch."""
+        waiting: list[tuple[Notification, dict[tuple[str, str], Decision], asyncio.Future[RecordResult]]] = []
+        try:
+            while self._firing:
+                waiting = [self._firing.popleft() for _ in range(len(self._firing))]
+                batch = [(notification, decisions) for notification, decisions, _ in waiting]
+                results: list[RecordResult | Exception]
+                try:
+                    results = await self._record_firing(batch)
+                except Exception as exc:  # a bug: these requests fail (500), the next batch is tried
+                    log.exception("event=intake_failed notifications=%d", len(batch))
+                    results = [exc] * len(batch)
+                for (_, _, done), result in zip(waiting, results, strict=True):
+                    if isinstance(result, Exception):
+                        done.set_exception(result)
+                    else:
+                        done.set_result(result)
+        finally:
+            self._committer = None
+            for _, _, done in (*waiting, *self._firing):  # cancelled (shut down): nothing was answered
+                if not done.done():
+                    done.set_exception(JournalUnwritable("the webhook is shutting down"))
+
+    async def _record_firing(self, batch: Batch) -> list[RecordResult | Exception]:
+        try:
+            conn = await self._connection("intake")
+            cursor = await conn.execute(_RECORD_FIRING, _firing_arguments(batch, time.time()))
+            rows = await cursor.fetchall()
+        except ONE_BY_ONE as exc:
+            log.info("event=intake_one_by_one notifications=%d why=%r", len(batch), exc)
+            return await self._one_by_one(batch)
+        except self.ERRORS as exc:
+            await self._drop_connection("intake")
+            self._failed(exc)
+            return [JournalUnwritable(str(exc) or type(exc).__name__)] * len(batch)
+        except BaseException:
+            await self._drop_connection("intake")  # cancelled (shut down) mid-statement
+            raise
+        self._recovered()
+        return _firing_results(batch, rows)
+
+    async def _one_by_one(self, batch: Batch) -> list[RecordResult | Exception]:
+        intake = cast(PostgresJournal, self._intake)
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(
+                self._intake_executor, lambda: intake.record_one_by_one(batch, self._resolve))
+        except self.ERRORS as exc:
+            self._failed(exc)
+            return [JournalUnwritable(str(exc) or type(exc).__name__)] * len(batch)
+        self._recovered()
+        return results
 
     async def _read(self, fn: Callable[[], Any]) -> Any:
         """Reads fail as writes do while the server cannot be reached: callers wait and retry."""
@@ -424,14 +542,36 @@ class AsyncPostgresJournal(AsyncJournal):
 
     @contextlib.asynccontextmanager
     async def admission(self) -> AsyncIterator[None]:
-        """Hold the fleet's admission lock: one replica admits at a time."""
-        try:
-            conn = await psycopg.AsyncConnection.connect(self._url, autocommit=True, connect_timeout=5)
-            await conn.execute("SELECT pg_advisory_lock(%s)", (ADMISSION_LOCK,))
-        except self.ERRORS as exc:
-            self._failed(exc)
-            raise JournalUnwritable(str(exc)) from exc
+        """Hold the fleet's admission lock: one replica admits at a time. The session stays open from
+        one admission to the next (the engine admits one action at a time)."""
+        kept = "admission" in self._loop_connections
+        while True:
+            try:
+                conn = await self._connection("admission")
+                await conn.execute("SELECT pg_advisory_lock(%s)", (ADMISSION_LOCK,))
+                break
+            except BaseException as exc:
+                await self._drop_connection("admission")
+                if not isinstance(exc, self.ERRORS):
+                    raise
+                if kept:  # a session the server ended meanwhile (restarted, cut): once more, on a new one
+                    kept = False
+                    continue
+                self._failed(exc)
+                raise JournalUnwritable(str(exc)) from exc
         try:
             yield
         finally:
-            await conn.close()  # closing the session releases its advisory lock
+            try:
+                await conn.execute("SELECT pg_advisory_unlock(%s)", (ADMISSION_LOCK,))
+            except BaseException as exc:
+                await self._drop_connection("admission")  # ending the session releases the lock as well
+                if not isinstance(exc, self.ERRORS):
+                    raise
+
+    async def close(self) -> None:
+        if self._committer is not None:
+            await asyncio.wait([self._committer])
+        for name in list(self._loop_connections):
+            await self._drop_connection(name)
+        await super().close()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from conftest import VERSION
+from ansible_helpers import VERSION
 
 TOKEN = "test-token-0123456789abcdef"
 OPERATOR_TOKEN = "operator-token-0123456789"

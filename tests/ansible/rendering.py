@@ -8,7 +8,7 @@ from typing import Any
 
 import jinja2
 import yaml
-from conftest import COLLECTION
+from ansible_helpers import COLLECTION
 
 
 def role_defaults(role: str) -> dict[str, Any]:

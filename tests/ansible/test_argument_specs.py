@@ -12,7 +12,7 @@ import jinja2.meta
 import jsonschema
 import pytest
 import yaml
-from conftest import COLLECTION
+from ansible_helpers import COLLECTION
 from rendering import render
 from wheelhouse import ROOT
 

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import jinja2
-from conftest import COLLECTION
+from ansible_helpers import COLLECTION
 from rendering import role_defaults
 
 HOSTILE = ['--web.config.file=/etc/gpu health/"web".yml', "--kmsg-path=/var/log/%zkern$HOME\\.log",

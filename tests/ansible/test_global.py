@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PlaybookRun, run_playbook
+from ansible_helpers import PlaybookRun, run_playbook
 from deployment import Deployment
 from gpuhealth.rules import catalogue
 from gpuhealth.rules.render import render_all

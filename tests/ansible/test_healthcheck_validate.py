@@ -11,7 +11,7 @@ from pathlib import Path
 import jinja2
 import pytest
 import yaml
-from conftest import COLLECTION
+from ansible_helpers import COLLECTION
 from rendering import role_defaults
 
 NODE = "gpu07"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from conftest import BIN, COLLECTION
+from ansible_helpers import BIN, COLLECTION
 
 
 def test_ansible_lint_production_profile(ansible_env):

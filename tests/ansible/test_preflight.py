@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 import yaml
-from conftest import finish_playbook, start_playbook
+from ansible_helpers import finish_playbook, start_playbook
 from deployment import TOKEN, local_vars
 
 CASES = {

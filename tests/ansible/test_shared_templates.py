@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN
+from ansible_helpers import BIN
 from gpuhealth.exporter.collector import load_collectors
 from gpuhealth.exporter.config import build_settings
 from gpuhealth.rules.catalogue import REMOTE_WRITE_SERIES

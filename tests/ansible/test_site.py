@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import VERSION, PlaybookRun, finish_playbook, run_playbook, start_playbook
+from ansible_helpers import VERSION, PlaybookRun, finish_playbook, run_playbook, start_playbook
 from deployment import NODE, OPERATOR_TOKEN, TOKEN, Deployment, seed_existing_monitoring, write_inventory
 from wheelhouse import ROOT, upgrade_wheelhouse
 

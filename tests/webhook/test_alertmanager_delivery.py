@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import aiohttp
 import pytest
-from conftest import TOKEN
+from webhook_helpers import TOKEN
 
 from gpuhealth.local.prometheus import AlertmanagerServer
 

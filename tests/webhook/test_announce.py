@@ -7,8 +7,8 @@ import json
 
 import aiohttp
 import pytest
-from conftest import alert
 from waiting import eventually
+from webhook_helpers import alert
 
 from gpuhealth.local.prometheus import AlertmanagerServer
 

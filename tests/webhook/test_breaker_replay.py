@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import alert
+from webhook_helpers import alert
 
 
 def audit_events(tmp_path) -> list[tuple[int, str]]:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from conftest import alert
 from gpuhealth.webhook.backends.base import BackendError
 from gpuhealth.webhook.config import ConfigError, parse_config
 from waiting import eventually
+from webhook_helpers import alert
 
 PREDICTIVE = {"action": "checkpoint_drain", "alertname": "GPUHealthGpuFailureRisk", "severity": "warning"}
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import alert, notification
 from fake_kube import make_pki
 from gpuhealth.webhook.config import ConfigError, load_config, parse_config
 from gpuhealth.webhook.main import main
+from webhook_helpers import alert, notification
 
 from gpuhealth.local.process import ManagedProcess, free_port, http_ok
 

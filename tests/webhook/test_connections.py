@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TOKEN, alert, notification
+from webhook_helpers import TOKEN, alert, notification
 
 from gpuhealth.local.process import ManagedProcess, free_port, http_ok, wait_until
 

@@ -9,10 +9,10 @@ import sys
 import time
 
 import pytest
-from conftest import alert, recorded, resolved
 from gpuhealth.webhook.backends.base import BackendError
 from gpuhealth.webhook.backends.simulated import SimulatedBackend
 from gpuhealth.webhook.config import VALIDATE_OVER_SSH, parse_config
+from webhook_helpers import alert, recorded, resolved
 
 
 async def test_drain_requeues_jobs_excluding_the_node(webhook):

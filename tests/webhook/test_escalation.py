@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NODES, alert, resolved
 from gpuhealth.webhook.backends.base import BackendError
 from gpuhealth.webhook.backends.simulated import SimulatedBackend
 from gpuhealth.webhook.config import ConfigError, parse_config
 from waiting import eventually
+from webhook_helpers import NODES, alert, resolved
 
 CHAIN = ["restart_job", "drain_reset_gpu", "drain_reboot", "replace"]
 CHAIN_STATES = ("running", "verifying", "succeeded", "exhausted", "cancelled")

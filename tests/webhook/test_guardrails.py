@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NODES, alert, notification, resolved
 from gpuhealth.webhook import guardrails
 from gpuhealth.webhook.backends.base import BackendError
 from gpuhealth.webhook.backends.simulated import SimulatedBackend
@@ -25,6 +24,7 @@ from gpuhealth.webhook.metrics import Metrics
 from gpuhealth.webhook.models import parse_notification
 from gpuhealth.webhook.policy import decide, drain_reason
 from gpuhealth.webhook.store import Action, Decision, DrainedNode, RecordResult
+from webhook_helpers import NODES, alert, notification, resolved
 
 BASE = {"backend": {"type": "simulated", "nodes": ["gpu[01-16]"]},
         "guardrails": {"node_cooldown_seconds": 0, "breaker_max_nodes": 16, "breaker_max_fraction": 1.0,

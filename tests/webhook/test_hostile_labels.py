@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import NODES, alert
 from gpuhealth.webhook.backends import create_backend
 from gpuhealth.webhook.backends.base import BackendError
 from gpuhealth.webhook.backends.command import CommandBackend, alert_fields, check_gpu
@@ -21,6 +20,7 @@ from gpuhealth.webhook.labels import ALERT_NAME, GPU, clean_text, label_problem,
 from gpuhealth.webhook.policy import drain_reason
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from webhook_helpers import NODES, alert
 
 # What an attacker or a careless rule would put in a label.
 GPU_ATTACKS = ["0; touch PWNED", "$(touch PWNED)", "`touch PWNED`", "0\ntouch PWNED", "0 && touch PWNED",

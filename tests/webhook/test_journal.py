@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 
-from conftest import alert, notification, resolved
 from gpuhealth.webhook.config import parse_config
 from gpuhealth.webhook.intake import resolve
 from gpuhealth.webhook.journal import Journal
 from gpuhealth.webhook.models import parse_notification
 from gpuhealth.webhook.policy import decide
+from webhook_helpers import alert, notification, resolved
 
 CONFIG = parse_config({"backend": {"type": "simulated", "nodes": ["gpu01"]}})
 

@@ -4,9 +4,9 @@ write that records the drain is the first one refused. The same on the real Slur
 
 from __future__ import annotations
 
-from conftest import alert
 from gpuhealth.webhook.backends.command import CommandBackend
 from waiting import eventually
+from webhook_helpers import alert
 
 
 async def test_a_full_disk_never_repeats_a_drain_and_work_resumes_when_space_returns(webhook, tmp_path,

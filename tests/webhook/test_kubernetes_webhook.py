@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from conftest import alert, resolved
 from fake_kube import FakeKube
 from gpuhealth.webhook.backends.kubernetes import REASON_ANNOTATION, TAINT_KEY, KubernetesBackend
+from webhook_helpers import alert, resolved
 
 
 @pytest.fixture

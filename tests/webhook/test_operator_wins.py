@@ -7,9 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from conftest import NODES, TOKEN, alert, notification, resolved
 from gpuhealth.webhook.backends.command import CommandBackend
 from gpuhealth.webhook.backends.simulated import SimulatedBackend
+from webhook_helpers import NODES, TOKEN, alert, notification, resolved
 
 OPERATOR_REASON = "ops: replacing the PSU, ticket 77"
 

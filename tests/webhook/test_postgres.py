@@ -4,6 +4,7 @@ once, a database restart mid-intake loses and doubles nothing, and the breaker c
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
@@ -23,15 +24,16 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
-from conftest import TOKEN, alert, notification, resolved
 from gpuhealth.webhook.config import parse_config
 from gpuhealth.webhook.intake import resolve
 from gpuhealth.webhook.journal import Journal
 from gpuhealth.webhook.models import parse_notification
 from gpuhealth.webhook.policy import decide
 from gpuhealth.webhook.schema import LATEST, MIGRATIONS, SchemaTooNew
-from gpuhealth.webhook.store import Chain
-from gpuhealth.webhook.store_postgres import PostgresJournal
+from gpuhealth.webhook.store import Chain, JournalUnwritable
+from gpuhealth.webhook.store_postgres import ADMISSION_LOCK, AsyncPostgresJournal, PostgresJournal
+from waiting import eventually
+from webhook_helpers import TOKEN, alert, notification, resolved
 
 from gpuhealth.local.postgres import LocalPostgres, bindir
 from gpuhealth.local.process import ManagedProcess, free_port, http_ok, wait_until
@@ -149,6 +151,25 @@ def test_two_stores_record_one_alert_once_and_claim_each_action_once(database):
     assert a.try_move(mine[1].id, ("pending",), "cancelled", "operator", "by a") is not None
     a.close()
     b.close()
+
+
+def test_a_node_whose_oldest_action_another_replica_is_claiming_is_left_to_it(database):
+    """Per-node order holds across replicas: while another session holds the row of a node's oldest
+    action (a replica claiming it), ``due`` takes neither that action nor the next one of the node, and
+    locks nothing it does not claim (other nodes' actions are claimed as usual)."""
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    parsed = parse_notification(notification(alert("gpu01", action="drain"), alert("gpu01", action="replace"),
+                                             alert("gpu02", action="drain")))
+    journal = PostgresJournal(database, "b", LEASE)
+    [recorded] = journal.record([(parsed, decide(parsed, config))], resolve)
+    oldest, following, other_node = recorded.new_actions
+    with psycopg.connect(database) as claiming:
+        claiming.execute("SELECT id FROM actions WHERE id = %s FOR UPDATE", (oldest,))
+        assert [a.id for a in journal.due(time.time(), (), 10)] == [other_node]
+        claiming.rollback()
+    assert [a.id for a in journal.due(time.time(), (), 10)] == [oldest, other_node]  # its own claim again
+    assert following not in {a.id for a in journal.due(time.time(), (), 10)}
+    journal.close()
 
 
 def test_intake_journals_what_the_sqlite_journal_does_in_one_statement_per_notification(database, tmp_path):
@@ -314,6 +335,97 @@ def test_intake_isolates_a_notification_the_database_refuses_and_resolutions_run
     assert ended.resolved == 1 and ended.cancelled == ["drain"] and len(started.new_actions) == 1
     assert journal.get(held.new_actions[0]).state == "cancelled"
     journal.close()
+
+
+async def test_the_webhook_store_group_commits_firing_intake_isolating_what_the_database_refuses(database):
+    """Through the store the webhook uses (intake on the event loop): notifications arriving together are
+    journaled together, one the database refuses fails alone (journaled again one by one, it is isolated
+    there) while its neighbours are answered, a resolution is journaled statement by statement, and a
+    caller cancelled mid-way (a client that hung up) has its notification journaled all the same."""
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    store = AsyncPostgresJournal(database, resolve, "a", LEASE)
+    try:
+        firing = alert(NODES[0], action="drain")
+        first, middle, last = (parse_notification(notification(x)) for x in (
+            firing, alert(NODES[1], action="drain"), alert(NODES[2], action="drain")))
+        refused = dataclasses.replace(middle, receiver="NUL \x00 inside")  # only the database refuses it
+        answers = await asyncio.gather(*(store.record(n, decide(n, config)) for n in (first, refused, last)),
+                                       return_exceptions=True)
+        assert isinstance(answers[1], psycopg.DataError)
+        assert [len(a.new_actions) for a in (answers[0], answers[2])] == [1, 1]
+        again = await store.record(first, decide(first, config))
+        assert (again.duplicates, again.new_actions) == (1, [])
+        gone = parse_notification(notification(resolved(firing)))
+        ended = await store.record(gone, decide(gone, config))
+        assert ended.resolved == 1 and ended.cancelled == ["drain"]
+        hung_up = parse_notification(notification(alert(NODES[3], action="drain")))
+        caller = asyncio.create_task(store.record(hung_up, decide(hung_up, config)))
+        await asyncio.sleep(0)  # the caller has handed its notification over
+        caller.cancel()
+        nodes = await eventually(lambda: store.list_actions(state="pending"), lambda found: len(found) == 2,
+                                 timeout=10, what="the cancelled caller's action")
+        assert sorted(a.node for a in nodes) == [NODES[2], NODES[3]]
+    finally:
+        await store.close()
+
+
+async def test_admission_holds_the_fleet_lock_on_one_session_kept_open_and_opened_again_once_cut(database):
+    a, b = (AsyncPostgresJournal(database, resolve, name, LEASE) for name in ("a", "b"))
+    watch = await psycopg.AsyncConnection.connect(database, autocommit=True)
+
+    async def advisory_waiters() -> int:
+        cursor = await watch.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event = 'advisory'")
+        row = await cursor.fetchone()
+        return 0 if row is None else int(row[0])
+
+    async def holder() -> int | None:
+        cursor = await watch.execute("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND "
+                                     "((classid::bigint << 32) | objid::bigint) = %s", (ADMISSION_LOCK,))
+        row = await cursor.fetchone()
+        return None if row is None else int(row[0])
+
+    released = asyncio.Event()
+
+    async def b_admits() -> None:
+        async with b.admission():
+            await released.wait()
+
+    try:
+        async with a.admission():
+            first = await holder()
+            waiting = asyncio.create_task(b_admits())
+            await eventually(advisory_waiters, timeout=10, what="b waiting for the lock")
+            assert not waiting.done(), "one replica admits at a time"
+        await eventually(holder, lambda pid: pid not in (None, first), timeout=10, what="b admitting after a")
+        released.set()
+        await asyncio.wait_for(waiting, timeout=10)
+        async with a.admission():
+            assert await holder() == first, "the same session, not a connection per action"
+        await watch.execute("SELECT pg_terminate_backend(%s)", (first,))
+        async with a.admission():  # the cut session is noticed and replaced
+            assert await holder() not in (None, first)
+    finally:
+        await watch.close()
+        for store in (a, b):
+            await store.close()
+
+
+async def test_intake_on_the_event_loop_answers_unwritable_while_the_server_is_gone(database, cluster):
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    store = AsyncPostgresJournal(database, resolve, "a", LEASE)
+    try:
+        before = parse_notification(notification(alert(NODES[0], action="drain")))
+        await store.record(before, decide(before, config))
+        cluster.stop()
+        during = parse_notification(notification(alert(NODES[1], action="drain")))
+        with pytest.raises(JournalUnwritable):
+            await store.record(during, decide(during, config))
+        assert store.write_error is not None
+        cluster.start()
+        after = await store.record(during, decide(during, config))  # Alertmanager's retry
+        assert len(after.new_actions) == 1 and store.write_error is None
+    finally:
+        await store.close()
 
 
 OLD_ALERT = ("0000000000000001", "2026-11-30T05:00:00.500000+00:00")  # conftest's alert(), as journaled

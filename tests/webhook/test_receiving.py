@@ -10,7 +10,6 @@ import sqlite3
 from dataclasses import replace
 
 import pytest
-from conftest import FIXTURES, TOKEN, alert, notification, recorded
 from gpuhealth.webhook.config import parse_config
 from gpuhealth.webhook.intake import resolve
 from gpuhealth.webhook.journal import Journal
@@ -20,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 from waiting import eventually
+from webhook_helpers import FIXTURES, TOKEN, alert, notification, recorded
 
 
 async def test_recorded_alertmanager_delivery_is_accepted_with_its_own_headers(webhook, tmp_path):

@@ -6,13 +6,13 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from conftest import alert, notification
 from gpuhealth.webhook.config import parse_config
 from gpuhealth.webhook.intake import resolve
 from gpuhealth.webhook.journal import Journal
 from gpuhealth.webhook.models import parse_notification
 from gpuhealth.webhook.policy import decide
 from gpuhealth.webhook.schema import LATEST, MIGRATIONS, SchemaTooNew, pending
+from webhook_helpers import alert, notification
 
 UNVERSIONED = Path(__file__).parent / "journal_fixtures" / "unversioned_v1.sql"
 CONFIG = parse_config({"backend": {"type": "simulated", "nodes": ["gpu01"]}})

@@ -9,11 +9,11 @@ import sys
 import time
 
 import pytest
-from conftest import alert, recorded, resolved
 from gpuhealth.webhook.backends import create_backend
 from gpuhealth.webhook.backends.base import BackendError, NodeState
 from gpuhealth.webhook.backends.slurm import MAX_REASON_CHARS, SlurmBackend, parse_node
 from waiting import eventually
+from webhook_helpers import alert, recorded, resolved
 
 from gpuhealth.local.process import free_port, wait_until
 from gpuhealth.local.slurm import SlurmCluster

@@ -7,7 +7,7 @@ import html.parser
 import shutil
 
 import pytest
-from conftest import alert
+from webhook_helpers import alert
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
