@@ -238,6 +238,15 @@ def _check_encodable(body: Any) -> None:
                            "\\ud800)") from None
 
 
+def _without_nul(pairs: dict[str, str] | None, instead: str) -> dict[str, str]:
+    """Labels or annotations with NUL replaced. A NUL is never part of a real value, but a hostile one
+    must still be journaled and refused on its own (``invalid_label``), and PostgreSQL's text holds no
+    NUL: kept, it would fail the whole notification on that journal only, and Alertmanager would retry
+    it, good alerts and all, for ever. Labels get U+FFFD, which keeps the value invalid for every label
+    grammar; annotations, free text, just lose it."""
+    return {k.replace("\x00", instead): v.replace("\x00", instead) for k, v in (pairs or {}).items()}
+
+
 def parse_notification(body: Any) -> Notification:
     """Validate decoded JSON; ``PayloadError`` lists the first problems found."""
     if not isinstance(body, dict):
@@ -250,6 +259,6 @@ def parse_notification(body: Any) -> Notification:
         shown = "; ".join(found[:MAX_PROBLEMS])
         more = f" (and {len(found) - MAX_PROBLEMS} more)" if len(found) > MAX_PROBLEMS else ""
         raise PayloadError(shown + more) from None
-    alerts = tuple(Alert(a.status, a.labels or {}, a.annotations or {}, a.starts_at, a.ends_at, a.fingerprint,
-                         a.generator_url) for a in payload.alerts)
+    alerts = tuple(Alert(a.status, _without_nul(a.labels, "\ufffd"), _without_nul(a.annotations, ""),
+                         a.starts_at, a.ends_at, a.fingerprint, a.generator_url) for a in payload.alerts)
     return Notification(payload.status, payload.receiver, payload.group_key, alerts, payload.truncated_alerts)

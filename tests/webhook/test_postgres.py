@@ -337,6 +337,26 @@ def test_intake_isolates_a_notification_the_database_refuses_and_resolutions_run
     journal.close()
 
 
+def test_a_hostile_nul_in_labels_is_journaled_and_refused_alone_as_on_sqlite(database):
+    """PostgreSQL's text holds no NUL: a label carrying one must not fail its notification (Alertmanager
+    would retry it, good alerts and all, for ever); it is journaled and skipped as on SQLite, firing and
+    resolved, with its neighbour acted on."""
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    journal = PostgresJournal(database, "a", LEASE)
+    hostile = alert(f"{NODES[0]}\x00; reboot", action="drain", summary="XID 79\x00 forged")
+    good = alert(NODES[1], action="drain")
+    firing = parse_notification(notification(hostile, good))
+    [result] = journal.record([(firing, decide(firing, config))], resolve)
+    assert not isinstance(result, Exception), result
+    assert len(result.new_actions) == 1 and [r[2] for r in result.refused] == ["invalid_node"]
+    assert sorted((a.node, a.state) for a in journal.list_actions()) == [
+        (ascii(f"{NODES[0]}\ufffd; reboot"), "skipped"), (NODES[1], "pending")]  # journaled quoted
+    gone = parse_notification(notification(resolved(hostile)))
+    [ended] = journal.record([(gone, decide(gone, config))], resolve)
+    assert not isinstance(ended, Exception) and ended.resolved == 1
+    journal.close()
+
+
 async def test_the_webhook_store_group_commits_firing_intake_isolating_what_the_database_refuses(database):
     """Through the store the webhook uses (intake on the event loop): notifications arriving together are
     journaled together, one the database refuses fails alone (journaled again one by one, it is isolated
