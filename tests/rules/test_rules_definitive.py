@@ -199,7 +199,8 @@ def test_pcie_replay_rate_above_the_driver_limit(tmp_path, source):
     ]
     # The reboot loop's replays alone are above the limit over 15 minutes (200 every 12 minutes).
     loop_rate = f'rate({INPUTS[source]["pcie_replays"][0]}{{node="n2"}}[15m]) * 60 > 8'
-    exprs = [{"expr": f"count({loop_rate})", "eval_time": "60m", "exp_samples": [{"labels": "{}", "value": 1}]}]
+    exprs = [{"expr": f"count({loop_rate})", "eval_time": "60m",
+              "exp_samples": [{"labels": "{}", "value": 1}]}]
     run_promtool(tmp_path, source, GROUPS, [{"interval": "1m", "input_series": fleet.input_series(),
                                              "alert_rule_test": checks, "promql_expr_test": exprs}])
 
