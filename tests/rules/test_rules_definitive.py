@@ -128,33 +128,33 @@ def test_hbm_wear_needs_persistent_errors_and_remaps(tmp_path, source):
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_hbm_error_rate_needs_every_slice_at_the_floor(tmp_path, source):
-    """Corrected errors at 3 a minute for half an hour drain, rows or not; chatter (0.5 a minute), a burst
-    of 300 on top of chatter, errors just under the floor (1.9 a minute), and errors across a GPU reset
-    (the volatile counter back to 0) stay quiet."""
+    """Corrected errors at 3 a minute for half an hour drain, rows or not, until a GPU reset ends them (the
+    volatile counter back to 0, no new errors); chatter (0.5 a minute), a burst of 300 on top of chatter
+    and errors just under the floor (1.9 a minute) stay quiet."""
     minutes = 100
     fleet = Fleet(source).node("n1", minutes)
     fleet.add("ecc_corrected", "n1", 0, (0, 0, 29), (3, 3, minutes - 31))        # wear from minute 30
     fleet.add("ecc_corrected", "n1", 1, (0, 0.5, minutes))                      # chatter
     fleet.add("ecc_corrected", "n1", 2, (0, 0.5, 39), (320, 0.5, minutes - 41))  # chatter and a burst
     fleet.add("ecc_corrected", "n1", 3, (0, 1.9, minutes))                      # just under the floor
-    fleet.add("ecc_corrected", "n1", 4, (0, 3, 59), (0, 3, minutes - 61))       # reset at minute 60
+    fleet.add("ecc_corrected", "n1", 4, (0, 3, 59), (0, 0, minutes - 61))       # reset at minute 60 ends them
     wear = _gpu_alert(
         "GPUHealthHbmErrorRate", "n1", 0, "3", "warning", "checkpoint_drain_reset_gpu",
         "HBM of n1 GPU 0 corrects errors without pause (3/min)",
-        "GPU 0 of n1 has corrected 3 ECC errors a minute, in every slice of the last window: far above the "
-        "chatter a healthy part lives with, and not a burst that stopped. Its memory is degrading. Let the "
-        "jobs checkpoint, drain the node, reset the GPU and run a memory diagnostic; replace it if the "
-        "errors come back.")
+        "GPU 0 of n1 corrects 3 ECC errors a minute, and has at the floor's rate or more in every slice of "
+        "the last window: far above the chatter a healthy part lives with, and not a burst that stopped. Its "
+        "memory is degrading. Let the jobs checkpoint, drain the node, reset the GPU and run a memory "
+        "diagnostic; replace it if the errors come back.")
     before_reset = _gpu_alert(
         "GPUHealthHbmErrorRate", "n1", 4, "3", "warning", "checkpoint_drain_reset_gpu",
         "HBM of n1 GPU 4 corrects errors without pause (3/min)",
-        "GPU 4 of n1 has corrected 3 ECC errors a minute, in every slice of the last window: far above the "
-        "chatter a healthy part lives with, and not a burst that stopped. Its memory is degrading. Let the "
-        "jobs checkpoint, drain the node, reset the GPU and run a memory diagnostic; replace it if the "
-        "errors come back.")
+        "GPU 4 of n1 corrects 3 ECC errors a minute, and has at the floor's rate or more in every slice of "
+        "the last window: far above the chatter a healthy part lives with, and not a burst that stopped. Its "
+        "memory is degrading. Let the jobs checkpoint, drain the node, reset the GPU and run a memory "
+        "diagnostic; replace it if the errors come back.")
     checks = [
-        # GPU 0's oldest slice reaches the floor at minute 56 (20 errors by minute 36), then 15 minutes
-        # of `for`; GPU 4 fires until its reset, and its slices are negative for 30 minutes after it.
+        # GPU 0's oldest slice reaches the floor at minute 56 (21 errors from minute 26 to 36), then 15
+        # minutes of `for`; GPU 4 fires until its reset, and its last slice falls under the floor after it.
         {"eval_time": "55m", "alertname": "GPUHealthHbmErrorRate", "exp_alerts": [before_reset]},
         {"eval_time": "70m", "alertname": "GPUHealthHbmErrorRate", "exp_alerts": []},   # within `for`
         {"eval_time": "72m", "alertname": "GPUHealthHbmErrorRate", "exp_alerts": [wear]},
