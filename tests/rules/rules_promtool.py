@@ -26,6 +26,7 @@ CLOCK_EVENTS = "gpuhealth_gpu_clock_event_seconds_total"
 INPUTS: dict[str, dict[str, tuple[str, dict[str, str], float]]] = {
     "gpuhealth": {
         "info": ("gpuhealth_gpu_info", {"model": MODEL}, 1),
+        "up": ("up", {}, 1),   # the GPU exporter's scrape health (node-level)
         "temperature": ("gpuhealth_gpu_temperature_celsius", {}, 1),
         "slowdown_temperature": ("gpuhealth_gpu_temperature_slowdown_threshold_celsius", {}, 1),
         "memory_temperature": ("gpuhealth_gpu_memory_temperature_celsius", {}, 1),
@@ -81,6 +82,7 @@ INPUTS: dict[str, dict[str, tuple[str, dict[str, str], float]]] = {
         "remap_failure": ("DCGM_FI_DEV_ROW_REMAP_FAILURE", {}, 1),
         "thermal_seconds": ("DCGM_FI_DEV_THERMAL_VIOLATION", {}, 1e6),
         "power_cap_seconds": ("DCGM_FI_DEV_POWER_VIOLATION", {}, 1e6),
+        "up": ("up", {}, 1),   # the GPU exporter's scrape health (node-level)
         "pcie_replays": ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", {}, 1),
         "pcie_width": ("DCGM_FI_DEV_PCIE_LINK_WIDTH", {}, 1),
         "pcie_width_max": ("DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH", {}, 1),

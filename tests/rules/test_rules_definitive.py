@@ -4,7 +4,7 @@ to each (an SBE burst, a slow HBM degradation, a pending remap, a few non-fatal 
 from __future__ import annotations
 
 import pytest
-from rules_promtool import SOURCES, Fleet, alert, run_promtool
+from rules_promtool import INPUTS, SOURCES, Fleet, alert, run_promtool
 
 GROUPS = ["xid", "definitive", "evidence", "fleet"]
 
@@ -127,14 +127,63 @@ def test_hbm_wear_needs_persistent_errors_and_remaps(tmp_path, source):
 
 
 @pytest.mark.parametrize("source", SOURCES)
-def test_pcie_replay_rate_above_the_driver_limit(tmp_path, source):
-    """Replays above 8 a minute for half an hour drain; a steady rate below it, or a burst at boot far
-    above it for one sample, stay quiet."""
-    minutes = 90
+def test_hbm_error_rate_needs_every_slice_at_the_floor(tmp_path, source):
+    """Corrected errors at 3 a minute for half an hour drain, rows or not, until a GPU reset ends them (the
+    volatile counter back to 0, no new errors); chatter (0.5 a minute), a burst of 300 on top of chatter
+    and errors just under the floor (1.9 a minute) stay quiet."""
+    minutes = 100
     fleet = Fleet(source).node("n1", minutes)
+    fleet.add("ecc_corrected", "n1", 0, (0, 0, 29), (3, 3, minutes - 31))        # wear from minute 30
+    fleet.add("ecc_corrected", "n1", 1, (0, 0.5, minutes))                      # chatter
+    fleet.add("ecc_corrected", "n1", 2, (0, 0.5, 39), (320, 0.5, minutes - 41))  # chatter and a burst
+    fleet.add("ecc_corrected", "n1", 3, (0, 1.9, minutes))                      # just under the floor
+    fleet.add("ecc_corrected", "n1", 4, (0, 3, 59), (0, 0, minutes - 61))       # reset at minute 60 ends them
+    wear = _gpu_alert(
+        "GPUHealthHbmErrorRate", "n1", 0, "3", "warning", "checkpoint_drain_reset_gpu",
+        "HBM of n1 GPU 0 corrects errors without pause (3/min)",
+        "GPU 0 of n1 corrects 3 ECC errors a minute, and has at the floor's rate or more in every slice of "
+        "the last window: far above the chatter a healthy part lives with, and not a burst that stopped. Its "
+        "memory is degrading. Let the jobs checkpoint, drain the node, reset the GPU and run a memory "
+        "diagnostic; replace it if the errors come back.")
+    before_reset = _gpu_alert(
+        "GPUHealthHbmErrorRate", "n1", 4, "3", "warning", "checkpoint_drain_reset_gpu",
+        "HBM of n1 GPU 4 corrects errors without pause (3/min)",
+        "GPU 4 of n1 corrects 3 ECC errors a minute, and has at the floor's rate or more in every slice of "
+        "the last window: far above the chatter a healthy part lives with, and not a burst that stopped. Its "
+        "memory is degrading. Let the jobs checkpoint, drain the node, reset the GPU and run a memory "
+        "diagnostic; replace it if the errors come back.")
+    checks = [
+        # GPU 0's oldest slice reaches the floor at minute 56 (21 errors from minute 26 to 36), then 15
+        # minutes of `for`; GPU 4 fires until its reset, and its last slice falls under the floor after it.
+        {"eval_time": "55m", "alertname": "GPUHealthHbmErrorRate", "exp_alerts": [before_reset]},
+        {"eval_time": "70m", "alertname": "GPUHealthHbmErrorRate", "exp_alerts": []},   # within `for`
+        {"eval_time": "72m", "alertname": "GPUHealthHbmErrorRate", "exp_alerts": [wear]},
+        {"eval_time": "99m", "alertname": "GPUHealthHbmErrorRate", "exp_alerts": [wear]},
+    ]
+    _run(tmp_path, source, fleet, checks)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_pcie_replay_rate_above_the_driver_limit(tmp_path, source):
+    """Replays above 8 a minute for half an hour drain; a steady rate below it, a burst at boot far
+    above it for one sample, or the bursts of a node in a reboot loop (its exporter down for a few
+    minutes before each boot, every boot retraining the link) stay quiet."""
+    minutes = 90
+    fleet = Fleet(source).node("n1", minutes).node("n2", minutes)
     fleet.add("pcie_replays", "n1", 0, (0, 0, 9), (0, 20, minutes - 10))      # 20 a minute from minute 10
     fleet.add("pcie_replays", "n1", 1, (0, 6, minutes))                        # steady 6 a minute
     fleet.add("pcie_replays", "n1", 2, (0, 0, 9), (2000, 0, minutes - 10))    # one burst at minute 10
+    fleet.add("up", "n1", None, (1, 0, minutes))
+    # n2 reboots every 12 minutes from minute 5: its exporter is down for 3 minutes, then the counter
+    # starts again from 0 and counts the 200 replays of the boot's link training.
+    up, replays_n2 = [], []
+    for minute in range(minutes + 1):
+        down = minute >= 5 and (minute - 5) % 12 < 3
+        booting = minute >= 8 and (minute - 8) % 12 == 0
+        up.append("0" if down else "1")
+        replays_n2.append("_" if down else ("0" if minute < 5 or booting else "200"))
+    fleet.add("up", "n2", None, " ".join(up))
+    fleet.add("pcie_replays", "n2", 0, " ".join(replays_n2))
     replays = _gpu_alert(
         "GPUHealthPcieReplayRate", "n1", 0, "20", "warning", "checkpoint_drain",
         "PCIe link of n1 GPU 0 keeps replaying (20/min)",
@@ -148,7 +197,12 @@ def test_pcie_replay_rate_above_the_driver_limit(tmp_path, source):
         {"eval_time": "48m", "alertname": "GPUHealthPcieReplayRate", "exp_alerts": [replays]},
         {"eval_time": "89m", "alertname": "GPUHealthPcieReplayRate", "exp_alerts": [replays]},
     ]
-    _run(tmp_path, source, fleet, checks)
+    # The reboot loop's replays alone are above the limit over 15 minutes (200 every 12 minutes).
+    loop_rate = f'rate({INPUTS[source]["pcie_replays"][0]}{{node="n2"}}[15m]) * 60 > 8'
+    exprs = [{"expr": f"count({loop_rate})", "eval_time": "60m",
+              "exp_samples": [{"labels": "{}", "value": 1}]}]
+    run_promtool(tmp_path, source, GROUPS, [{"interval": "1m", "input_series": fleet.input_series(),
+                                             "alert_rule_test": checks, "promql_expr_test": exprs}])
 
 
 @pytest.mark.parametrize("source", SOURCES)

@@ -82,7 +82,8 @@ def test_memory_signals_and_an_isolated_sbe_burst(tmp_path, source):
     # HBM degradation on GPU 5: corrected ECC keeps growing, then remapped rows step up at 6h.
     fleet.add("ecc_corrected", "n1", 5, (0, 1, minutes))
     fleet.add("rows_correctable", "n1", 5, (0, 0, 359), (10, 0, minutes - 360))
-    # Two chronic benign causes on GPU 6: SBE chatter and steady PCIe replays on a healthy link.
+    # Two chronic causes on GPU 6: SBE chatter and steady PCIe replays at 6 a minute (over half the
+    # driver's limit, so they count).
     fleet.add("ecc_corrected", "n1", 6, (0, 1, minutes))
     fleet.add("pcie_replays", "n1", 6, (0, 6, minutes))
     # A pending remap next to steady replays on a healthy link: two routine states, not a failure.
@@ -160,6 +161,10 @@ def test_each_signal_and_benign_noise(tmp_path, source):
     fleet.add("pcie_width_max", "n2", 6, (16, 0, minutes))
     fleet.add("pcie_downgraded", "n2", 6, (0, 0, 49), (1, 0, minutes - 50))   # the exporter's own flag
     fleet.add("nvlink_crc", "n2", 7, (0, 60, minutes))
+    # ...beside a healthy link that replays steadily below half the driver's limit (3 a minute), with the
+    # AER errors the kernel logs for it: both under their floor, so the NVLink errors stand alone.
+    fleet.add("pcie_replays", "n2", 7, (0, 3, minutes))
+    fleet.add("pcie_aer", "n2", 7, (0, 1, minutes), pci_bus_id="00000000:1F:00.0")
     fleet.node("n8", minutes)                    # the rack's cooling fails: each GPU warms by its place
     for gpu, hot in enumerate((63, 64, 66, 68, 69, 70, 73, 76)):
         fleet.add("temperature", "n8", gpu, (60, 0, 109), (hot, 0, minutes - 110))
@@ -183,6 +188,9 @@ def test_each_signal_and_benign_noise(tmp_path, source):
         _evidence("pcie_link_downgrade", "n2", 6, at, 0.99),
         _evidence("pcie_link_downgrade", "n2", 6, "55m"),   # not yet for the whole window
         _evidence("nvlink_errors", "n2", 7, at, 0.99),
+        _evidence("pcie_replay", "n2", 7, at),
+        _evidence("pcie_aer_errors", "n2", 7, at),
+        _score("n2", 7, at, 0.45),
         _evidence("interrupt_collapse", "n4", None, at, 0.99),
         _evidence("procs_running_collapse", "n4", None, at, 0.99),
         _evidence("interrupt_collapse", "n1", None, at),
@@ -237,7 +245,7 @@ def test_pcie_seen_from_both_ends_counts_once(tmp_path):
     for gpu in (2, 3):
         fleet.add("pcie_replays", "n1", gpu, (0, 20, minutes))
     for gpu in (2, 4):
-        fleet.add("pcie_aer", "n1", gpu, (0, 2, minutes), pci_bus_id=f"00000000:{0x18 + gpu:02X}:00.0")
+        fleet.add("pcie_aer", "n1", gpu, (0, 5, minutes), pci_bus_id=f"00000000:{0x18 + gpu:02X}:00.0")
     fleet.add("pcie_aer", "n1", None, (0, 50, minutes), pci_bus_id="00000000:03:00.0")   # a NIC, say
     at = "100m"
     exprs = [
