@@ -33,9 +33,10 @@ DISTRIBUTIONS = importlib.metadata.packages_distributions()
 def third_party(folder: str) -> dict[str, str]:
     """Project name -> one place that imports it, for every import outside the stdlib and the repo."""
     out: dict[str, str] = {}
+    beside = {p.stem for p in (ROOT / folder).glob("*.py")}  # a script's own siblings, on its path
     for found in imports(folder):
         top = found.module.split(".")[0]
-        if top in sys.stdlib_module_names or top in {"__future__", "gpuhealth", ""}:
+        if top in sys.stdlib_module_names or top in {"__future__", "gpuhealth", ""} or top in beside:
             continue
         for dist in DISTRIBUTIONS.get(top, [top]):
             out.setdefault(_name(dist), str(found))
