@@ -147,11 +147,12 @@ def test_port_retrained_below_expected_rate_drains_at_once(tmp_path):
     _run(tmp_path, fleet, checks)
 
 
-# A leaf switch rebooting: its ports go down at minute 10, return at 13 while it boots, go down again
-# at 14 and return for good at 22, on every node it serves. Alone, each port would be down for 8
-# minutes and flap twice: both drain alerts would fire.
-SWITCH_UP = f"1x9 0x2 1 0x7 1x{MINUTES - 22}"
-SWITCH_DOWNED = f"0x9 1x3 2x{MINUTES - 14}"
+# A leaf switch rebooting: its ports go down at minute 10, return at 16 while it boots (more than the
+# switch event's 5-minute window after they went down), go down again at 17 and return for good at
+# 23, on every node it serves. Alone, each port would be down for 12 minutes and flap twice: both
+# drain alerts would fire.
+SWITCH_UP = f"1x9 0x5 1 0x5 1x{MINUTES - 23}"
+SWITCH_DOWNED = f"0x9 1x6 2x{MINUTES - 17}"
 
 
 def _switch_event(value: int, switch: str = "") -> dict:
@@ -177,11 +178,12 @@ def test_named_switch_reboot_is_one_event_and_drains_no_node(tmp_path):
               downed=f"0x13 1x{MINUTES - 14}" if failing else None)
     checks = [
         *_quiet(9, "GPUHealthFabricSwitchEvent"),
+        # One alert through the whole reboot, also at 16, when the ports are up for a moment.
         *[{"eval_time": f"{minute}m", "alertname": "GPUHealthFabricSwitchEvent",
-           "exp_alerts": [_switch_event(4, "leaf-a")]} for minute in (10, 20)],
+           "exp_alerts": [_switch_event(4, "leaf-a")]} for minute in range(10, 26)],
         *_quiet(14, "GPUHealthNicPortDown"),                   # n5's port down for one evaluation
         {"eval_time": "15m", "alertname": "GPUHealthNicPortDown", "exp_alerts": [_down("n5", "mlx5_1")]},
-        *_quiet(22, "GPUHealthNicPortFlapping"),
+        *_quiet(23, "GPUHealthNicPortFlapping"),
         *_quiet(40, "GPUHealthFabricSwitchEvent", "GPUHealthNicPortFlapping"),
     ]
     checks += [check for minute in (12, 16, 21, 30, 60) for check in _quiet(minute, *NODE_ALERTS[1:])]
