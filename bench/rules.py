@@ -68,7 +68,10 @@ def run(args: argparse.Namespace) -> int:
             prometheus.start(timeout=120)
             api = prometheus.api
             started = time.monotonic()
-            wait_until(lambda: _value(api, 'count(up{job="gpuhealth-exporter"} == 1)') >= args.nodes,
+            # Every node scraped at least once lately: on a loaded machine the synthetic fleet's one
+            # Python server answers a few scrapes late, so all targets are seldom up at one instant.
+            scraped = 'count(max_over_time(up{job="gpuhealth-exporter"}[2m]) == 1)'
+            wait_until(lambda: _value(api, scraped) >= args.nodes,
                        timeout=300, interval=2, what="every synthetic node scraped")
             print(f"all {args.nodes} targets up after {time.monotonic() - started:.0f}s; "
                   f"running {args.minutes} min", flush=True)

@@ -108,10 +108,11 @@ class Fabric:
         return ports
 
     def builders(self) -> dict[str, Callable[[], Iterator[Family]]]:
-        names = ("gpuhealth_nic_port_info", "gpuhealth_nic_port_up", "gpuhealth_nic_port_state",
-                 "gpuhealth_nic_port_physical_state", "gpuhealth_nic_port_rate_bytes_per_second",
-                 "gpuhealth_nic_port_expected_rate_bytes_per_second", "gpuhealth_nic_port_link_downed_total",
-                 "gpuhealth_nic_port_errors_total", "gpuhealth_nic_gpu_affinity_info")
+        names: tuple[str, ...] = (
+            "gpuhealth_nic_port_info", "gpuhealth_nic_port_up", "gpuhealth_nic_port_state",
+            "gpuhealth_nic_port_physical_state", "gpuhealth_nic_port_rate_bytes_per_second",
+            "gpuhealth_nic_port_expected_rate_bytes_per_second", "gpuhealth_nic_port_link_downed_total",
+            "gpuhealth_nic_port_errors_total", "gpuhealth_nic_gpu_affinity_info")
         names += NETDEV_FAMILIES if self.roce else ()
         out: dict[str, Callable[[], Iterator[Family]]] = {name: self._ports for name in names if self.nics}
         out["gpuhealth_fabric_manager_up"] = self._fabric_manager
