@@ -55,6 +55,9 @@ NOISE_KINDS = (
 FLEET_NOISE_KINDS = ("checkpoint_burst", "load_imbalance", "rack_cooling", "reboot_loop", "checkpoint_storm",
                      "switch_reboot")
 NODE_NOISE_KINDS = tuple(kind for kind in NOISE_KINDS if kind not in FLEET_NOISE_KINDS)
+# Noise one node's simulator plays: the node kinds and its share of a switch reboot (its own ports
+# down together; the rack's other nodes play theirs).
+SIMULATED_NODE_NOISE_KINDS = (*NODE_NOISE_KINDS, "switch_reboot")
 # Faults that never give warning: no precursor before the hard failure (a port retrains at a lower
 # rate without warning).
 SUDDEN_KINDS = ("gsp_timeout", "fell_off_bus", "sram_uncorrectable", "ib_rate_downgrade")

@@ -25,6 +25,8 @@ def panels() -> list:
     downed = f"gpuhealth_nic_port_link_downed_total{SCOPE}"
     errors = "gpuhealth_nic_port_errors_total" + selector(CLUSTER, NODE, BIT_ERRORS)
     info = f"gpuhealth_nic_port_info{SCOPE}"
+    carrier = f"gpuhealth_netdev_carrier_changes_total{SCOPE}"
+    roce = "gpuhealth_nic_port_info" + selector(CLUSTER, NODE, 'netdev!=""')
     slow = (f"gpuhealth_nic_port_rate_bytes_per_second{SCOPE} "
             f"< on ({PORT}) gpuhealth_nic_port_expected_rate_bytes_per_second{SCOPE}")
     return [
@@ -37,9 +39,13 @@ def panels() -> list:
             mappings=value_text({"0": ("down", "red"), "1": ("up", "green")})),
         timeseries_panel(
             "Port flaps",
-            "Link losses per port (sysfs link_downed): one at boot is routine; two within an hour drain the "
-            "node (GPUHealthNicPortFlapping) unless its switch was rebooting.",
-            [query(f"sum by (node, device) (increase({downed}[$__rate_interval]))", "{{node}} {{device}}")],
+            "Link losses per port (InfiniBand: sysfs link_downed; RoCE: half the netdev's carrier changes): "
+            "one at boot is routine; two within an hour drain the node (GPUHealthNicPortFlapping) unless "
+            "its switch was rebooting.",
+            [query(f"sum by (node, device) (increase({downed}[$__rate_interval]))", "{{node}} {{device}}"),
+             query(f"sum by (node, device) (increase({carrier}[$__rate_interval]) / 2 "
+                   f"* on (cluster, node, netdev) group_right () group by ({PORT}, netdev) ({roce}))",
+                   "{{node}} {{device}} (RoCE)")],
             w=12, h=8, bars=True, stacked=True, unit="short", min_val=0),
         timeseries_panel(
             "Symbol errors and link error recoveries",
@@ -56,8 +62,8 @@ def panels() -> list:
             w=12, h=8, bars=True, stacked=True, unit="short", min_val=0),
         stat_panel(
             "Ports below expected rate",
-            "Ports that are up but trained below the rate the exporter's configuration expects: a warning "
-            "after 5 minutes, a drain after an hour.",
+            "Ports that are up but trained below the rate the exporter's configuration expects: each drains "
+            "its node at once (GPUHealthNicRateDegraded), as a link keeps the rate it trained at.",
             [query(f"count({slow}) or vector(0)", "ports", instant=True)],
             w=12, h=8, steps=thresholds((None, "green"), (1, "orange"))),
     ]

@@ -13,13 +13,12 @@ from typing import Annotated, Any
 
 import yaml
 from gpuhealth.contract.duration import Offset
-from gpuhealth.contract.faults import APP_XIDS, FABRIC_KINDS, FAULT_XIDS, NODE_NOISE_KINDS
+from gpuhealth.contract.faults import APP_XIDS, FABRIC_KINDS, FAULT_XIDS
+from gpuhealth.contract.faults import SIMULATED_NODE_NOISE_KINDS as NOISE_KINDS
 from gpuhealth.contract.validation import Location, Model, OneOf, problems
 from pydantic import Field, ValidationError
 
 HBM_XIDS = tuple(sorted(FAULT_XIDS["hbm_degradation"]))
-# switch_reboot is a fleet kind (a rack's ports together); one node plays its share: its own ports
-NOISE_KINDS = (*NODE_NOISE_KINDS, "switch_reboot")
 
 # kind -> (default precursor or duration seconds, extra keys it accepts)
 _KIND_KEYS: dict[str, tuple[float, dict[str, type]]] = {

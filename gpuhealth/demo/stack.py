@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import yaml
 
 from gpuhealth.contract.faults import FABRIC_KINDS
-from gpuhealth.contract.faults import NODE_NOISE_KINDS as NOISE_KINDS
+from gpuhealth.contract.faults import SIMULATED_NODE_NOISE_KINDS as NOISE_KINDS
 from gpuhealth.demo import deployment
 from gpuhealth.local.process import ManagedProcess, ProcessError, free_port, http_ok, wait_until
 from gpuhealth.local.prometheus import AlertmanagerServer, PrometheusAPI, PrometheusServer
@@ -272,10 +272,12 @@ class ClosedLoopStack:
                 "node_cooldown_seconds": 60,
             },
             "gpuhealth_webhook_retry": {"backoff_initial_seconds": 0.5, "job_retry_interval_seconds": 5},
-            # a node goes back once its alerts resolved and gpuhealth-validate passed on its hardware
+            # a node goes back once its alerts resolved and gpuhealth-validate passed on its hardware,
+            # every NIC port up at the simulator's 400 Gb/s among its checks
             "gpuhealth_webhook_undrain": {
                 "health_check": [self._bin("gpuhealth-validate"), "--backend", "sim", "--sim-scenario",
-                                 str(self.root / "nodes" / "{node}" / "hardware.yml")],
+                                 str(self.root / "nodes" / "{node}" / "hardware.yml"),
+                                 "--nic-rate-gbps", "400"],
                 "health_check_timeout_seconds": 60, "health_check_retry_seconds": 2,
                 "health_check_max_attempts": 1000},
             # the training jobs checkpoint on USR1: a predictive drain waits for that file, not their exit

@@ -6,6 +6,13 @@ board), so an event's ``gpu`` names the port. Each rack has one leaf switch (``l
 serves every port of its nodes; ``fleet.switch_names: false`` leaves the inventory's ``switch``
 label empty, so that the rules must find a switch's event by simultaneity. A fleet without NICs (every
 scenario written before them) publishes none of these series, so its other series stay what they were.
+
+``fleet.nic_link_layer: Ethernet`` makes every port a RoCE port, as the exporter publishes one: the
+same port series with ``link_layer="Ethernet"`` and the port's netdev (``ens<i>np0``), plus the
+netdev's carrier changes, operstate and speed. A RoCE port's link losses show in its carrier changes
+(one per transition, two per flap); its InfiniBand ``link_downed`` and error counters stay at zero
+(the Ethernet PHY's errors are in ethtool statistics, which the exporter does not read), so a RoCE
+link whose bit error rate worsens shows nothing until it goes down.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ BACKGROUND_SYMBOL_ERRORS_PER_MINUTE = 0.0005  # a healthy link: about one a day 
 PORT_ACTIVE, PORT_DOWN = 4.0, 1.0  # IB PortState
 PHYS_LINK_UP, PHYS_POLLING = 5.0, 2.0  # IB PortPhysicalState
 SXIDS = {"fatal": 12028, "non_fatal": 11004}  # an NVSwitch SXID number of each severity
+BOOT_CARRIER_CHANGES = 2.0  # a RoCE netdev's carrier went down and up once as the driver brought it up
+NETDEV_FAMILIES = ("gpuhealth_netdev_carrier_changes_total", "gpuhealth_netdev_up",
+                   "gpuhealth_netdev_speed_bytes_per_second")
 
 
 @dataclass
@@ -62,6 +72,7 @@ class Fabric:
     def __init__(self, signals: FleetSignals) -> None:
         self.signals = signals
         self.nics = signals.fleet.nics_per_node
+        self.roce = signals.fleet.nic_link_layer == "Ethernet"
 
     def port_row(self, node: str, nic: int | None) -> int:
         if nic is None or not 0 <= nic < self.nics:
@@ -97,10 +108,12 @@ class Fabric:
         return ports
 
     def builders(self) -> dict[str, Callable[[], Iterator[Family]]]:
-        names = ("gpuhealth_nic_port_info", "gpuhealth_nic_port_up", "gpuhealth_nic_port_state",
-                 "gpuhealth_nic_port_physical_state", "gpuhealth_nic_port_rate_bytes_per_second",
-                 "gpuhealth_nic_port_expected_rate_bytes_per_second", "gpuhealth_nic_port_link_downed_total",
-                 "gpuhealth_nic_port_errors_total", "gpuhealth_nic_gpu_affinity_info")
+        names: tuple[str, ...] = (
+            "gpuhealth_nic_port_info", "gpuhealth_nic_port_up", "gpuhealth_nic_port_state",
+            "gpuhealth_nic_port_physical_state", "gpuhealth_nic_port_rate_bytes_per_second",
+            "gpuhealth_nic_port_expected_rate_bytes_per_second", "gpuhealth_nic_port_link_downed_total",
+            "gpuhealth_nic_port_errors_total", "gpuhealth_nic_gpu_affinity_info")
+        names += NETDEV_FAMILIES if self.roce else ()
         out: dict[str, Callable[[], Iterator[Family]]] = {name: self._ports for name in names if self.nics}
         out["gpuhealth_fabric_manager_up"] = self._fabric_manager
         out["gpuhealth_sxid_events_total"] = self._sxids
@@ -123,28 +136,49 @@ class Fabric:
             return [(f"{extra}{label}", masked[i]) for i, label in enumerate(labels)]
 
         info = []
+        layer = self.signals.fleet.nic_link_layer
         for row, label in enumerate(labels):
-            node = row // self.nics
-            info.append((f'link_layer="InfiniBand",netdev="",switch="{self.switch(node)}",{label}', ones))
+            node, netdev = row // self.nics, f"ens{row % self.nics}np0" if self.roce else ""
+            where = f'link_layer="{layer}",netdev="{netdev}",switch="{self.switch(node)}"'
+            info.append((f"{where},{label}", ones))
         yield s._family("gpuhealth_nic_port_info", info)
+        if self.roce:
+            yield from self._netdevs()
+        downs = np.zeros(p.downs.shape) if self.roce else p.downs
         gauges = {
             "gpuhealth_nic_port_up": p.up.astype(float),
             "gpuhealth_nic_port_state": np.where(p.up, PORT_ACTIVE, PORT_DOWN),
             "gpuhealth_nic_port_physical_state": np.where(p.up, PHYS_LINK_UP, PHYS_POLLING),
             "gpuhealth_nic_port_rate_bytes_per_second": p.rate,
             "gpuhealth_nic_port_expected_rate_bytes_per_second": np.full(p.rate.shape, RATE_BYTES),
-            "gpuhealth_nic_port_link_downed_total": np.cumsum(p.downs, axis=1),
+            "gpuhealth_nic_port_link_downed_total": np.cumsum(downs, axis=1),
         }
         for name, values in gauges.items():
             yield s._family(name, family(name, values))
-        counters = {"symbol_error": p.symbol, "link_error_recovery": p.recovery,
-                    "port_rcv_errors": np.zeros(p.rate.shape)}
+        zeros = np.zeros(p.rate.shape)
+        counters = {"symbol_error": zeros if self.roce else p.symbol,
+                    "link_error_recovery": zeros if self.roce else p.recovery, "port_rcv_errors": zeros}
         yield s._family("gpuhealth_nic_port_errors_total", [
             row for error in ERRORS
             for row in family(error, np.cumsum(counters[error], axis=1), f'error="{error}",')])
         yield s._family("gpuhealth_nic_gpu_affinity_info", [
             (f'device="mlx5_{i}",gpu="{i}",scope="pcie_switch",{node}', ones)
             for node in s.node_labels for i in range(min(self.nics, s.fleet.gpus_per_node))])
+
+    def _netdevs(self) -> Iterator[Family]:
+        """Each RoCE port's netdev: a carrier change at every transition of the port's link, the
+        operstate, and the speed, absent while the link is down (the kernel answers EINVAL)."""
+        s, p = self.signals, self.ports
+        labels = [f'netdev="ens{i}np0",{node}' for node in s.node_labels for i in range(self.nics)]
+        changes = np.zeros(p.up.shape)
+        changes[:, 1:] = p.up[:, 1:] != p.up[:, :-1]
+        changes[:, 0] = BOOT_CARRIER_CHANGES + ~p.up[:, 0]
+        values = {"gpuhealth_netdev_carrier_changes_total": np.cumsum(changes, axis=1),
+                  "gpuhealth_netdev_up": p.up.astype(float),
+                  "gpuhealth_netdev_speed_bytes_per_second": np.where(p.up, p.rate, np.nan)}
+        for name, series in values.items():
+            masked = self._masked(series)
+            yield s._family(name, [(label, masked[i]) for i, label in enumerate(labels)])
 
     def _fabric_manager(self) -> Iterator[Family]:
         s = self.signals

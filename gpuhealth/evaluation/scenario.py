@@ -214,6 +214,8 @@ class Fleet(Model):
     rack_nodes: AtLeastOne = 4  # nodes sharing a rack's power and cooling (and a leaf switch)
     nics_per_node: Count = 0  # InfiniBand ports, NIC i beside GPU i; 0: no fabric series (nics.py)
     switch_names: bool = True  # the inventory names each port's leaf switch (false: switch="")
+    # InfiniBand, or Ethernet: RoCE ports, each with its netdev (carrier changes, speed, operstate)
+    nic_link_layer: Literal["InfiniBand", "Ethernet"] = "InfiniBand"
 
     def node(self, index: int) -> str:
         return self.node_name.format(index=index)

@@ -14,6 +14,7 @@ import urllib.parse
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from gpuhealth.contract.metrics import NIC_PORT_ERRORS
 from gpuhealth.local.process import free_port
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,8 @@ MODEL = "NVIDIA H100 80GB HBM3"
 CLOCK_REASONS = ("sw_power_cap", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_slowdown",
                  "hw_power_brake_slowdown")
 NVLINK_TYPES = ("crc_flit", "crc_data", "replay", "recovery")
+NIC_RATE = 5e10  # 400 Gb/s NDR, in bytes per second
+RACK_NODES = 16  # nodes behind one leaf switch
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,26 @@ def _gpu_series(node: str, gpu: int, nvlinks: int, sick: bool) -> list[Series]:
     return out
 
 
+def _nic_series(node: int, nic: int, sick: bool, down: bool) -> list[Series]:
+    """One InfiniBand port as the exporter's fabric collector publishes it, beside GPU ``nic`` and
+    behind its rack's named leaf switch; a sick port's link errors grow, a down port is not ACTIVE."""
+    p = f'device="mlx5_{nic}",port="1"'
+    return [
+        Series(f'gpuhealth_nic_port_info{{{p},link_layer="InfiniBand",netdev="",'
+               f'switch="leaf-{node // RACK_NODES:03d}"}}', 1),
+        Series(f"gpuhealth_nic_port_up{{{p}}}", 0 if down else 1),
+        Series(f"gpuhealth_nic_port_state{{{p}}}", 1 if down else 4),
+        Series(f"gpuhealth_nic_port_physical_state{{{p}}}", 2 if down else 5),
+        Series(f"gpuhealth_nic_port_rate_bytes_per_second{{{p}}}", 1.25e9 if down else NIC_RATE),
+        Series(f"gpuhealth_nic_port_expected_rate_bytes_per_second{{{p}}}", NIC_RATE),
+        Series(f"gpuhealth_nic_port_link_downed_total{{{p}}}", 1 if down else 0),
+        *(Series(f'gpuhealth_nic_port_errors_total{{{p},error="{error}"}}', 0,
+                 0.5 if sick and error in ("symbol_error", "link_error_recovery") else 0)
+          for error in NIC_PORT_ERRORS),
+        Series(f'gpuhealth_nic_gpu_affinity_info{{device="mlx5_{nic}",gpu="{nic}",scope="pcie_switch"}}', 1),
+    ]
+
+
 def _node_series(collapsed: bool) -> list[Series]:
     return [
         Series("gpuhealth_gpus_expected", 8),
@@ -89,12 +112,12 @@ class _QuietServer(ThreadingHTTPServer):
 
 
 class SyntheticFleet:
-    """``nodes`` nodes of ``gpus`` GPUs each; one GPU in ``sick_every`` carries precursors. With
-    ``cluster``, every target also carries that ``cluster`` label, as a multi-cluster scrape config
-    sets it."""
+    """``nodes`` nodes of ``gpus`` GPUs each and ``nics`` InfiniBand ports; one GPU (and one port) in
+    ``sick_every`` carries precursors, one port in ``sick_every`` squared is down. With ``cluster``,
+    every target also carries that ``cluster`` label, as a multi-cluster scrape config sets it."""
 
     def __init__(self, nodes: int, gpus: int = 8, nvlinks: int = 4, sick_every: int = 97,
-                 cluster: str | None = None) -> None:
+                 cluster: str | None = None, nics: int = 0) -> None:
         self.cluster = cluster
         self.sick_every = sick_every
         self.names = [f"node{i:04d}" for i in range(nodes)]
@@ -103,6 +126,10 @@ class SyntheticFleet:
             per_node = _node_series(collapsed=index % sick_every == 1)
             for gpu in range(gpus):
                 per_node += _gpu_series(name, gpu, nvlinks, sick=(index * gpus + gpu) % sick_every == 0)
+            for nic in range(nics):
+                row = index * nics + nic
+                per_node += _nic_series(index, nic, sick=row % sick_every == 3,
+                                        down=row % sick_every**2 == 5)
             self.series[name] = per_node
         # Series that never move are formatted once: the fleet shares 2 cores with the Prometheus it
         # loads, and every CPU second spent here is one the benchmark would charge to the rules.

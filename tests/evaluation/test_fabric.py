@@ -160,3 +160,80 @@ def test_the_fabric_scenario_holds_every_fabric_kind():
     assert {f.kind for f in scenario.failures} >= {"ib_link_flap", "ib_symbol_errors", "ib_rate_downgrade",
                                                      "nvswitch_fatal"}
     assert {n.kind for n in scenario.noise} >= {"ib_boot_flap", "switch_reboot"}
+
+
+ROCE = {**BASE, "fleet": {**BASE["fleet"], "nic_link_layer": "Ethernet", "switch_names": False}}
+
+
+@cache
+def roce_series(name: str) -> dict[str, np.ndarray]:
+    signals = roce_fleet()
+    return {labels: values for family in signals.families(lambda n: n == name)
+            for labels, values in family.series}
+
+
+@cache
+def roce_fleet() -> FleetSignals:
+    return FleetSignals(parse_scenario({**ROCE, "failures": FAULTS, "noise": NOISE}))
+
+
+def roce(name: str, node: str, nic: int) -> np.ndarray:
+    want = [f'node="{node}"', f'netdev="ens{nic}np0"' if name.startswith("gpuhealth_netdev") else
+            f'device="mlx5_{nic}"']
+    (values,) = [v for labels, v in roce_series(name).items() if all(w in labels for w in want)]
+    return values
+
+
+def carrier_flips(node: str, nic: int, start: float, end: float) -> float:
+    changes = roce("gpuhealth_netdev_carrier_changes_total", node, nic)
+    return float(changes[at(end)] - changes[at(start)])
+
+
+def test_roce_ports_publish_their_netdev_as_the_exporter_does():
+    info = roce_series("gpuhealth_nic_port_info")
+    assert all('link_layer="Ethernet"' in labels and 'switch=""' in labels for labels in info)
+    assert sum('device="mlx5_3",' in labels and 'netdev="ens3np0"' in labels for labels in info) == 8
+    # a healthy port: up at its rate, its carrier changed twice when the driver brought it up
+    assert (roce("gpuhealth_netdev_up", "gpu-003", 7) == 1).all()
+    assert (roce("gpuhealth_netdev_speed_bytes_per_second", "gpu-003", 7) == RATE_BYTES).all()
+    assert (roce("gpuhealth_netdev_carrier_changes_total", "gpu-003", 7) == 2).all()
+
+
+def test_roce_link_flap_shows_in_carrier_changes_not_in_link_downed():
+    """ib_link_flap on a RoCE port: each flap is two carrier changes, the final loss one; the
+    InfiniBand counter stays at zero, so a rule reading only link_downed misses the fault."""
+    assert carrier_flips("gpu-000", 2, 4 * HOUR, 14 * HOUR - 60) >= 4
+    assert carrier_flips("gpu-000", 2, 14 * HOUR - 60, 14 * HOUR) == 1
+    assert (roce("gpuhealth_nic_port_link_downed_total", "gpu-000", 2) == 0).all()
+    up = roce("gpuhealth_netdev_up", "gpu-000", 2)
+    assert (up[at(14 * HOUR): at(15 * HOUR)] == 0).all()
+    speed = roce("gpuhealth_netdev_speed_bytes_per_second", "gpu-000", 2)
+    assert np.isnan(speed[at(14 * HOUR): at(15 * HOUR)]).all()
+
+
+def test_roce_symbol_errors_stay_invisible_until_the_link_goes_down():
+    errors = [v for labels, v in roce_series("gpuhealth_nic_port_errors_total").items()
+              if 'node="gpu-001"' in labels and 'device="mlx5_5"' in labels]
+    assert errors and all((values == 0).all() for values in errors)
+    assert carrier_flips("gpu-001", 5, 6 * HOUR, 20 * HOUR - 60) == 0
+    assert carrier_flips("gpu-001", 5, 20 * HOUR - 60, 20 * HOUR) == 1
+
+
+def test_roce_rate_downgrade_drops_the_netdev_speed_after_one_flap():
+    speed = roce("gpuhealth_netdev_speed_bytes_per_second", "gpu-002", 0)
+    assert speed[at(10 * HOUR) - 1] == RATE_BYTES
+    assert speed[at(10 * HOUR) + 1] in (RATE_BYTES / 2, RATE_BYTES / 4)
+    assert carrier_flips("gpu-002", 0, 10 * HOUR - 60, 10 * HOUR + 60) == 2
+
+
+def test_roce_boot_flap_and_switch_reboot():
+    """The boot flap is one flap (two changes); the unnamed switch's reboot takes every netdev of the
+    rack down together and brings them back, a few changes each, the other rack untouched."""
+    assert carrier_flips("gpu-000", 3, 30 * HOUR - 60, 30 * HOUR + 60) == 2
+    rack = {"gpu-004", "gpu-005", "gpu-006", "gpu-007"}
+    for node in [f"gpu-00{n}" for n in range(8)]:
+        flips = carrier_flips(node, 1, 30 * HOUR - 60, 30 * HOUR + 900)
+        assert (flips >= 2) == (node in rack), (node, flips)
+        if node in rack:
+            assert roce("gpuhealth_netdev_up", node, 1)[at(30 * HOUR)] == 0
+            assert roce("gpuhealth_netdev_up", node, 1)[at(30 * HOUR + 900)] == 1

@@ -29,9 +29,9 @@ def _down(node: str, device: str) -> dict:
     return _port_alert(
         "GPUHealthNicPortDown", node, device, "0", "critical", "drain",
         f"NIC port {device}/1 of {node} is down",
-        f"InfiniBand/RoCE port 1 of {device} on {node} has been down (not ACTIVE and LinkUp) for minutes "
-        "while its switch is up: jobs whose collectives use it hang or fail. Drain the node and check the "
-        "cable, transceiver and HCA.")
+        f"InfiniBand/RoCE port 1 of {device} on {node} has been down (not ACTIVE and LinkUp) for longer "
+        "than a retrain takes, while its switch is up: jobs whose collectives use it hang or fail. Drain the "
+        "node and check the cable, transceiver and HCA.")
 
 
 def _flapping(node: str, device: str, losses: int) -> dict:
@@ -54,22 +54,41 @@ def _quiet(minute: int, *names: str) -> list[dict]:
     return [{"eval_time": f"{minute}m", "alertname": name, "exp_alerts": []} for name in names]
 
 
-NODE_ALERTS = ("GPUHealthNicPortDown", "GPUHealthNicPortFlapping", "GPUHealthNicRateDegraded",
-               "GPUHealthNicRateDegradedPersistent")
+NODE_ALERTS = ("GPUHealthNicPortDown", "GPUHealthNicPortFlapping", "GPUHealthNicRateDegraded")
 
 
-def test_port_down_for_minutes_drains_a_boot_flap_does_not(tmp_path):
+def test_port_lost_in_service_drains_within_a_minute_boot_and_retrain_do_not(tmp_path):
+    """A port that lost its link on a node in service drains once it stays down past the one-minute
+    debounce; one that retrains within it, or comes up a few minutes after boot, drains nothing; one that
+    never comes up after boot drains once the exporter has published it down for the boot grace (5 min),
+    counted from the boot, not from before a reboot."""
     fleet = Fleet("gpuhealth")
-    _port(fleet, "n1", "mlx5_0", up=f"1x9 0x{MINUTES - 10}", downed=f"0x9 1x{MINUTES - 10}")  # for good
-    _port(fleet, "n2", "mlx5_0", up=f"0x1 1x{MINUTES - 2}", downed=f"1x{MINUTES}")             # boot flap
-    _port(fleet, "n3", "mlx5_0")
-    checks = [
-        *_quiet(9, "GPUHealthNicPortDown"),
-        *_quiet(14, "GPUHealthNicPortDown"),                   # down 4 of its 5 minutes
-        {"eval_time": "15m", "alertname": "GPUHealthNicPortDown", "exp_alerts": [_down("n1", "mlx5_0")]},
-        {"eval_time": "60m", "alertname": "GPUHealthNicPortDown", "exp_alerts": [_down("n1", "mlx5_0")]},
-        *_quiet(30, "GPUHealthNicPortFlapping"),               # one loss each: no flapping
-    ]
+    _port(fleet, "n1", "mlx5_0", up=f"1x9 0x{MINUTES - 10}", downed=f"0x9 1x{MINUTES - 10}")  # lost at 10
+    _port(fleet, "n2", "mlx5_0", up=f"0x2 1x{MINUTES - 3}")                  # boot: ACTIVE after 3 minutes
+    _port(fleet, "n3", "mlx5_0", up=f"1x19 0 1x{MINUTES - 21}", downed=f"0x19 1x{MINUTES - 20}")  # retrains
+    _port(fleet, "n4", "mlx5_0", up=f"0x{MINUTES}")                          # never up since boot
+    # Up before a reboot (no scrape from 20 to 25), never up after it; the reboot reset the counter.
+    _port(fleet, "n5", "mlx5_0", up=f"1x19 _x6 0x{MINUTES - 26}", downed=f"2x19 _x6 0x{MINUTES - 26}")
+    # A RoCE port lost at 30: its netdev's carrier changed, the InfiniBand counter did not.
+    _port(fleet, "n6", "mlx5_2", netdev="eth2", up=f"1x29 0x{MINUTES - 30}")
+    fleet.add("carrier_changes", "n6", None, f"0x29 1x{MINUTES - 30}", netdev="eth2")
+    firing = {   # minute -> ports down past their debounce or grace
+        5: [],                                   # n4 down since boot for 5 minutes: just before its grace
+        6: [("n4", "mlx5_0")],
+        10: [("n4", "mlx5_0")],                  # n1 down for one evaluation: a retrain yet
+        11: [("n1", "mlx5_0"), ("n4", "mlx5_0")],
+        20: [("n1", "mlx5_0"), ("n4", "mlx5_0")],
+        21: [("n1", "mlx5_0"), ("n4", "mlx5_0")],  # n3 retrained within the debounce
+        30: [("n1", "mlx5_0"), ("n4", "mlx5_0")],  # n5 down at every scrape since 26, but booted then
+        31: [("n1", "mlx5_0"), ("n4", "mlx5_0"), ("n6", "mlx5_2")],  # n5 published 5 minutes since its boot
+        32: [("n1", "mlx5_0"), ("n4", "mlx5_0"), ("n5", "mlx5_0"), ("n6", "mlx5_2")],
+        # Past the grace n1's loss has left the window: it has been down at every scrape since.
+        60: [("n1", "mlx5_0"), ("n4", "mlx5_0"), ("n5", "mlx5_0"), ("n6", "mlx5_2")],
+    }
+    checks = [{"eval_time": f"{minute}m", "alertname": "GPUHealthNicPortDown",
+               "exp_alerts": [_down(node, device) for node, device in ports]}
+              for minute, ports in firing.items()]
+    checks += _quiet(30, "GPUHealthNicPortFlapping")          # one loss each: no flapping
     _run(tmp_path, fleet, checks)
 
 
@@ -78,7 +97,8 @@ def test_flapping_ib_link_downed_and_roce_carrier_changes(tmp_path):
     # Down for one sample at minutes 10, 20 and 30: link_downed counts each loss.
     up = " ".join("0" if minute in (10, 20, 30) else "1" for minute in range(MINUTES + 1))
     _port(fleet, "n1", "mlx5_0", up=up, downed=f"0x9 1x9 2x9 3x{MINUTES - 30}")
-    _port(fleet, "n2", "mlx5_0", up=f"1x9 0 1x{MINUTES - 11}", downed=f"0x9 1x{MINUTES - 10}")  # one loss
+    # One loss, at 5: apart from the others (three nodes losing a link together are a switch's event).
+    _port(fleet, "n2", "mlx5_0", up=f"1x4 0 1x{MINUTES - 6}", downed=f"0x4 1x{MINUTES - 5}")
     # A RoCE port whose netdev's carrier changed twice per flap (down, up) at minutes 10 and 20.
     _port(fleet, "n3", "mlx5_2", netdev="eth2")
     fleet.add("carrier_changes", "n3", None, f"0x9 2x9 4x{MINUTES - 20}", netdev="eth2")
@@ -95,45 +115,44 @@ def test_flapping_ib_link_downed_and_roce_carrier_changes(tmp_path):
     _run(tmp_path, fleet, checks)
 
 
-def test_rate_below_expected_warns_then_drains(tmp_path):
+def test_port_retrained_below_expected_rate_drains_at_once(tmp_path):
+    """Width and speed are fixed when a link trains: an ACTIVE port below its expected rate drains at the
+    first evaluation that sees it; a port that is down reports no trained rate and raises nothing here."""
     fleet = Fleet("gpuhealth")
-    for node in ("n1", "n2", "n3"):
-        _port(fleet, node, "mlx5_0")
     labels = {"device": "mlx5_0", "port": "1"}
-    fleet.add("nic_rate", "n1", None, f"5e10x9 2.5e10x{MINUTES - 10}", **labels)   # retrained at half rate
+    # n1 loses its link at 10 and is ACTIVE again at 11 at half its rate; n4's port is down from 10 on and
+    # sysfs shows the lowest rate for it.
+    _port(fleet, "n1", "mlx5_0", up=f"1x9 0 1x{MINUTES - 11}", downed=f"0x9 1x{MINUTES - 10}")
+    _port(fleet, "n4", "mlx5_0", up=f"1x9 0x{MINUTES - 10}", downed=f"0x9 1x{MINUTES - 10}")
+    for node in ("n2", "n3"):
+        _port(fleet, node, "mlx5_0")
+    fleet.add("nic_rate", "n1", None, f"5e10x9 2.5e10x{MINUTES - 10}", **labels)
     fleet.add("nic_rate", "n2", None, f"5e10x{MINUTES}", **labels)                   # at its expected rate
     fleet.add("nic_rate", "n3", None, f"2.5e10x{MINUTES}", **labels)                 # nothing expected: quiet
-    for node in ("n1", "n2"):
+    fleet.add("nic_rate", "n4", None, f"5e10x9 2.5e9x{MINUTES - 10}", **labels)
+    for node in ("n1", "n2", "n4"):
         fleet.add("nic_expected_rate", node, None, f"5e10x{MINUTES}", **labels)
-
-    def degraded(name: str, action: str, summary: str, description: str) -> dict:
-        return _port_alert(name, "n1", "mlx5_0", "2.5e10", "warning", action, summary, description)
-
-    warning = degraded(
-        "GPUHealthNicRateDegraded", "none", "NIC port mlx5_0/1 of n1 runs below its expected rate",
+    degraded = _port_alert(
+        "GPUHealthNicRateDegraded", "n1", "mlx5_0", "2.5e10", "warning", "drain",
+        "NIC port mlx5_0/1 of n1 runs below its expected rate",
         "InfiniBand/RoCE port 1 of mlx5_0 on n1 trained at 25GB/s, below the rate configured as expected: "
-        "every collective over it runs at that speed. Reseat or replace the cable at the next chance; it "
-        "drains if it persists.")
-    persistent = degraded(
-        "GPUHealthNicRateDegradedPersistent", "drain",
-        "NIC port mlx5_0/1 of n1 has run below its expected rate for an hour",
-        "InfiniBand/RoCE port 1 of mlx5_0 on n1 has stayed at 25GB/s, below its expected rate, for an hour: "
-        "it slows every job spanning the node. Drain the node and have the cable, transceiver or HCA "
-        "replaced.")
+        "every collective over it, and so every job spanning the node, runs at that speed until the link "
+        "retrains. Drain the node and have the cable, transceiver or HCA replaced.")
     checks = [
-        *_quiet(14, "GPUHealthNicRateDegraded"),
-        {"eval_time": "15m", "alertname": "GPUHealthNicRateDegraded", "exp_alerts": [warning]},
-        *_quiet(69, "GPUHealthNicRateDegradedPersistent"),
-        {"eval_time": "70m", "alertname": "GPUHealthNicRateDegradedPersistent", "exp_alerts": [persistent]},
+        *_quiet(10, "GPUHealthNicRateDegraded"),               # n1 down while it retrains
+        *[{"eval_time": f"{minute}m", "alertname": "GPUHealthNicRateDegraded", "exp_alerts": [degraded]}
+          for minute in (11, 60)],
+        {"eval_time": "11m", "alertname": "GPUHealthNicPortDown", "exp_alerts": [_down("n4", "mlx5_0")]},
     ]
     _run(tmp_path, fleet, checks)
 
 
-# A leaf switch rebooting: its ports go down at minute 10, return at 13 while it boots, go down again
-# at 14 and return for good at 22, on every node it serves. Alone, each port would be down for 8
-# minutes and flap twice: both drain alerts would fire.
-SWITCH_UP = f"1x9 0x2 1 0x7 1x{MINUTES - 22}"
-SWITCH_DOWNED = f"0x9 1x3 2x{MINUTES - 14}"
+# A leaf switch rebooting: its ports go down at minute 10, return at 16 while it boots (more than the
+# switch event's 5-minute window after they went down), go down again at 17 and return for good at
+# 23, on every node it serves. Alone, each port would be down for 12 minutes and flap twice: both
+# drain alerts would fire.
+SWITCH_UP = f"1x9 0x5 1 0x5 1x{MINUTES - 23}"
+SWITCH_DOWNED = f"0x9 1x6 2x{MINUTES - 17}"
 
 
 def _switch_event(value: int, switch: str = "") -> dict:
@@ -159,10 +178,12 @@ def test_named_switch_reboot_is_one_event_and_drains_no_node(tmp_path):
               downed=f"0x13 1x{MINUTES - 14}" if failing else None)
     checks = [
         *_quiet(9, "GPUHealthFabricSwitchEvent"),
+        # One alert through the whole reboot, also at 16, when the ports are up for a moment.
         *[{"eval_time": f"{minute}m", "alertname": "GPUHealthFabricSwitchEvent",
-           "exp_alerts": [_switch_event(4, "leaf-a")]} for minute in (10, 20)],
-        {"eval_time": "19m", "alertname": "GPUHealthNicPortDown", "exp_alerts": [_down("n5", "mlx5_1")]},
-        *_quiet(22, "GPUHealthNicPortFlapping"),
+           "exp_alerts": [_switch_event(4, "leaf-a")]} for minute in range(10, 26)],
+        *_quiet(14, "GPUHealthNicPortDown"),                   # n5's port down for one evaluation
+        {"eval_time": "15m", "alertname": "GPUHealthNicPortDown", "exp_alerts": [_down("n5", "mlx5_1")]},
+        *_quiet(23, "GPUHealthNicPortFlapping"),
         *_quiet(40, "GPUHealthFabricSwitchEvent", "GPUHealthNicPortFlapping"),
     ]
     checks += [check for minute in (12, 16, 21, 30, 60) for check in _quiet(minute, *NODE_ALERTS[1:])]
@@ -172,23 +193,30 @@ def test_named_switch_reboot_is_one_event_and_drains_no_node(tmp_path):
 
 
 def test_unnamed_switch_reboot_by_simultaneity(tmp_path):
-    """No switch in the inventory: ports of three nodes going down within the same minute are one event,
-    held while they stay down (up to 30 minutes); a lone port going down after that is the node's fault."""
+    """No switch in the inventory: ports of three nodes going down within two minutes are one event,
+    held while they stay down (up to 30 minutes); a port that failed before it or goes down after it is
+    the node's fault."""
     fleet = Fleet("gpuhealth")
     # The reboot 30 minutes later than the named one: the hold reads 30 minutes of each port's counter.
     for node in ("n1", "n2", "n3"):
         _port(fleet, node, "mlx5_0", up=f"1x39 0x2 1 0x7 1x{MINUTES - 52}",
               downed=f"0x39 1x3 2x{MINUTES - 44}")
     _port(fleet, "n4", "mlx5_0", up=f"1x79 0x{MINUTES - 80}", downed=f"0x79 1x{MINUTES - 80}")
+    # Failed on its own five minutes before the reboot: not part of it, it keeps alerting.
+    _port(fleet, "n5", "mlx5_0", up=f"1x34 0x{MINUTES - 35}", downed=f"0x34 1x{MINUTES - 35}")
     checks = [
         *_quiet(39, "GPUHealthFabricSwitchEvent"),
+        *[{"eval_time": f"{minute}m", "alertname": "GPUHealthNicPortDown",
+           "exp_alerts": [_down("n5", "mlx5_0")]} for minute in (36, 40, 42, 46, 51, 55)],
         {"eval_time": "40m", "alertname": "GPUHealthFabricSwitchEvent", "exp_alerts": [_switch_event(3)]},
         {"eval_time": "50m", "alertname": "GPUHealthFabricSwitchEvent", "exp_alerts": [_switch_event(3)]},
-        *_quiet(84, "GPUHealthFabricSwitchEvent", "GPUHealthNicPortDown"),
-        {"eval_time": "85m", "alertname": "GPUHealthNicPortDown", "exp_alerts": [_down("n4", "mlx5_0")]},
+        *_quiet(80, "GPUHealthFabricSwitchEvent"),
+        {"eval_time": "80m", "alertname": "GPUHealthNicPortDown", "exp_alerts": [_down("n5", "mlx5_0")]},
+        {"eval_time": "81m", "alertname": "GPUHealthNicPortDown",
+         "exp_alerts": [_down("n4", "mlx5_0"), _down("n5", "mlx5_0")]},
         *_quiet(85, "GPUHealthFabricSwitchEvent", "GPUHealthNicPortFlapping"),
     ]
-    checks += [check for minute in (42, 46, 51, 55) for check in _quiet(minute, *NODE_ALERTS)]
+    checks += [check for minute in (42, 46, 51, 55) for check in _quiet(minute, *NODE_ALERTS[1:])]
     _run(tmp_path, fleet, checks)
 
 
