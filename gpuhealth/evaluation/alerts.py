@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from gpuhealth.evaluation.expand import Expander
-from gpuhealth.evaluation.ranges import PARALLEL, Labels, Matrix, QueryPool, RangeQuery, grid
+from gpuhealth.evaluation.ranges import PARALLEL, Labels, QueryPool, RangeQuery, grid
 from gpuhealth.evaluation.rulefiles import Rule, RuleSet, selectors
 from gpuhealth.local.prometheus import PrometheusAPI
 
@@ -160,12 +159,14 @@ class AlertEvaluator:
                 found = True
         return found
 
-    def _query(self, pool: QueryPool, rule: Rule, ahead: RangeQuery | None = None) -> Matrix | None:
-        """The alert's expression at its instants; None (and the error noted) when Prometheus rejects
-        it. ``ahead`` is its query submitted earlier, used if the expression is still the same."""
+    def _query(self, pool: QueryPool, rule: Rule, ahead: RangeQuery | None = None) -> RangeQuery | None:
+        """The alert's query at its instants, answered; None (and the error noted) when Prometheus
+        rejects it. ``ahead`` is its query submitted earlier, used if the expression is still the same."""
         expr, times = self._expr(rule)
+        query = ahead if ahead is not None and ahead.expr == expr else pool.submit(expr, times)
         try:
-            return (ahead if ahead is not None and ahead.expr == expr else pool.submit(expr, times)).result()
+            query.result()
+            return query
         except RuntimeError as exc:
             if self._find_broken_records(pool, rule, times):
                 return self._query(pool, rule)
@@ -180,15 +181,15 @@ class AlertEvaluator:
             return
         step = self.step_for(rule)
         times = self._times(rule)
-        began = ahead.submitted if ahead is not None else time.monotonic()
-        matrix = self._query(pool, rule, ahead)
-        if matrix is None:
+        query = self._query(pool, rule, ahead)
+        if query is None:
             return
+        matrix = query.result()
         log.info(
             "alert evaluated name=%s step=%gs seconds=%.1f series=%d",
             rule.name,
             step,
-            time.monotonic() - began,
+            query.seconds,
             len(matrix.series),
         )
         # each instant of the evaluation grid takes the state of the last evaluation at or before it

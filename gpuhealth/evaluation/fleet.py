@@ -183,16 +183,17 @@ def _recorded(
     """What each recording rule records at its instants (``names``: name and a regular grid), by its
     expanded expression; the queries run ``pool.jobs`` at a time, the results taken in order."""
 
-    def query(item: tuple[str, np.ndarray]) -> tuple[str, np.ndarray]:
+    def asked(item: tuple[str, np.ndarray]) -> tuple[str, np.ndarray]:
         name, times = item
         return expander.definition(name, (), _step(times)), times
 
     families = []
     with Progress("recording rules", len(names), enabled=progress) as bar:
-        for (name, times), ahead in pool.ahead(names, query):
-            expr = query((name, times))[0]  # a record marked broken meanwhile changes the expansion
+        for (name, times), ahead in pool.ahead(names, asked):
+            expr = asked((name, times))[0]  # a record marked broken meanwhile changes the expansion
             try:
-                matrix = (ahead if ahead.expr == expr else pool.submit(expr, times)).result()
+                query = ahead if ahead.expr == expr else pool.submit(expr, times)
+                matrix = query.result()
             except RuntimeError as exc:  # Prometheus rejects the rule: it would record nothing either
                 log.warning("recording rule fails name=%s error=%r", name, str(exc))
                 expander.mark_broken(name, str(exc))
@@ -203,7 +204,7 @@ def _recorded(
                 "record computed name=%s step=%gs seconds=%.1f",
                 name,
                 _step(times) or 0,
-                time.monotonic() - ahead.submitted,
+                query.seconds,
             )
             families.append(Family(name, "gauge", [(label_text(k), v) for k, v in matrix.series.items()]))
     return families

@@ -69,24 +69,39 @@ class RangeQuery:
     def __init__(self, pool: QueryPool, expr: str, times: np.ndarray) -> None:
         self.expr = expr
         self.times = times
-        self.submitted = time.monotonic()
         self.step = float(times[1] - times[0]) if times.size > 1 else 60.0
+        self._api = pool.api
+        self._spans: list[tuple[float, float]] = []  # when each chunk ran
+        self._matrix: Matrix | None = None
         self._chunks: list[Future[list[dict[str, Any]]]] = [
-            pool.executor.submit(
-                pool.api.query_range, expr, times[a], times[b - 1], self.step, timeout=QUERY_TIMEOUT
-            )
+            pool.executor.submit(self._chunk, times[a], times[b - 1])
             for a, b in _pieces(times.size, pool.jobs)
         ]
 
-    def result(self) -> Matrix:
-        """The matrix; Prometheus's error (``RuntimeError``) when it rejected a chunk."""
+    def _chunk(self, start: float, end: float) -> list[dict[str, Any]]:
+        began = time.monotonic()
         try:
-            answers = [chunk.result() for chunk in self._chunks]
-        except BaseException:
-            for chunk in self._chunks:
-                chunk.cancel()
-            raise
-        return _assemble(self.times, self.step, answers)
+            return self._api.query_range(self.expr, start, end, self.step, timeout=QUERY_TIMEOUT)
+        finally:
+            self._spans.append((began, time.monotonic()))
+
+    @property
+    def seconds(self) -> float:
+        """Wall time from its first chunk's start to its last chunk's end (other queries' chunks may
+        have run meanwhile)."""
+        return max(b for _, b in self._spans) - min(a for a, _ in self._spans) if self._spans else 0.0
+
+    def result(self) -> Matrix:
+        """The matrix, assembled once; Prometheus's error (``RuntimeError``) when it rejected a chunk."""
+        if self._matrix is None:
+            try:
+                answers = [chunk.result() for chunk in self._chunks]
+            except BaseException:
+                for chunk in self._chunks:
+                    chunk.cancel()
+                raise
+            self._matrix = _assemble(self.times, self.step, answers)
+        return self._matrix
 
 
 class QueryPool:

@@ -59,6 +59,7 @@ def test_results_come_back_in_order_with_jobs_chunks_in_flight(monkeypatch: Any)
         (values,) = matrix.series.values()
         assert np.array_equal(values, np.full(times.size, float(i)))  # every chunk in its place
     assert api.most == 3
+    assert all(q.seconds > 0 for q in [query])  # the span its chunks ran, for the log
 
 
 def test_a_rejected_query_raises_prometheus_error() -> None:
