@@ -5,20 +5,22 @@ once it has returned it at every evaluation for the ``for:`` duration. A recordi
 records nothing in Prometheus; when an alert's query fails, the records it reads are probed, those
 Prometheus rejects are replaced by an empty vector and reported, and the alert is evaluated again.
 Alerts reading ``ALERTS`` run last, on ALERTS series written from the others' results.
+
+Queries run ``jobs`` at a time, the next ones submitted while a result is used, and results are used
+in rule order: what a run produces does not depend on ``jobs``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from gpuhealth.evaluation.expand import Expander
-from gpuhealth.evaluation.ranges import Labels, Matrix, grid, range_matrix
+from gpuhealth.evaluation.ranges import PARALLEL, Labels, QueryPool, RangeQuery, grid
 from gpuhealth.evaluation.rulefiles import Rule, RuleSet, selectors
 from gpuhealth.local.prometheus import PrometheusAPI
 
@@ -116,8 +118,10 @@ class AlertEvaluator:
         end: float,
         step: float,
         fused_step: float | None = None,
+        jobs: int = PARALLEL,
     ) -> None:
         self.api = api
+        self.jobs = jobs
         self.rules = rules
         self.step = step
         self.fused_step = fused_step or step
@@ -130,7 +134,15 @@ class AlertEvaluator:
     def step_for(self, rule: Rule) -> float:
         return self.fused_step if self.expander.records_used(rule.expr) else self.step
 
-    def _find_broken_records(self, rule: Rule, times: np.ndarray) -> bool:
+    def _times(self, rule: Rule) -> np.ndarray:
+        return grid(self.start, self.end, self.step_for(rule))
+
+    def _expr(self, rule: Rule) -> tuple[str, np.ndarray]:
+        """The query that evaluates ``rule`` now (it changes as broken records are found)."""
+        times = self._times(rule)
+        return self.expander.expand(rule.expr, _step(times)), times
+
+    def _find_broken_records(self, pool: QueryPool, rule: Rule, times: np.ndarray) -> bool:
         """Probe the records ``rule`` reads, dependencies first, at ``times``; mark those Prometheus
         rejects (in Prometheus they would record nothing). True when one was found."""
         found = False
@@ -139,7 +151,7 @@ class AlertEvaluator:
                 continue
             self._probed.add(name)
             try:
-                range_matrix(self.api, self.expander.definition(name, (), _step(times)), times)
+                pool.matrix(self.expander.definition(name, (), _step(times)), times)
             except RuntimeError as exc:
                 log.warning("recording rule fails name=%s error=%r", name, str(exc))
                 self.expander.mark_broken(name, str(exc))
@@ -147,29 +159,37 @@ class AlertEvaluator:
                 found = True
         return found
 
-    def _query(self, rule: Rule, times: np.ndarray) -> Matrix | None:
-        """The alert's expression at ``times``; None (and the error noted) when Prometheus rejects it."""
+    def _query(self, pool: QueryPool, rule: Rule, ahead: RangeQuery | None = None) -> RangeQuery | None:
+        """The alert's query at its instants, answered; None (and the error noted) when Prometheus
+        rejects it. ``ahead`` is its query submitted earlier, used if the expression is still the same."""
+        expr, times = self._expr(rule)
+        query = ahead if ahead is not None and ahead.expr == expr else pool.submit(expr, times)
         try:
-            return range_matrix(self.api, self.expander.expand(rule.expr, _step(times)), times)
+            query.result()
+            return query
         except RuntimeError as exc:
-            if self._find_broken_records(rule, times):
-                return self._query(rule, times)
+            if self._find_broken_records(pool, rule, times):
+                return self._query(pool, rule)
             log.warning("alert rule fails name=%s error=%r", rule.name, str(exc))
             self.run.errors[rule.name] = str(exc)
             return None
 
-    def evaluate(self, rule: Rule) -> None:
-        step = self.step_for(rule)
-        times = grid(self.start, self.end, step)
-        began = time.monotonic()
-        matrix = self._query(rule, times)
-        if matrix is None:
+    def evaluate(self, rule: Rule, pool: QueryPool | None = None, ahead: RangeQuery | None = None) -> None:
+        if pool is None:
+            with QueryPool(self.api, self.jobs) as own:
+                self.evaluate(rule, own)
             return
+        step = self.step_for(rule)
+        times = self._times(rule)
+        query = self._query(pool, rule, ahead)
+        if query is None:
+            return
+        matrix = query.result()
         log.info(
             "alert evaluated name=%s step=%gs seconds=%.1f series=%d",
             rule.name,
             step,
-            time.monotonic() - began,
+            query.seconds,
             len(matrix.series),
         )
         # each instant of the evaluation grid takes the state of the last evaluation at or before it
@@ -187,6 +207,8 @@ class AlertEvaluator:
                 pending[key] = present & ~on
 
     def evaluate_all(self, rules: list[Rule], advance: Callable[[], None]) -> None:
-        for rule in rules:
-            self.evaluate(rule)
-            advance()
+        """Every rule, in order; the queries of the next ones run meanwhile (``QueryPool.ahead``)."""
+        with QueryPool(self.api, self.jobs) as pool:
+            for rule, ahead in pool.ahead(rules, self._expr):
+                self.evaluate(rule, pool, ahead)
+                advance()

@@ -20,7 +20,7 @@ from gpuhealth.evaluation.fleet import (
 )
 from gpuhealth.evaluation.matching import LEMON_ALERTS, score
 from gpuhealth.evaluation.progress import Progress
-from gpuhealth.evaluation.ranges import label_text
+from gpuhealth.evaluation.ranges import PARALLEL, label_text
 from gpuhealth.evaluation.signals import Family
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ class Options:
     lemon_alerts: str = LEMON_ALERTS
     progress: bool = True
     fold_records: bool = False  # fold records into the alerts instead of storing them (slow; exact)
+    jobs: int = PARALLEL  # range queries Prometheus evaluates at once
 
 
 def alerts_family(run: AlertRun) -> Family:
@@ -73,7 +74,13 @@ def evaluate_alerts(fleet: BackfilledFleet, options: Options) -> AlertEvaluator:
     fused_step = options.fused_step or fleet.scenario.fused_step or step
     longest_for = max((r.for_seconds for r in rules.alerts), default=0.0)
     evaluator = AlertEvaluator(
-        fleet.server.api, rules, max(fleet.data_start, fleet.start - longest_for), fleet.end, step, fused_step
+        fleet.server.api,
+        rules,
+        max(fleet.data_start, fleet.start - longest_for),
+        fleet.end,
+        step,
+        fused_step,
+        jobs=options.jobs,
     )
     if not options.fold_records:
         store_records(
@@ -85,6 +92,7 @@ def evaluate_alerts(fleet: BackfilledFleet, options: Options) -> AlertEvaluator:
             fleet.end,
             fused_step,
             progress=options.progress,
+            jobs=options.jobs,
         )
     direct = [r for r in rules.alerts if not reads_alerts(r)]
     second = [r for r in rules.alerts if reads_alerts(r)]

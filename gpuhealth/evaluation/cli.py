@@ -11,8 +11,9 @@ import tempfile
 from pathlib import Path
 
 from gpuhealth.evaluation.benchmark import Options, evaluate
-from gpuhealth.evaluation.fleet import BackfillError
+from gpuhealth.evaluation.fleet import MAX_JOBS, BackfillError
 from gpuhealth.evaluation.matching import LEMON_ALERTS
+from gpuhealth.evaluation.ranges import PARALLEL
 from gpuhealth.evaluation.report import table
 from gpuhealth.evaluation.rulefiles import RulesError
 from gpuhealth.evaluation.scenario import ScenarioError, parse_duration
@@ -34,6 +35,16 @@ def _regex(text: str) -> str:
     except re.error as exc:
         raise argparse.ArgumentTypeError(f"{text!r} is not a regular expression: {exc}") from None
     return text
+
+
+def _jobs(text: str) -> int:
+    try:
+        jobs = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= jobs <= MAX_JOBS:
+        raise argparse.ArgumentTypeError(f"{jobs} is not between 1 and {MAX_JOBS}")
+    return jobs
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -100,6 +111,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the reference the stored form is tested against)",
     )
     parser.add_argument(
+        "--jobs",
+        type=_jobs,
+        default=PARALLEL,
+        metavar="N",
+        help="range queries Prometheus evaluates at once, each on one core; the results are the same "
+        f"for any N, more take more memory (default: the number of CPUs, {PARALLEL} here; at most "
+        f"{MAX_JOBS})",
+    )
+    parser.add_argument(
         "--keep",
         type=Path,
         metavar="DIR",
@@ -137,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
                     plot_false_alarm=args.plot_false_alarm,
                     lemon_alerts=args.lemon_alerts,
                     fold_records=args.fold_records,
+                    jobs=args.jobs,
                     progress=True,
                 )
             )

@@ -24,7 +24,7 @@ from gpuhealth.evaluation.blocks import BlockWriter
 from gpuhealth.evaluation.expand import Expander
 from gpuhealth.evaluation.openmetrics import Thinning
 from gpuhealth.evaluation.progress import Progress
-from gpuhealth.evaluation.ranges import grid, label_text, range_matrix
+from gpuhealth.evaluation.ranges import PARALLEL, QueryPool, grid, label_text
 from gpuhealth.evaluation.rulefiles import RuleSet, load_rules, selectors, subqueries
 from gpuhealth.evaluation.scenario import Scenario, load_scenario
 from gpuhealth.evaluation.selection import Selection
@@ -35,12 +35,14 @@ from gpuhealth.local.prometheus import PrometheusServer, find_binary
 
 log = logging.getLogger(__name__)
 
+MAX_JOBS = 64
 PROMETHEUS_ARGS = [
     "--storage.tsdb.retention.time=100y",  # the data is years old by the wall clock's standards
     "--storage.tsdb.min-block-duration=2h",  # no compaction: it would only compete with the queries
     "--storage.tsdb.max-block-duration=2h",
     "--query.max-samples=1000000000",
     "--query.timeout=30m",
+    f"--query.max-concurrency={MAX_JOBS}",  # every query ``gpuhealth eval --jobs`` runs at once, none queued
     "--log.level=warn",
 ]
 
@@ -172,29 +174,44 @@ def add_series(
 
 
 def _recorded(
-    server: PrometheusServer,
+    pool: QueryPool,
     expander: Expander,
-    names: list[str],
-    times: np.ndarray,
+    names: list[tuple[str, np.ndarray]],
     *,
     progress: bool,
 ) -> list[Family]:
-    """What each recording rule in ``names`` records at ``times`` (a regular grid), by its expanded
-    expression."""
-    step = float(times[1] - times[0]) if times.size > 1 else None
+    """What each recording rule records at its instants (``names``: name and a regular grid), by its
+    expanded expression; the queries run ``pool.jobs`` at a time, the results taken in order."""
+
+    def asked(item: tuple[str, np.ndarray]) -> tuple[str, np.ndarray]:
+        name, times = item
+        return expander.definition(name, (), _step(times)), times
+
     families = []
     with Progress("recording rules", len(names), enabled=progress) as bar:
-        for name in names:
+        for (name, times), ahead in pool.ahead(names, asked):
+            expr = asked((name, times))[0]  # a record marked broken meanwhile changes the expansion
             try:
-                matrix = range_matrix(server.api, expander.definition(name, (), step), times)
+                query = ahead if ahead.expr == expr else pool.submit(expr, times)
+                matrix = query.result()
             except RuntimeError as exc:  # Prometheus rejects the rule: it would record nothing either
                 log.warning("recording rule fails name=%s error=%r", name, str(exc))
                 expander.mark_broken(name, str(exc))
                 continue
             finally:
                 bar.advance()
+            log.info(
+                "record computed name=%s step=%gs seconds=%.1f",
+                name,
+                _step(times) or 0,
+                query.seconds,
+            )
             families.append(Family(name, "gauge", [(label_text(k), v) for k, v in matrix.series.items()]))
     return families
+
+
+def _step(times: np.ndarray) -> float | None:
+    return float(times[1] - times[0]) if times.size > 1 else None
 
 
 def backfill_records(
@@ -207,7 +224,8 @@ def backfill_records(
     every = " or ".join(dict.fromkeys(r.name for r in rules.records))
     names = expander.records_used(every)  # dependencies first
     times = grid(start, end, rules.interval)
-    families = _recorded(server, expander, names, times, progress=progress)
+    with QueryPool(server.api) as pool:
+        families = _recorded(pool, expander, [(name, times) for name in names], progress=progress)
     add_series(server, blocks, [(families, times)], "backfilling records", progress=progress)
 
 
@@ -246,6 +264,7 @@ def store_records(
     step: float,
     *,
     progress: bool,
+    jobs: int = PARALLEL,
 ) -> list[str]:
     """Compute the records ``expr`` reads once each (see ``records_to_store``), over [start, end],
     write them into the TSDB and have ``expander`` read them there (see ``expand``); return those
@@ -256,14 +275,14 @@ def store_records(
     stored: list[str] = []
     for number, level in enumerate(record_levels(expander, records_to_store(expander, expr))):
         began = time.monotonic()
-        by_grid: dict[float, list[Family]] = {}
-        for name in level:
-            every = expander.interval(name) if name in ranged else step
-            queried = time.monotonic()
-            by_grid.setdefault(every, []).extend(
-                _recorded(server, expander, [name], grid(start, end, every), progress=False)
+        every = {name: expander.interval(name) if name in ranged else step for name in level}
+        with QueryPool(server.api, jobs) as pool:
+            families = _recorded(
+                pool, expander, [(name, grid(start, end, every[name])) for name in level], progress=False
             )
-            log.info("record computed name=%s step=%gs seconds=%.1f", name, every, time.monotonic() - queried)
+        by_grid: dict[float, list[Family]] = {every[name]: [] for name in level}
+        for family in families:
+            by_grid.setdefault(every[family.name], []).append(family)
         batches = [(families, grid(start, end, every)) for every, families in by_grid.items() if families]
         if batches:
             add_series(server, blocks, batches, f"storing records, level {number}", progress=progress)

@@ -86,3 +86,54 @@ def test_a_record_prometheus_rejects_is_reported_and_records_nothing(tmp_path: P
     firing = evaluator.run.firing["Busy"]
     assert [dict(labels)["node"] for labels in firing] == ["n1"]
     assert all(on.all() for on in firing.values())
+
+
+JOBS_RULES = """
+groups:
+- name: g
+  interval: 1m
+  rules:
+  - record: test:load:joined
+    expr: load * on (node) load
+  - record: test:load:max
+    expr: max by (node) (load)
+  - alert: Busy
+    expr: test:load:joined > 0 or test:load:max > 5
+  - alert: Rising
+    for: 5m
+    expr: max by (node) (load) > 10
+  - alert: AlsoBusy
+    expr: test:load:joined > 1 or test:load:max > 9
+  - alert: Broken
+    expr: load * on (node) load > 0
+  - alert: Low
+    expr: min by (node, gpu) (load) < 5
+"""
+
+
+@pytest.mark.slow
+def test_alerts_evaluated_several_at_a_time_give_what_one_at_a_time_gives(tmp_path: Path) -> None:
+    """With three queries in flight, AlsoBusy is submitted with the broken record folded in before
+    Busy's failure marks it; it is evaluated again, and errors are reported in rule order."""
+    (tmp_path / "rules.yml").write_text(JOBS_RULES)
+    load = np.where(np.arange(COUNT) % 120 < 60, 3.0, 12.0)  # an hour quiet, an hour busy
+    rows = [(f'node="n{n}",gpu="{g}"', load + 4 * n + g) for n in range(2) for g in range(2)]
+    runs = []
+    with prometheus_on(tmp_path, [(Family("load", "gauge", rows), Thinning(0, 0))]) as (server, _):
+        rules = load_rules(tmp_path / "rules.yml")
+        for jobs in (1, 3):
+            end = START + STEP * (COUNT - 1)
+            evaluator = AlertEvaluator(server.api, rules, START + 3600, end, STEP, jobs=jobs)
+            evaluator.evaluate_all(rules.alerts, lambda: None)
+            runs.append(evaluator.run)
+    one, three = runs
+    assert list(one.errors) == ["test:load:joined", "Broken"]
+    assert list(three.errors) == list(one.errors)
+    assert set(one.firing) == {"Busy", "Rising", "AlsoBusy", "Low"}
+    for table in ("firing", "pending"):
+        a, b = getattr(one, table), getattr(three, table)
+        assert list(a) == list(b)
+        for alert in a:
+            assert list(a[alert]) == list(b[alert])
+            assert all(np.array_equal(a[alert][k], b[alert][k]) for k in a[alert])
+    assert one.pending["Rising"]  # the five minutes before each busy hour fires

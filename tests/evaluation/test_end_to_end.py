@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -247,17 +248,30 @@ def cmdline(pid: int) -> bytes:
 
 
 @pytest.mark.slow
-def test_the_shipped_rules_evaluate_cleanly_on_small_scenario(tmp_path: Path) -> None:
+def test_the_shipped_rules_evaluate_cleanly_on_small_scenario_whatever_the_jobs(tmp_path: Path) -> None:
     """The generated rules, as shipped, through the whole benchmark: Prometheus accepts every record and
     alert over the period (a rule that errors in a range query records nothing), and both failures are
-    found."""
+    found. One query at a time or two, the JSON is the same to the byte but for the wall time."""
     shipped = Path(__file__).resolve().parents[2] / "rules" / "generated" / "gpuhealth"
-    out = tmp_path / "result.json"
-    assert main(["eval", "--scenario", str(SMALL), "--rules", str(shipped), "--json", str(out)]) == 0
+    texts = []
+    for jobs in ("1", "2"):
+        out = tmp_path / f"result-{jobs}.json"
+        options = ["--rules", str(shipped), "--json", str(out), "--jobs", jobs]
+        assert main(["eval", "--scenario", str(SMALL), *options]) == 0
+        texts.append(re.sub(r'"wall_seconds": [0-9.]+', "", out.read_text()))
     result = json.loads(out.read_text())
     assert result["rule_errors"] == {}
     assert result["recall"] == 1.0
     assert "GPUHealthGpuFailureRisk" in result["per_alert"]
+    assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize(("jobs", "error"), [("0", "not between 1 and 64"), ("two", "not a whole number")])
+def test_jobs_must_be_a_sane_count(jobs: str, error: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_status:
+        main(["eval", "--scenario", str(SMALL), "--jobs", jobs])
+    assert exit_status.value.code == 2
+    assert error in capsys.readouterr().err
 
 
 @pytest.mark.slow
