@@ -42,10 +42,11 @@ def panels() -> list:
             "Link losses per port (InfiniBand: sysfs link_downed; RoCE: half the netdev's carrier changes): "
             "one at boot is routine; two within an hour drain the node (GPUHealthNicPortFlapping) unless "
             "its switch was rebooting.",
-            [query(f"sum by (node, device) (increase({downed}[$__rate_interval]))", "{{node}} {{device}}"),
-             query(f"sum by (node, device) (increase({carrier}[$__rate_interval]) / 2 "
+            # one query for both link layers (a RoCE port's link_downed stays 0), so it has data on any fleet
+            [query(f"sum by (node, device) ((increase({downed}[$__rate_interval]) unless on ({PORT}) {roce}) "
+                   f"or increase({carrier}[$__rate_interval]) / 2 "
                    f"* on (cluster, node, netdev) group_right () group by ({PORT}, netdev) ({roce}))",
-                   "{{node}} {{device}} (RoCE)")],
+                   "{{node}} {{device}}")],
             w=12, h=8, bars=True, stacked=True, unit="short", min_val=0),
         timeseries_panel(
             "Symbol errors and link error recoveries",
