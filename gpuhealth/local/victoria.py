@@ -25,6 +25,7 @@ from typing import Any, Self
 import yaml
 
 from gpuhealth.contract.duration import parse_duration
+from gpuhealth.evaluation.blocks import uvarint  # the same base-128 varint as protobuf's
 from gpuhealth.local.process import ManagedProcess, ProcessError, free_port, http_ok
 from gpuhealth.local.prometheus import PrometheusAPI
 from gpuhealth.rules.catalogue import REMOTE_WRITE_SERIES
@@ -100,18 +101,9 @@ class VictoriaMetricsServer(ManagedProcess):
 STALE_NAN = struct.unpack("<d", struct.pack("<Q", 0x7FF0000000000002))[0]  # Prometheus's staleness marker
 
 
-def _uvarint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def _field(number: int, payload: bytes) -> bytes:
     """A length-delimited protobuf field."""
-    return _uvarint(number << 3 | 2) + _uvarint(len(payload)) + payload
+    return uvarint(number << 3 | 2) + uvarint(len(payload)) + payload
 
 
 def write_request(series: Iterable[tuple[dict[str, str], list[tuple[float, float]]]]) -> bytes:
@@ -123,7 +115,7 @@ def write_request(series: Iterable[tuple[dict[str, str], list[tuple[float, float
         body = b"".join(_field(1, _field(1, k.encode()) + _field(2, v.encode()))
                         for k, v in sorted(labels.items()))
         for t, value in samples:
-            sample = b"\x09" + struct.pack("<d", value) + b"\x10" + _uvarint(round(t * 1000))
+            sample = b"\x09" + struct.pack("<d", value) + b"\x10" + uvarint(round(t * 1000))
             body += _field(2, sample)
         out += _field(1, body)
     return bytes(out)
@@ -132,7 +124,7 @@ def write_request(series: Iterable[tuple[dict[str, str], list[tuple[float, float
 def snappy_literal(data: bytes) -> bytes:
     """``data`` in snappy's block format, as literals only: valid snappy that any decoder reads,
     without a compression library."""
-    out = bytearray(_uvarint(len(data)))
+    out = bytearray(uvarint(len(data)))
     for at in range(0, len(data), 65536):
         chunk = data[at:at + 65536]
         n = len(chunk) - 1
