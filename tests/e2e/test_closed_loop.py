@@ -9,15 +9,11 @@ would check it.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from demo_process import demo_at_baseline, interrupt, processes_under
 
 from gpuhealth.demo.observe import Observer, reboot_with_a_job_waiting
 from gpuhealth.demo.stack import ClosedLoopStack, Fault, StackOptions
@@ -30,43 +26,13 @@ PRECURSOR_SECONDS = 90.0
 STEP_SECONDS = 0.2  # the training job's step (SlurmCluster.submit_training_job's default)
 
 
-def _processes_under(path: Path) -> list[str]:
-    """Command lines of live processes that mention ``path`` (every daemon's config lives there)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if str(path) in cmdline:
-            found.append(cmdline)
-    return found
-
-
 def test_ctrl_c_mid_run_stops_every_process(tmp_path):
     workdir = tmp_path / "demo"
-    gpuhealth = Path(sys.executable).with_name("gpuhealth")
-    with subprocess.Popen([gpuhealth, "demo", "--headless", "--workdir", workdir],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        try:
-            lines = []
-            for line in proc.stdout:
-                lines.append(line)
-                if "baseline" in line:
-                    break
-            assert any("Prometheus" in line for line in lines), "".join(lines)
-            # slurmctld, slurmd, exporters, Prometheus, ...
-            assert len(_processes_under(workdir)) >= 5, "".join(lines)
-            proc.send_signal(signal.SIGINT)
-            rest, _ = proc.communicate(timeout=120)  # keep reading: a full pipe would block the demo
-            assert proc.returncode == 130, rest
-            assert "every demo process has been stopped" in rest
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    wait_until(lambda: not _processes_under(workdir), timeout=10, what="demo processes to exit")
+    with demo_at_baseline(workdir) as (proc, lines):
+        assert any("Prometheus" in line for line in lines), "".join(lines)
+        # slurmctld, slurmd, exporters, Prometheus, ...
+        assert len(processes_under(workdir)) >= 5, "".join(lines)
+        interrupt(proc)
 
 
 @pytest.fixture(scope="module")

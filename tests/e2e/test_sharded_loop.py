@@ -11,14 +11,10 @@ webhook's journal, each through its own API.
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from test_closed_loop import _processes_under
+from demo_process import demo_at_baseline, interrupt, processes_under
 
 from gpuhealth.demo.sharded import ShardedStack
 from gpuhealth.demo.stack import Fault, StackOptions, started
@@ -32,33 +28,18 @@ PAST_FAILURES_MINUTES_AGO = (40, 20)  # apart by more than two lemon steps (1 mi
 
 def test_sharded_demo_shows_the_shards_and_ctrl_c_stops_every_process(tmp_path):
     workdir = tmp_path / "demo"
-    gpuhealth = Path(sys.executable).with_name("gpuhealth")
-    with subprocess.Popen([gpuhealth, "demo", "--shards", "2", "--headless", "--workdir", workdir],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        try:
-            lines = []
-            for line in proc.stdout:
-                lines.append(line)
-                if "baseline" in line:
-                    break
-            shown = "".join(lines)
-            assert "Prometheus shard-0" in shown and "Prometheus shard-1" in shown, shown
-            assert "VictoriaMetrics" in shown and "vmalert" in shown, shown
-            placed = [line for line in lines if " scrapes " in line]
-            assert len(placed) == 2, shown
-            assert {n for line in placed for n in line.split(" scrapes ")[1].strip().split(", ")} == {
-                "node01", "node02", "node03", "node04"}, shown
-            running = "\n".join(_processes_under(workdir))
-            for daemon in ("victoria-metrics", "vmalert", "prometheus-shard-0", "prometheus-shard-1"):
-                assert daemon in running, running
-            proc.send_signal(signal.SIGINT)
-            rest, _ = proc.communicate(timeout=120)  # keep reading: a full pipe would block the demo
-            assert proc.returncode == 130, rest
-            assert "every demo process has been stopped" in rest
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    wait_until(lambda: not _processes_under(workdir), timeout=10, what="demo processes to exit")
+    with demo_at_baseline(workdir, "--shards", "2") as (proc, lines):
+        shown = "".join(lines)
+        assert "Prometheus shard-0" in shown and "Prometheus shard-1" in shown, shown
+        assert "VictoriaMetrics" in shown and "vmalert" in shown, shown
+        placed = [line for line in lines if " scrapes " in line]
+        assert len(placed) == 2, shown
+        assert {n for line in placed for n in line.split(" scrapes ")[1].strip().split(", ")} == {
+            "node01", "node02", "node03", "node04"}, shown
+        running = "\n".join(processes_under(workdir))
+        for daemon in ("victoria-metrics", "vmalert", "prometheus-shard-0", "prometheus-shard-1"):
+            assert daemon in running, running
+        interrupt(proc)
 
 
 def _lemon_actions(stack: ShardedStack, node: str) -> list[dict]:
@@ -151,4 +132,4 @@ def test_lemon_spanning_both_shards_fires_in_the_global_tier_and_reaches_the_web
 def test_stopping_the_sharded_stack_leaves_no_process(tiers):
     stack, where = tiers
     stack.stop()
-    wait_until(lambda: not _processes_under(where["workdir"]), timeout=10, what="stack processes to exit")
+    wait_until(lambda: not processes_under(where["workdir"]), timeout=10, what="stack processes to exit")
