@@ -6,6 +6,7 @@ simulates 8 GPUs of the chosen profile (default H100 SXM) with 18 NVLinks each a
 
     .venv/bin/python bench/exporter.py --duration 300 [--sim-profile b200] [--baseline main]
     .venv/bin/python bench/exporter.py --exporter-arg=--no-collector.fabric   # a collector's share
+    .venv/bin/python bench/exporter.py --gzip      # compressed answers, as Prometheus asks for them
 
 ``--baseline REF`` adds the exporter as it was at a git commit (its ``exporter/`` and ``gpuhealth/``
 trees, run with this venv's interpreter and libraries) as a third target in the same run, so a change
@@ -34,9 +35,11 @@ from gpuhealth.local.process import ManagedProcess, free_port, http_ok
 WARMUP_S = 5.0
 
 
-def scrape_seconds(url: str) -> tuple[float, int]:
+def scrape_seconds(url: str, gzip: bool = False) -> tuple[float, int]:
+    """One scrape on a new connection: seconds and body bytes (compressed ones with ``gzip``)."""
+    request = urllib.request.Request(url, headers={"Accept-Encoding": "gzip"} if gzip else {})
     start = time.perf_counter()
-    with urllib.request.urlopen(url, timeout=10) as resp:
+    with urllib.request.urlopen(request, timeout=10) as resp:
         body = resp.read()
     return time.perf_counter() - start, len(body)
 
@@ -67,20 +70,21 @@ def baseline_tree(ref: str, workdir: Path) -> Path:
 
 class Target:
     def __init__(self, name: str, argv: list[str], port: int, workdir: Path,
-                 cwd: Path | None = None) -> None:
+                 cwd: Path | None = None, gzip: bool = False) -> None:
         self.name = name
         self.url = f"http://127.0.0.1:{port}/metrics"
         self.process = ManagedProcess(name, argv, workdir / f"{name}.log", cwd=cwd)
         self.latencies: list[float] = []
         self.rss: list[float] = []
         self.size = 0
+        self.gzip = gzip
 
     def start(self) -> None:
         self.process.start().wait_ready(lambda: http_ok(self.url), timeout=30)
         self.ps = psutil.Process(self.process.proc.pid)
 
     def measure(self) -> None:
-        seconds, self.size = scrape_seconds(self.url)
+        seconds, self.size = scrape_seconds(self.url, self.gzip)
         self.latencies.append(seconds)
         self.rss.append(self.ps.memory_info().rss / 2**20)
 
@@ -90,6 +94,8 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=300, help="seconds of measurement (default 300)")
     parser.add_argument("--scrape-interval", type=float, default=0.25,
                         help="seconds between scrapes of each target (default 0.25)")
+    parser.add_argument("--gzip", action="store_true", help="ask every target for gzip, as Prometheus "
+                        "does (body KB is then the compressed size)")
     parser.add_argument("--sim-profile", help="simulator hardware profile (h100-sxm, h200, b200, gb200)")
     parser.add_argument("--baseline", metavar="REF", help="also run the exporter as it was at this git "
                         "commit or branch (e.g. main), side by side")
@@ -108,9 +114,9 @@ def main() -> int:
                 *(["--sim-profile", args.sim_profile] if args.sim_profile else []), *args.exporter_arg]
     targets = [
         Target("gpuhealth-exporter", [str(exporter), *sim_args, "--listen", f"127.0.0.1:{gh_port}"],
-               gh_port, workdir),
+               gh_port, workdir, gzip=args.gzip),
         Target("node_exporter", [node_exporter, f"--web.listen-address=127.0.0.1:{ne_port}"], ne_port,
-               workdir),
+               workdir, gzip=args.gzip),
     ]
     if args.baseline:
         try:
@@ -122,7 +128,7 @@ def main() -> int:
         targets.insert(1, Target(f"exporter@{args.baseline}"[:20],
                                  [sys.executable, "-m", "gpuhealth.exporter.main", *sim_args,
                                   "--listen", f"127.0.0.1:{base_port}"],
-                                 base_port, workdir, cwd=tree))
+                                 base_port, workdir, cwd=tree, gzip=args.gzip))
     try:
         for target in targets:
             target.start()
@@ -143,7 +149,7 @@ def main() -> int:
             target.process.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"profile {args.sim_profile or 'default (h100-sxm)'}, duration {elapsed:.0f} s, "
-          f"exporter arguments {' '.join(args.exporter_arg) or 'none'}, "
+          f"exporter arguments {' '.join(args.exporter_arg) or 'none'}, {'gzip, ' if args.gzip else ''}"
           f"{len(targets[0].latencies)} scrapes each, "
           f"{args.scrape_interval:g} s apart, alternating; load average {load_start:.1f} at the start, "
           f"{load_end:.1f} at the end ({os.cpu_count()} CPUs)")

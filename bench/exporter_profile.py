@@ -120,16 +120,25 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def profile(args: argparse.Namespace, workdir: Path) -> int:
-    hardware = load_profile(args.sim_profile)
+def simulated_sampler(profile_name: str, workdir: Path, no_collector: list[str],
+                      nvml_class: type[SimulatedNvml] = SimulatedNvml) -> Sampler:
+    """The exporter's sampler over 8 simulated GPUs of ``profile_name``, wired as ``--backend sim`` does."""
+    hardware = load_profile(profile_name)
     scenario = dataclasses.replace(load_scenario(None), model=hardware.model, nvlinks=hardware.nvlinks)
-    sim_clock = SimClock()
-    nvml = timed_simulator(sim_clock)(scenario, workdir / "kmsg", profile=hardware, sysfs=workdir / "sys")
+    nvml = nvml_class(scenario, workdir / "kmsg", profile=hardware, sysfs=workdir / "sys")
     fabric = FabricSettings(systemctl=(), manager_pid_file=nvml.fabric_manager_pid_file,
                             expected_rate_gbps=NIC_RATE_GBPS)
     ctx = Context(nvml=nvml, sysfs=workdir / "sys", kmsg_path=workdir / "kmsg", fabric=fabric)
-    collectors, steps = assemble(ctx, dict.fromkeys(args.no_collector, False))
-    sampler = Sampler(collectors, steps=steps)
+    collectors, steps = assemble(ctx, dict.fromkeys(no_collector, False))
+    if not hasattr(ctx, "priority"):  # a --baseline from before scrapes had priority over sampling
+        return Sampler(collectors, steps=steps)
+    return Sampler(collectors, steps=steps, priority=ctx.priority)
+
+
+def profile(args: argparse.Namespace, workdir: Path) -> int:
+    sim_clock = SimClock()
+    sampler = simulated_sampler(args.sim_profile, workdir, args.no_collector, timed_simulator(sim_clock))
+    collectors = sampler.collectors
     sys.setswitchinterval(0.0002)  # as the exporter runs
     sampler.sample_once()
     gc.freeze()
