@@ -2,21 +2,39 @@
 
 Collectors run in one thread at a fixed interval (about 1 s), far faster than Prometheus scrapes,
 which is what makes window maxima and time-in-state features possible. Steps (the inventory) run
-before the collectors, which read what they learned. Each run renders the whole
-exposition once; a scrape only copies bytes, so it never waits on NVML or the filesystem.
+before the collectors, which read what they learned. Each run renders the whole exposition once
+and compresses it once (gzip level 1: a quarter of a millisecond for 113 KB); a scrape only writes
+those bytes, so it never renders or compresses and never waits on NVML or the filesystem. It gets
+the last complete run's snapshot: at most one sampling interval (plus that run's duration) old.
 """
 
 from __future__ import annotations
 
+import gzip
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 from gpuhealth.exporter.collector import Collector
 from gpuhealth.exporter.metrics import Exposed, Families, Renderer
+from gpuhealth.exporter.scrape_priority import ScrapePriority
 
 log = logging.getLogger(__name__)
+# Level 1 compresses the exposition about 10:1 in a fifth of level 5's time (its repetitive label
+# text is what compresses); a few per cent larger, so it can be done at every run.
+GZIP_LEVEL = 1
+
+
+class Snapshot(NamedTuple):
+    """One sampling run's exposition, plain and gzipped, published together."""
+
+    plain: bytes
+    gzipped: bytes
+
+
+EMPTY = Snapshot(b"", gzip.compress(b"", GZIP_LEVEL, mtime=0))
 
 
 class Sampler:
@@ -24,15 +42,16 @@ class Sampler:
 
     def __init__(self, collectors: dict[str, Collector], static: Callable[[], Iterable[Exposed]] = tuple,
                  interval: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 steps: Sequence[Callable[[], None]] = ()) -> None:
+                 steps: Sequence[Callable[[], None]] = (), priority: ScrapePriority | None = None) -> None:
         self.collectors = collectors
         self.steps = steps
         self.static = static
         self.interval = interval
         self.clock = clock
         self._failing: set[str] = set()
-        self._exposition = b""
-        self._renderer = Renderer()
+        self.priority = priority or ScrapePriority()
+        self._snapshot = EMPTY
+        self._renderer = Renderer(self.priority.yield_to_scrape)
         self._last_run: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -40,14 +59,18 @@ class Sampler:
 
     def sample_once(self) -> bytes:
         with self._lock:
+            pause = self.priority.yield_to_scrape
+            self.priority.new_run()
             families: list[Exposed] = list(self.static())
             meta = Families()
             for step in self.steps:
+                pause()
                 try:
                     step()
                 except Exception:  # the collectors still run, on what the inventory already knows
                     log.exception("sampling step failed step=%s", getattr(step, "__qualname__", step))
             for name, collector in self.collectors.items():
+                pause()
                 start = time.perf_counter()
                 try:
                     for family in collector.collect():  # what a failing collector yielded still counts
@@ -64,13 +87,20 @@ class Sampler:
                 (self._failing.discard if ok else self._failing.add)(name)
                 meta.add("gpuhealth_collector_success", int(ok), [name])
                 meta.add("gpuhealth_collector_duration_seconds", time.perf_counter() - start, [name])
-            self._exposition = self._renderer.render([*families, *meta])
+            pause()
+            plain = self._renderer.render([*families, *meta])
+            pause()
+            self._snapshot = Snapshot(plain, gzip.compress(plain, GZIP_LEVEL, mtime=0))
             self._last_run = self.clock()
-            return self._exposition
+            return plain
+
+    @property
+    def snapshot(self) -> Snapshot:
+        return self._snapshot
 
     @property
     def exposition(self) -> bytes:
-        return self._exposition
+        return self._snapshot.plain
 
     def healthy(self) -> bool:
         """True while the loop keeps up: the last run ended less than three intervals ago."""
