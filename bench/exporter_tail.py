@@ -11,11 +11,13 @@ guessed. Both processes stamp ``time.monotonic`` (one clock for the machine).
 
     .venv/bin/python bench/exporter_tail.py --sim-profile h100-sxm --duration 60
     .venv/bin/python bench/exporter_tail.py --gzip --baseline main   # then the same at main
+    .venv/bin/python bench/exporter_tail.py --aim-ms 1 --baseline main  # every scrape into a run
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -46,13 +48,19 @@ def _thread_usage() -> tuple[float, float, float, float]:
     return time.monotonic(), usage.ru_utime + usage.ru_stime, usage.ru_nvcsw, usage.ru_nivcsw
 
 
-def client(port: int, count: int, interval: float, gzip: bool) -> list[list[float]]:
-    """``count`` scrapes, a new connection each: [start, connected, first byte, last byte, bytes]."""
+def client(port: int, count: int, interval: float, gzip: bool, aim: float | None = None,
+           runs_fd: int | None = None) -> list[list[float]]:
+    """``count`` scrapes, a new connection each: [start, connected, first byte, last byte, bytes].
+    With ``aim``, each scrape starts that many seconds after a sampling run began (the server writes
+    a byte to ``runs_fd`` as each run starts): every scrape then meets the run at the same point."""
     request = (b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
                + (b"Accept-Encoding: gzip\r\n" if gzip else b"") + b"\r\n")
     scrapes = []
     next_at = time.monotonic()
     for _ in range(count):
+        if aim is not None and runs_fd is not None:
+            os.read(runs_fd, 1)
+            time.sleep(aim)
         start = time.monotonic()
         with socket.create_connection(("127.0.0.1", port)) as sock:
             connected = time.monotonic()
@@ -62,8 +70,9 @@ def client(port: int, count: int, interval: float, gzip: bool) -> list[list[floa
             while chunk := sock.recv(1 << 20):
                 size += len(chunk)
         scrapes.append([start, connected, first, time.monotonic(), size])
-        next_at += interval
-        time.sleep(max(0.0, next_at - time.monotonic()))
+        if aim is None:
+            next_at += interval
+            time.sleep(max(0.0, next_at - time.monotonic()))
     return scrapes
 
 
@@ -130,9 +139,13 @@ def measure(args: argparse.Namespace, workdir: Path) -> None:
     sampler = simulated_sampler(args.sim_profile, workdir, [])
     runs: list[Interval] = []
     sample_once = sampler.sample_once
+    runs_read, runs_write = os.pipe()
+    os.set_blocking(runs_write, False)
 
     def timed_run() -> bytes:
         start = time.monotonic()
+        with contextlib.suppress(BlockingIOError):  # a client that is not aiming leaves the pipe full
+            os.write(runs_write, b"r")
         try:
             return sample_once()
         finally:
@@ -169,12 +182,15 @@ def measure(args: argparse.Namespace, workdir: Path) -> None:
     gc.callbacks.append(on_gc)
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     load_start = os.getloadavg()[0]
-    count = int(args.duration / args.interval)
+    cpu_start, wall_start = time.process_time(), time.monotonic()
+    count = int(args.duration / (1.0 if args.aim_ms is not None else args.interval))
     try:
         out = subprocess.run([sys.executable, __file__, "--client", str(server.server_address[1]),
                               "--count", str(count), "--interval", str(args.interval),
-                              *(["--gzip"] if args.gzip else [])],
-                             check=True, capture_output=True, text=True).stdout
+                              "--runs-fd", str(runs_read), *(["--gzip"] if args.gzip else []),
+                              *(["--aim-ms", str(args.aim_ms)] if args.aim_ms is not None else [])],
+                             check=True, capture_output=True, text=True, pass_fds=[runs_read]).stdout
+        cpu = (time.process_time() - cpu_start) / (time.monotonic() - wall_start)
     finally:
         server.shutdown()
         server.server_close()
@@ -183,9 +199,12 @@ def measure(args: argparse.Namespace, workdir: Path) -> None:
     window = scrapes[0][0]
     runs = [r for r in runs if r[0] >= window]
     print(f"exporter code from {Path(sys.modules[make_server.__module__].__file__ or '').parent}")
-    print(f"profile {args.sim_profile}, {count} scrapes {args.interval:g} s apart"
+    spacing = f"each {args.aim_ms:g} ms into a sampling run" if args.aim_ms is not None else \
+        f"{args.interval:g} s apart"
+    print(f"profile {args.sim_profile}, {count} scrapes {spacing}"
           f"{', gzip' if args.gzip else ''}; load average {load_start:.1f} at the start, "
-          f"{os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} CPUs)")
+          f"{os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} CPUs); the exporter's CPU "
+          f"{cpu * 100:.2f} % of one core, scrapes included")
     report(scrapes, runs, collections)
     report_server(scrapes, handled, runs)
     print("  garbage collections by generation: " + ", ".join(
@@ -199,13 +218,17 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=0.05,
                         help="seconds between scrapes (default 0.05: ~20 per sampling run)")
     parser.add_argument("--gzip", action="store_true", help="ask for gzip, as Prometheus does")
+    parser.add_argument("--aim-ms", type=float, metavar="MS", help="start each scrape this long after a "
+                        "sampling run began (one a run): the worst case, measured on every scrape")
     parser.add_argument("--baseline", metavar="REF", help="then measure the exporter as it was at this git "
                         "commit or branch the same way (its exporter/ and gpuhealth/ trees, this venv)")
     parser.add_argument("--client", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--runs-fd", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
-        print(json.dumps(client(args.client, args.count, args.interval, args.gzip)))
+        aim = None if args.aim_ms is None else args.aim_ms / 1000
+        print(json.dumps(client(args.client, args.count, args.interval, args.gzip, aim, args.runs_fd)))
         return 0
     workdir = Path(tempfile.mkdtemp(prefix="gpuhealth-tail-"))
     try:
