@@ -21,12 +21,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import functools
 import json
 import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import psycopg
@@ -62,6 +64,9 @@ from gpuhealth.webhook.store import (
 log = logging.getLogger(__name__)
 MIGRATION_LOCK = 0x67707568_0001  # advisory lock keys: "gpuh" and what they guard
 ADMISSION_LOCK = 0x67707568_0002
+# The store whose admission lock the current task holds: its journal calls take the admission's lane.
+_ADMITTING: contextvars.ContextVar[AsyncPostgresJournal | None] = contextvars.ContextVar("admitting",
+                                                                                     default=None)
 _KEYS = {"drained": "node", "jobs": "job_id", "meta": "key"}  # INSERT OR REPLACE targets
 _WITH_ID = ("notifications", "actions", "transitions", "chains")
 
@@ -434,7 +439,10 @@ class AsyncPostgresJournal(AsyncJournal):
     one round trip): no thread hand-off, so an answer does not wait for a journal thread to get the
     interpreter back from the request handlers. What else intake journals (resolutions, and a group
     commit the database refused or broke off in a deadlock) runs statement by statement on the intake
-    thread. Admission holds the fleet's advisory lock on a connection of its own.
+    thread. Admission holds the fleet's advisory lock on a connection of its own, and what it reads
+    and writes meanwhile (the guardrails' counts, the start) goes through a thread and connection of
+    its own too: on the shared one it would queue behind every running action's step writes, and the
+    whole fleet would wait for them, since no replica admits while the lock is held.
     """
 
     ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, OSError)
@@ -447,6 +455,8 @@ class AsyncPostgresJournal(AsyncJournal):
                                               asyncio.Future[RecordResult]]] = collections.deque()
         self._committer: asyncio.Task[None] | None = None
         self._loop_connections: dict[str, psycopg.AsyncConnection[Any]] = {}  # "intake", "admission"
+        self._admission_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal-admission")
+        self._admission_db = self._admission_executor.submit(self._open, False).result()
 
     def _open(self, power_safe: bool) -> Journal:
         return PostgresJournal(self._url, self.replica, self._lease_seconds)
@@ -532,7 +542,12 @@ class AsyncPostgresJournal(AsyncJournal):
         self._recovered()
         return results
 
-    async def _read(self, fn: Callable[[], Any]) -> Any:
+    def _lane(self) -> tuple[ThreadPoolExecutor, Journal]:
+        if _ADMITTING.get() is self:
+            return self._admission_executor, self._admission_db
+        return super()._lane()
+
+    async def _read(self, fn: Callable[[Journal], Any]) -> Any:
         """Reads fail as writes do while the server cannot be reached: callers wait and retry."""
         try:
             return await super()._read(fn)
@@ -559,9 +574,11 @@ class AsyncPostgresJournal(AsyncJournal):
                     continue
                 self._failed(exc)
                 raise JournalUnwritable(str(exc)) from exc
+        admitting = _ADMITTING.set(self)
         try:
             yield
         finally:
+            _ADMITTING.reset(admitting)
             try:
                 await conn.execute("SELECT pg_advisory_unlock(%s)", (ADMISSION_LOCK,))
             except BaseException as exc:
@@ -574,4 +591,6 @@ class AsyncPostgresJournal(AsyncJournal):
             await asyncio.wait([self._committer])
         for name in list(self._loop_connections):
             await self._drop_connection(name)
+        await asyncio.get_running_loop().run_in_executor(self._admission_executor, self._admission_db.close)
+        self._admission_executor.shutdown(wait=True)
         await super().close()

@@ -431,6 +431,29 @@ async def test_admission_holds_the_fleet_lock_on_one_session_kept_open_and_opene
             await store.close()
 
 
+async def test_what_admission_reads_and_writes_under_the_lock_never_queues_behind_the_workers_calls(database):
+    """The shared journal thread busy (a running action's step write, say): admission, holding the
+    fleet's lock, still reads its counts and starts its action, on a connection of its own."""
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    store = AsyncPostgresJournal(database, resolve, "a", LEASE)
+    busy = threading.Event()
+    try:
+        body = parse_notification(notification(alert(NODES[0], action="drain")))
+        [action_id] = (await store.record(body, decide(body, config))).new_actions
+        [due] = await store.due(time.time(), (), 1)
+        blocked = asyncio.get_running_loop().run_in_executor(store._executor, busy.wait)  # the shared lane
+        async with asyncio.timeout(60), store.admission():  # on the shared lane: stuck until the timeout
+            assert await store.get_meta("breaker") is None
+            assert await store.start(action_id, None)
+        assert not blocked.done()
+        busy.set()
+        await blocked
+        assert due.id == action_id and (await store.get(action_id)).state == "running"
+    finally:
+        busy.set()
+        await store.close()
+
+
 async def test_admission_holds_the_fleet_lock_for_the_decision_not_across_cluster_reads(webhook, database):
     """A backend call can take long (scontrol, an API server): the lock every replica admits under is
     free while the cluster is read."""
