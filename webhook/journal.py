@@ -78,9 +78,12 @@ _INSERT_ACTION = (f"INSERT OR IGNORE INTO actions ({', '.join(ACTION_COLUMNS)}) 
                   f"VALUES ({_marks(ACTION_COLUMNS)})")
 
 
-def alert_values(alert: Alert, status: str, now: float) -> tuple[Any, ...]:
-    return (*alert.key, status, alert.node, alert.gpu, alert.alertname, json.dumps(alert.labels),
-            json.dumps(alert.annotations), now, now if status == "resolved" else None)
+def alert_values(alert: Alert, status: str, now: float, encode: Callable[[Any], Any] = json.dumps
+                 ) -> tuple[Any, ...]:
+    """A new alert's row; ``encode`` turns its labels and annotations into the stored JSON text (the
+    identity when the row itself is sent as JSON: PostgreSQL stores a nested object as its text)."""
+    return (*alert.key, status, alert.node, alert.gpu, alert.alertname, encode(alert.labels),
+            encode(alert.annotations), now, now if status == "resolved" else None)
 
 
 def action_values(alert: Alert, kind: str, state: str, reason: str, detail: str, now: float

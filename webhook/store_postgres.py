@@ -85,25 +85,26 @@ def all_firing(batch: Batch) -> bool:
 # A group commit of firing notifications in one statement, so one round trip and one transaction: the
 # notifications, their new alerts (a conflict on the primary key, fingerprint + startsAt, is a
 # duplicate, also while another replica's intake holds the key uncommitted: the insert waits for it),
-# the actions of those new alerts and their first transitions. The rows come as JSON, in the tables'
-# own columns (an alert's notification_id is its notification's position in the batch until the
-# notification has its id). One row per notification comes back (position, id, new alerts), and one
-# more per new action.
+# the actions of those new alerts and their first transitions. The rows come as one JSON document, in
+# the tables' own columns (an alert's notification_id is its notification's position in the batch
+# until the notification has its id; its labels and annotations are nested objects, stored as their
+# JSON text). One row per notification comes back (position, id, new alerts), and one more per new
+# action.
 _RECORD_FIRING = f"""
 WITH notes AS MATERIALIZED (
     SELECT ordinality AS position, nextval(pg_get_serial_sequence('notifications', 'id')) AS id,
            received_at, receiver, group_key, status, alerts
-    FROM json_populate_recordset(NULL::notifications, %(notifications)s::json) WITH ORDINALITY),
+    FROM json_populate_recordset(NULL::notifications, %(rows)s::json -> 'notifications') WITH ORDINALITY),
 new_alerts AS (
     INSERT INTO alerts ({', '.join(ALERT_COLUMNS)}, notification_id)
     SELECT {', '.join(f'a.{c}' for c in ALERT_COLUMNS)}, notes.id
-    FROM json_populate_recordset(NULL::alerts, %(alerts)s::json) WITH ORDINALITY AS a
+    FROM json_populate_recordset(NULL::alerts, %(rows)s::json -> 'alerts') WITH ORDINALITY AS a
     JOIN notes ON notes.position = a.notification_id ORDER BY a.ordinality
     ON CONFLICT DO NOTHING RETURNING fingerprint, starts_at, notification_id),
 new_actions AS (
     INSERT INTO actions ({', '.join(ACTION_COLUMNS)})
     SELECT {', '.join(f'c.{c}' for c in ACTION_COLUMNS)}
-    FROM json_populate_recordset(NULL::actions, %(actions)s::json) WITH ORDINALITY AS c
+    FROM json_populate_recordset(NULL::actions, %(rows)s::json -> 'actions') WITH ORDINALITY AS c
     JOIN new_alerts USING (fingerprint, starts_at) ORDER BY c.ordinality
     ON CONFLICT DO NOTHING RETURNING id, fingerprint, starts_at, kind, state, reason, detail),
 first_transitions AS (
@@ -130,14 +131,18 @@ def _firing_arguments(batch: Batch, now: float) -> dict[str, Any]:
                               "group_key": notification.group_key, "status": notification.status,
                               "alerts": len(notification.alerts)})
         for alert in notification.alerts:
-            alerts.append(dict(zip(ALERT_COLUMNS, alert_values(alert, "firing", now), strict=True),
+            alerts.append(dict(zip(ALERT_COLUMNS, alert_values(alert, "firing", now, _as_is), strict=True),
                                notification_id=position))
             if (decision := decisions.get(alert.key)) is not None:
                 actions.append(dict(zip(ACTION_COLUMNS, action_values(alert, decision.kind,
                                                                       *intake_state(decision), now),
                                         strict=True)))
-    return {"now": now, "notifications": json.dumps(notifications), "alerts": json.dumps(alerts),
-            "actions": json.dumps(actions)}
+    return {"now": now, "rows": json.dumps({"notifications": notifications, "alerts": alerts,
+                                            "actions": actions})}
+
+
+def _as_is(value: Any) -> Any:
+    return value
 
 
 def _firing_results(batch: Batch, rows: list[tuple[Any, ...]]) -> list[RecordResult | Exception]:
