@@ -510,6 +510,30 @@ async def test_intake_on_the_event_loop_answers_unwritable_while_the_server_is_g
         await store.close()
 
 
+async def test_a_group_commit_that_fails_answers_unwritable_to_every_caller_and_journals_none(database,
+                                                                                             cluster):
+    """Concurrent notifications committed together: when the commit fails each caller is told (503,
+    Alertmanager retries), and none of them is in the journal, so a retry is not a duplicate."""
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    store = AsyncPostgresJournal(database, resolve, "a", LEASE)
+    group = [parse_notification(notification(alert(node, action="drain", fingerprint=f"{i + 1:016x}")))
+             for i, node in enumerate(NODES[:4])]
+    try:
+        await store.record(group[0], decide(group[0], config))  # the intake connection is open
+        cluster.stop()
+        outcomes = await asyncio.gather(*(store.record(n, decide(n, config)) for n in group[1:]),
+                                        return_exceptions=True)
+        assert all(isinstance(o, JournalUnwritable) for o in outcomes), outcomes
+        cluster.start()
+        with psycopg.connect(database) as conn:
+            journaled = conn.execute("SELECT fingerprint FROM alerts ORDER BY fingerprint").fetchall()
+        assert journaled == [("0000000000000001",)]  # only the one answered 200 before
+        retried = [await store.record(n, decide(n, config)) for n in group[1:]]  # Alertmanager's retries
+        assert [(len(r.new_actions), r.duplicates) for r in retried] == [(1, 0)] * 3
+    finally:
+        await store.close()
+
+
 OLD_ALERT = ("0000000000000001", "2026-11-30T05:00:00.500000+00:00")  # conftest's alert(), as journaled
 
 
