@@ -348,12 +348,18 @@ def _acting_pair(workdir: Path, name: str, journal: str, code: Path | None, late
 
             while (now := counts())[2] or not now[0]:
                 time.sleep(0.2)
-        acted = time.perf_counter() - started
+            acted = time.perf_counter() - started
+            runs = conn.execute("SELECT started_at, finished_at FROM actions WHERE finished_at IS NOT NULL "
+                                "AND started_at IS NOT NULL ORDER BY started_at").fetchall()
     whole = now[0] == now[1] == ACTING_ALERTS
+    starts = [start for start, _ in runs]
+    apart = statistics.median(b - a for a, b in itertools.pairwise(starts)) if len(starts) > 1 else 0.0
+    ran = statistics.median(end - start for start, end in runs) if runs else 0.0
     print(f"{name}, acting: {ACTING_ALERTS} alerts to both replicas, cluster calls {latency * 1000:.0f} ms, "
           f"{now[0]} actions all ended "
           f"{acted:.1f} s after sending ({now[0] / acted:.0f} actions/s; "
-          f"{'one per alert' if whole else 'MISMATCH'})", flush=True)
+          f"{'one per alert' if whole else 'MISMATCH'}); median start-to-start {apart * 1000:.0f} ms, "
+          f"start-to-end {ran * 1000:.0f} ms", flush=True)
     return whole
 
 
