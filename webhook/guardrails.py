@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from gpuhealth.webhook.actions import ACTING, DRAINING, KINDS, NONE, UNDRAIN, at_least_as_strong
 from gpuhealth.webhook.backends.base import Backend, BackendError, NodeState
@@ -74,12 +74,12 @@ class Admission:
 
     async def cluster_node(self) -> NodeState:
         """The node as the cluster sees it, read once per admission (``observe``: before the lock)."""
-        return await self._once("node", lambda: self.backend.node_state(self.action.node), NodeState)
+        return await self._once("node", lambda: self.backend.node_state(self.action.node))
 
     async def fleet_size(self) -> int:
-        return await self._once("fleet", self.backend.fleet_size, int)
+        return await self._once("fleet", self.backend.fleet_size)
 
-    async def _once(self, key: str, read: Callable[[], Awaitable[T]], kind: type[T]) -> T:
+    async def _once(self, key: str, read: Callable[[], Awaitable[T]]) -> T:
         """A cluster read made at most once; its error is kept too, and raised to each check asking."""
         if key not in self._cluster:
             try:
@@ -89,9 +89,7 @@ class Admission:
         value = self._cluster[key]
         if isinstance(value, BackendError):
             raise value
-        assert isinstance(value, kind)
-        return value
-
+        return cast(T, value)
 
 
 Check = Callable[[Admission], Awaitable[Verdict | None]]
