@@ -11,9 +11,10 @@ what sharing one journal between replicas needs:
   those rows, ``FOR UPDATE SKIP LOCKED`` (replicas never wait on each other's rows) with a lease,
   renewed on every pass of the worker; a replica that dies stops renewing and, once the lease has
   run out, another claims its actions and resumes them after their last journaled step;
-- admission (guardrails, then pending -> running) holds a session advisory lock, on a session kept
-  open for it, so the breaker, cooldowns and rate limits read a journal no other replica is changing
-  meanwhile: they are fleet-wide.
+- the decision of admission (the guardrails that count the fleet, then pending -> running) holds a
+  session advisory lock, on a session kept open for it, so the breaker, cooldowns and rate limits
+  read a journal no other replica is changing meanwhile: they are fleet-wide; what it reads and
+  writes meanwhile goes through a connection of its own.
 """
 
 from __future__ import annotations
