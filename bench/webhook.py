@@ -23,7 +23,7 @@ SIGINT (Ctrl-C) and SIGTERM stop every PostgreSQL and webhook the benchmark star
 files.
 
     .venv/bin/python bench/webhook.py [--notifications 3000] [--concurrency 8]
-                                      [--journal postgres [--baseline REV]]
+                                      [--journal postgres [--baseline REV] [--cluster-latency 0.02]]
 """
 
 from __future__ import annotations
@@ -166,10 +166,11 @@ def _journal_counts(path: Path) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def _webhook(workdir: Path, approval: bool, journal: dict[str, Any] | None = None, code: Path | None = None
-             ) -> Iterator[tuple[str, psutil.Process]]:
+def _webhook(workdir: Path, approval: bool, journal: dict[str, Any] | None = None, code: Path | None = None,
+             latency: float = 0.0) -> Iterator[tuple[str, psutil.Process]]:
     """The real service on loopback; with ``approval`` every action waits, so the worker stays idle.
-    ``code``: a folder of the packages to run instead of the installed ones (``_checkout``)."""
+    ``code``: a folder of the packages to run instead of the installed ones (``_checkout``);
+    ``latency``: seconds the simulated cluster takes to answer each call."""
     workdir.mkdir()
     port = free_port()
     config = workdir / "webhook.yaml"
@@ -177,7 +178,7 @@ def _webhook(workdir: Path, approval: bool, journal: dict[str, Any] | None = Non
     config.write_text(yaml.safe_dump({
         "listen": f"127.0.0.1:{port}", "state_dir": "state", "auth": {"token_file": "token"},
         "max_body_bytes": 64 * 1024 * 1024, **({"journal": journal} if journal else {}),
-        "backend": {"type": "simulated", "nodes": [f"gpu[0001-{NODES:04d}]"]},
+        "backend": {"type": "simulated", "nodes": [f"gpu[0001-{NODES:04d}]"], "latency_seconds": latency},
         "guardrails": {"breaker_max_nodes": NODES, "breaker_max_fraction": 1.0, "node_cooldown_seconds": 0,
                        "rate_limit_actions": 1_000_000, "require_approval": ["drain"] if approval else []},
     }))
@@ -255,7 +256,8 @@ def storm(workdir: Path) -> int:
         return 0 if total == 10_000 else 1
 
 
-def replicas(workdir: Path, notifications: int, concurrency: int, baseline: str | None) -> int:
+def replicas(workdir: Path, notifications: int, concurrency: int, baseline: str | None,
+             latency: float) -> int:
     """Two replicas on one PostgreSQL journal beside one on SQLite, the same load on each side; with
     ``baseline``, also two replicas of the webhook at that revision, on a database of their own."""
     import psycopg  # the postgres extra
@@ -311,18 +313,20 @@ def replicas(workdir: Path, notifications: int, concurrency: int, baseline: str 
         for number, (name, database, _) in enumerate(sides):
             if database is not None:
                 failed |= not _acting_pair(workdir / f"acting-{number}", name, database,
-                                           code if number == 0 else None)
+                                           code if number == 0 else None, latency)
         return 1 if failed else 0
 
 
 ACTING_ALERTS = 500
 
 
-def _acting_pair(workdir: Path, name: str, journal: str, code: Path | None) -> bool:
+def _acting_pair(workdir: Path, name: str, journal: str, code: Path | None, latency: float) -> bool:
     """The workers of a pair: two replicas that act (no approval) on a fresh database beside
     ``journal``, and one notification of ``ACTING_ALERTS`` alerts delivered to both at once, as an HA
     Alertmanager pair does; how long until every action ended, and whether each alert has exactly one
-    action, ended. Every action passes admission (the fleet's lock) and journals each step."""
+    action, ended. Every action passes admission (the fleet's lock) and journals each step; each call
+    to the simulated cluster takes ``latency`` seconds (a real one answers in milliseconds to tens of
+    them: ``scontrol``, an API server), so that what waits for the cluster shows."""
     import psycopg
 
     database = f"acting_{workdir.name.replace('-', '_')}"
@@ -332,7 +336,7 @@ def _acting_pair(workdir: Path, name: str, journal: str, code: Path | None) -> b
     workdir.mkdir()
     with contextlib.ExitStack() as stack:
         servers = [stack.enter_context(_webhook(workdir / replica, False, {"url": url, "replica": replica},
-                                                code)) for replica in ("a", "b")]
+                                                code, latency)) for replica in ("a", "b")]
         body = _notification(ACTING_ALERTS)
         started = time.perf_counter()
         _load([server_url for server_url, _ in servers], [body, body], 2)
@@ -344,11 +348,18 @@ def _acting_pair(workdir: Path, name: str, journal: str, code: Path | None) -> b
 
             while (now := counts())[2] or not now[0]:
                 time.sleep(0.2)
-        acted = time.perf_counter() - started
+            acted = time.perf_counter() - started
+            runs = conn.execute("SELECT started_at, finished_at FROM actions WHERE finished_at IS NOT NULL "
+                                "AND started_at IS NOT NULL ORDER BY started_at").fetchall()
     whole = now[0] == now[1] == ACTING_ALERTS
-    print(f"{name}, acting: {ACTING_ALERTS} alerts to both replicas, {now[0]} actions all ended "
+    starts = [start for start, _ in runs]
+    apart = statistics.median(b - a for a, b in itertools.pairwise(starts)) if len(starts) > 1 else 0.0
+    ran = statistics.median(end - start for start, end in runs) if runs else 0.0
+    print(f"{name}, acting: {ACTING_ALERTS} alerts to both replicas, cluster calls {latency * 1000:.0f} ms, "
+          f"{now[0]} actions all ended "
           f"{acted:.1f} s after sending ({now[0] / acted:.0f} actions/s; "
-          f"{'one per alert' if whole else 'MISMATCH'})", flush=True)
+          f"{'one per alert' if whole else 'MISMATCH'}); median start-to-start {apart * 1000:.0f} ms, "
+          f"start-to-end {ran * 1000:.0f} ms", flush=True)
     return whole
 
 
@@ -372,6 +383,9 @@ def main() -> int:
     parser.add_argument("--baseline", metavar="REV",
                         help="with --journal postgres: also two replicas of the webhook at git revision REV "
                              "(e.g. main), driven in turn with the others")
+    parser.add_argument("--cluster-latency", type=float, default=0.02, metavar="SECONDS",
+                        help="with --journal postgres: how long each call to the simulated cluster takes in "
+                             "the acting case (default 0.02)")
     args = parser.parse_args()
     if args.baseline is not None and args.journal != "postgres":
         parser.error("--baseline needs --journal postgres")
@@ -380,7 +394,8 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="gpuhealth-bench-") as tmp:
             if args.journal == "postgres":
-                return replicas(Path(tmp) / "replicas", args.notifications, args.concurrency, args.baseline)
+                return replicas(Path(tmp) / "replicas", args.notifications, args.concurrency, args.baseline,
+                                args.cluster_latency)
             return run(Path(tmp), args.notifications, args.concurrency)
     except KeyboardInterrupt:
         print("interrupted: every server it started is stopped", file=sys.stderr)

@@ -140,8 +140,7 @@ class Engine:
                     return
                 action = refreshed
             if action.state == PENDING:
-                async with self._admission, self.store.admission():
-                    verdict = await self._admit(action)
+                verdict = await self._admit(action)
                 if verdict is not None:
                     await self._conclude(replace(action, state=RUNNING) if verdict.started else action,
                                          verdict)
@@ -172,15 +171,23 @@ class Engine:
     # -- admission ---------------------------------------------------------------------------
 
     async def _admit(self, a: Action) -> Verdict | None:
-        """The guardrails, then pending -> running (reserving a node we drain, for the breaker)."""
-        verdict = await guardrails.admit(Admission(a, self.config, self.backend, self.store, self.metrics))
+        """The guardrails, then pending -> running (reserving a node we drain, for the breaker).
+
+        The fleet's admission lock is held for the decision only (the checks that count the fleet, and
+        the start): the checks before it, and the cluster's reads, run beside other admissions."""
+        ctx = Admission(a, self.config, self.backend, self.store, self.metrics)
+        verdict = await guardrails.before_lock(ctx)
         if verdict is not None:
             return verdict
-        reserve = None
-        if a.kind in DRAINING:
-            reserve = DrainedNode(a.node, a.id, time.time(), self._reason(a),
-                                  keep=not KINDS[a.kind].undone_on_resolve)
-        started = await self.store.start(a.id, reserve)
+        async with self._admission, self.store.admission():
+            verdict = await guardrails.under_lock(ctx)
+            if verdict is not None:
+                return verdict
+            reserve = None
+            if a.kind in DRAINING:
+                reserve = DrainedNode(a.node, a.id, time.time(), self._reason(a),
+                                      keep=not KINDS[a.kind].undone_on_resolve)
+            started = await self.store.start(a.id, reserve)
         if self.config.dry_run:  # started and reserved as the real one would be, so that every guardrail
             # (rate limit, cooldown, breaker) counts it; it ends here, having done nothing
             return Verdict(Outcome.DRY_RUN, Reason.DRY_RUN, "would " + self._plan(a), started=started,

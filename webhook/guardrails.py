@@ -5,17 +5,26 @@ a list of checks in order and the first that says no decides: a ``Verdict`` ends
 (skipped, done) or postpones it (deferred, with the time to try again). A check reads what it needs
 from the ``Admission`` (the action, the configuration, the cluster, the store), and may leave what
 it learnt there for the checks after it (the node's state).
+
+Admission runs in two parts, so that the fleet's admission lock (one replica admits at a time) is
+held only for the decision: ``before_lock`` runs the checks that read neither the journal nor the
+cluster and reads from the cluster what the later checks need (a backend call can take a while: an
+``scontrol`` or an API request); ``under_lock`` runs the checks that count the fleet from the journal
+(breaker, cooldown, rate limit), which must see every admission before theirs. A node state read
+before the lock cannot let an operator's drain be overwritten: every step that changes the node
+reads it again first (``engine._readmit``), and a node's actions never run side by side.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
 
 from gpuhealth.webhook.actions import ACTING, DRAINING, KINDS, NONE, UNDRAIN, at_least_as_strong
 from gpuhealth.webhook.backends.base import Backend, BackendError, NodeState
@@ -29,6 +38,7 @@ from gpuhealth.webhook.store import DONE, Action, Store
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 BREAKER = "breaker"  # the store's meta key: {"open": bool, "since": float, "reason": str}
 
 
@@ -55,10 +65,31 @@ class Admission:
     store: Store
     metrics: Metrics
     node: NodeState | None = None  # the node-state check's answer (None: not asked, or unknown in dry-run)
+    # what was read from the cluster for this admission, or the error reading it ("node", "fleet")
+    _cluster: dict[str, object] = field(default_factory=dict, repr=False)
 
     @property
     def drained_by_us(self) -> bool:
         return self.node is not None and self.node.drained
+
+    async def cluster_node(self) -> NodeState:
+        """The node as the cluster sees it, read once per admission (``observe``: before the lock)."""
+        return await self._once("node", lambda: self.backend.node_state(self.action.node))
+
+    async def fleet_size(self) -> int:
+        return await self._once("fleet", self.backend.fleet_size)
+
+    async def _once(self, key: str, read: Callable[[], Awaitable[T]]) -> T:
+        """A cluster read made at most once; its error is kept too, and raised to each check asking."""
+        if key not in self._cluster:
+            try:
+                self._cluster[key] = await read()
+            except BackendError as exc:
+                self._cluster[key] = exc
+        value = self._cluster[key]
+        if isinstance(value, BackendError):
+            raise value
+        return cast(T, value)
 
 
 Check = Callable[[Admission], Awaitable[Verdict | None]]
@@ -141,7 +172,7 @@ async def node_state(ctx: Admission) -> Verdict | None:
     for a plain drain. In dry-run an unreachable cluster is tolerated (the state stays unknown)."""
     a = ctx.action
     try:
-        ctx.node = await ctx.backend.node_state(a.node)
+        ctx.node = await ctx.cluster_node()
     except BackendError:
         if ctx.config.dry_run:
             return None
@@ -191,7 +222,7 @@ async def breaker_cap(ctx: Admission) -> Verdict | None:
         return None
     fleet: int | None = None  # dry-run without a reachable cluster: only breaker_max_nodes applies
     try:
-        fleet = await ctx.backend.fleet_size()
+        fleet = await ctx.fleet_size()
     except BackendError:
         if not ctx.config.dry_run:
             raise
@@ -249,19 +280,57 @@ async def still_ours(ctx: Admission) -> Verdict | None:
     """The node is still drained with our reason (in dry-run it was never drained: it would be resumed)."""
     if ctx.config.dry_run:
         return None
-    return ownership(ctx.action, await ctx.backend.node_state(ctx.action.node), "resume")
+    return ownership(ctx.action, await ctx.cluster_node(), "resume")
 
 
-ACTION_CHECKS: tuple[Check, ...] = (record_only, labels, deny_list, allow_list, breaker_closed, node_state,
-                                    cooldown, rate_limit, breaker_cap, requeue_cap)
-UNDRAIN_CHECKS: tuple[Check, ...] = (labels, drained_by_us, all_resolved, automatic_undrain, breaker_closed,
-                                     still_ours)
+# Each list in two parts: what runs before the fleet's admission lock (no journal, no cluster), and
+# what runs under it; the order within each list is the order of the checks.
+ACTION_CHECKS_BEFORE_LOCK: tuple[Check, ...] = (record_only, labels, deny_list, allow_list)
+ACTION_CHECKS: tuple[Check, ...] = (*ACTION_CHECKS_BEFORE_LOCK, breaker_closed, node_state, cooldown,
+                                    rate_limit, breaker_cap, requeue_cap)
+UNDRAIN_CHECKS_BEFORE_LOCK: tuple[Check, ...] = (labels,)
+UNDRAIN_CHECKS: tuple[Check, ...] = (*UNDRAIN_CHECKS_BEFORE_LOCK, drained_by_us, all_resolved,
+                                     automatic_undrain, breaker_closed, still_ours)
 
 
-async def admit(ctx: Admission) -> Verdict | None:
-    """The first check's verdict that ends or postpones the action; None when every check passed."""
-    for check in UNDRAIN_CHECKS if ctx.action.kind == UNDRAIN else ACTION_CHECKS:
+def _checks(ctx: Admission) -> tuple[tuple[Check, ...], tuple[Check, ...]]:
+    """The action's checks: those before the lock, and the rest."""
+    checks, before = ((UNDRAIN_CHECKS, UNDRAIN_CHECKS_BEFORE_LOCK) if ctx.action.kind == UNDRAIN
+                      else (ACTION_CHECKS, ACTION_CHECKS_BEFORE_LOCK))
+    return before, checks[len(before):]
+
+
+async def _first(ctx: Admission, checks: tuple[Check, ...]) -> Verdict | None:
+    for check in checks:
         verdict = await check(ctx)
         if verdict is not None:
             return verdict
     return None
+
+
+async def observe(ctx: Admission) -> None:
+    """Read from the cluster what the checks under the lock will ask for (a read that fails is kept,
+    and raised by the check that needs it, in its turn)."""
+    a = ctx.action
+    if a.kind != UNDRAIN or not ctx.config.dry_run:  # a dry-run undrain never asks the cluster
+        with contextlib.suppress(BackendError):
+            await ctx.cluster_node()
+    if a.kind in DRAINING:
+        with contextlib.suppress(BackendError):
+            await ctx.fleet_size()
+
+
+async def before_lock(ctx: Admission) -> Verdict | None:
+    """The checks that need neither the journal nor the cluster, then the cluster's reads."""
+    before, _ = _checks(ctx)
+    verdict = await _first(ctx, before)
+    if verdict is None:
+        await observe(ctx)
+    return verdict
+
+
+async def under_lock(ctx: Admission) -> Verdict | None:
+    """The checks that count the fleet from the journal, held under the fleet's admission lock."""
+    _, after = _checks(ctx)
+    return await _first(ctx, after)
+

@@ -78,9 +78,12 @@ _INSERT_ACTION = (f"INSERT OR IGNORE INTO actions ({', '.join(ACTION_COLUMNS)}) 
                   f"VALUES ({_marks(ACTION_COLUMNS)})")
 
 
-def alert_values(alert: Alert, status: str, now: float) -> tuple[Any, ...]:
-    return (*alert.key, status, alert.node, alert.gpu, alert.alertname, json.dumps(alert.labels),
-            json.dumps(alert.annotations), now, now if status == "resolved" else None)
+def alert_values(alert: Alert, status: str, now: float, encode: Callable[[Any], Any] = json.dumps
+                 ) -> tuple[Any, ...]:
+    """A new alert's row; ``encode`` turns its labels and annotations into the stored JSON text (the
+    identity when the row itself is sent as JSON: PostgreSQL stores a nested object as its text)."""
+    return (*alert.key, status, alert.node, alert.gpu, alert.alertname, encode(alert.labels),
+            encode(alert.annotations), now, now if status == "resolved" else None)
 
 
 def action_values(alert: Alert, kind: str, state: str, reason: str, detail: str, now: float
@@ -763,10 +766,18 @@ class AsyncJournal:
         """Held while an action is admitted; one process is the only writer of this file already."""
         yield
 
-    async def _read(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+    async def _read(self, fn: Callable[[Journal], T]) -> T:
+        """``fn`` on a journal thread's connection: the shared one, or the admission's own while this
+        task holds the admission (``_lane``)."""
+        executor, db = self._lane()
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, db)
 
-    async def _write(self, fn: Callable[[], T]) -> T:
+    def _lane(self) -> tuple[ThreadPoolExecutor, Journal]:
+        """SQLite has one lane: one process writes the file, and a second connection would only wait
+        for the first one's lock."""
+        return self._executor, self._db
+
+    async def _write(self, fn: Callable[[Journal], T]) -> T:
         """A write: a failure marks the journal unwritable (``JournalUnwritable``), a success marks it
         writable again."""
         try:
@@ -791,144 +802,144 @@ class AsyncJournal:
             self._write_error = None
 
     async def get(self, action_id: int) -> Action | None:
-        return await self._read(lambda: self._db.get(action_id))
+        return await self._read(lambda db: db.get(action_id))
 
     async def transitions(self, action_id: int) -> list[dict[str, Any]]:
-        return await self._read(lambda: self._db.transitions(action_id))
+        return await self._read(lambda db: db.transitions(action_id))
 
     async def list_actions(self, node: str | None = None, state: str | None = None,
                            since: float | None = None, limit: int = 500) -> list[Action]:
-        return await self._read(lambda: self._db.list_actions(node, state, since, limit))
+        return await self._read(lambda db: db.list_actions(node, state, since, limit))
 
     async def counts(self) -> dict[str, int]:
-        return await self._read(self._db.counts)
+        return await self._read(lambda db: db.counts())
 
     async def due(self, now: float, busy_nodes: Iterable[str], limit: int,
                   yield_reasons: Iterable[str] = ()) -> list[Action]:
         busy, yielding = tuple(busy_nodes), tuple(yield_reasons)
-        return await self._read(lambda: self._db.due(now, busy, limit, yielding))
+        return await self._read(lambda db: db.due(now, busy, limit, yielding))
 
     async def next_due_at(self) -> float | None:
-        return await self._read(self._db.next_due_at)
+        return await self._read(lambda db: db.next_due_at())
 
     async def start(self, action_id: int, reserve: DrainedNode | None) -> bool:
-        return await self._write(lambda: self._db.start(action_id, reserve))
+        return await self._write(lambda db: db.start(action_id, reserve))
 
     async def update(self, action_id: int, state: str, *, expect: str, outcome: str = "", reason: str = "",
                      detail: str = "", drop_drained: str | None = None, next_at: float | None = None,
                      attempts: int | None = None) -> bool:
-        return await self._write(lambda: self._db.update(
+        return await self._write(lambda db: db.update(
             action_id, state, expect=expect, outcome=outcome, reason=reason, detail=detail,
             drop_drained=drop_drained, next_at=next_at, attempts=attempts))
 
     async def try_move(self, action_id: int, from_states: Iterable[str], state: str, reason: str,
                        detail: str, outcome: str = "") -> Action | None:
         allowed = tuple(from_states)
-        return await self._write(lambda: self._db.try_move(action_id, allowed, state, reason, detail,
+        return await self._write(lambda db: db.try_move(action_id, allowed, state, reason, detail,
                                                            outcome))
 
     async def save_progress(self, action_id: int, progress: dict[str, Any]) -> None:
         saved = copy.deepcopy(progress)  # the caller goes on changing its own
-        await self._write(lambda: self._db.save_progress(action_id, saved))
+        await self._write(lambda db: db.save_progress(action_id, saved))
 
     async def rearm(self, kind: str, reason: str, detail: str, meta: tuple[str, Any]) -> list[int]:
-        return await self._write(lambda: self._db.rearm(kind, reason, detail, meta))
+        return await self._write(lambda db: db.rearm(kind, reason, detail, meta))
 
     async def last_started(self, node: str, exclude_id: int, kinds: Iterable[str]) -> float | None:
         wanted = tuple(kinds)
-        return await self._read(lambda: self._db.last_started(node, exclude_id, wanted))
+        return await self._read(lambda db: db.last_started(node, exclude_id, wanted))
 
     async def last_finished(self, node: str, kind: str, state: str, reason: str) -> float | None:
-        return await self._read(lambda: self._db.last_finished(node, kind, state, reason))
+        return await self._read(lambda db: db.last_finished(node, kind, state, reason))
 
     async def nodes_started(self, kind: str, since: float, exclude_node: str) -> int:
-        return await self._read(lambda: self._db.nodes_started(kind, since, exclude_node))
+        return await self._read(lambda db: db.nodes_started(kind, since, exclude_node))
 
     async def nth_latest_start(self, since: float, kinds: Iterable[str], n: int) -> float | None:
         wanted = tuple(kinds)
-        return await self._read(lambda: self._db.nth_latest_start(since, wanted, n))
+        return await self._read(lambda db: db.nth_latest_start(since, wanted, n))
 
     async def firing_actions(self, node: str, exclude: tuple[str, str]) -> list[Action]:
-        return await self._read(lambda: self._db.firing_actions(node, exclude))
+        return await self._read(lambda db: db.firing_actions(node, exclude))
 
     async def claims(self) -> dict[str, list[int]]:
-        return await self._read(self._db.claims)
+        return await self._read(lambda db: db.claims())
 
     async def drained(self) -> dict[str, DrainedNode]:
-        return await self._read(self._db.drained)
+        return await self._read(lambda db: db.drained())
 
     async def keep_drained(self, node: str) -> None:
-        await self._write(lambda: self._db.keep_drained(node))
+        await self._write(lambda db: db.keep_drained(node))
 
     async def job(self, job_id: str) -> JobRecord | None:
-        return await self._read(lambda: self._db.job(job_id))
+        return await self._read(lambda db: db.job(job_id))
 
     async def job_requeued(self, action_id: int, progress: dict[str, Any], job: JobRecord) -> None:
         saved, record = copy.deepcopy(progress), copy.deepcopy(job)
-        await self._write(lambda: self._db.job_requeued(action_id, saved, record))
+        await self._write(lambda db: db.job_requeued(action_id, saved, record))
 
     async def exhausted_jobs(self) -> list[JobRecord]:
-        return await self._read(self._db.exhausted_jobs)
+        return await self._read(lambda db: db.exhausted_jobs())
 
     async def get_meta(self, key: str) -> Any:
-        return await self._read(lambda: self._db.get_meta(key))
+        return await self._read(lambda db: db.get_meta(key))
 
     async def set_meta(self, key: str, value: Any) -> None:
-        await self._write(lambda: self._db.set_meta(key, value))
+        await self._write(lambda db: db.set_meta(key, value))
 
     async def prune(self, before: float) -> dict[str, int]:
-        return await self._write(lambda: self._db.prune(before))
+        return await self._write(lambda db: db.prune(before))
 
     async def open_chain(self, chain: Chain) -> int | None:
-        return await self._write(lambda: self._db.open_chain(chain))
+        return await self._write(lambda db: db.open_chain(chain))
 
     async def chain_for_action(self, action_id: int) -> Chain | None:
-        return await self._read(lambda: self._db.chain_for_action(action_id))
+        return await self._read(lambda db: db.chain_for_action(action_id))
 
     async def move_chain(self, chain_id: int, expect: str, state: str, detail: str, *,
                          step_done_at: float | None = None, verify_at: float | None = None,
                          deadline: float | None = None, follow_up: str | None = None,
                          adopt: tuple[str, int] | None = None) -> Chain | None:
-        return await self._write(lambda: self._db.move_chain(chain_id, expect, state, detail,
+        return await self._write(lambda db: db.move_chain(chain_id, expect, state, detail,
                                                              step_done_at=step_done_at, verify_at=verify_at,
                                                              deadline=deadline, follow_up=follow_up,
                                                              adopt=adopt))
 
     async def active_chain(self, node: str, gpu: str) -> Chain | None:
-        return await self._read(lambda: self._db.active_chain(node, gpu))
+        return await self._read(lambda db: db.active_chain(node, gpu))
 
     async def escalate_chain(self, chain_id: int, expect: str, kind: str, action_state: str,
                              detail: str) -> Chain | None:
-        return await self._write(lambda: self._db.escalate_chain(chain_id, expect, kind, action_state,
+        return await self._write(lambda db: db.escalate_chain(chain_id, expect, kind, action_state,
                                                                  detail))
 
     async def due_chains(self, now: float, busy: Iterable[int], limit: int,
                          reopen_since: float) -> list[Chain]:
         skip = tuple(busy)  # a write: on a shared journal it claims them
-        return await self._write(lambda: self._db.due_chains(now, skip, limit, reopen_since))
+        return await self._write(lambda db: db.due_chains(now, skip, limit, reopen_since))
 
     async def next_chain_at(self) -> float | None:
-        return await self._read(self._db.next_chain_at)
+        return await self._read(lambda db: db.next_chain_at())
 
     async def chains(self, node: str | None = None, limit: int = 100) -> list[Chain]:
-        return await self._read(lambda: self._db.chains(node, limit))
+        return await self._read(lambda db: db.chains(node, limit))
 
     async def chain_counts(self) -> dict[str, int]:
-        return await self._read(self._db.chain_counts)
+        return await self._read(lambda db: db.chain_counts())
 
     async def alert_firing(self, node: str, gpu: str, alertname: str) -> bool:
-        return await self._read(lambda: self._db.alert_firing(node, gpu, alertname))
+        return await self._read(lambda db: db.alert_firing(node, gpu, alertname))
 
     async def refired(self, node: str, gpu: str, alertname: str, after: float, until: float,
                       exclude: tuple[str, str]) -> bool:
-        return await self._read(lambda: self._db.refired(node, gpu, alertname, after, until, exclude))
+        return await self._read(lambda db: db.refired(node, gpu, alertname, after, until, exclude))
 
     async def probe(self) -> None:
-        await self._write(self._db.probe)
+        await self._write(lambda db: db.probe())
 
     async def close(self) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._intake_executor, self._intake.close)
-        await self._read(self._db.close)
+        await self._read(lambda db: db.close())
         self._intake_executor.shutdown(wait=True)
         self._executor.shutdown(wait=True)

@@ -6,6 +6,7 @@ with a clear message (Alertmanager does not retry a 4xx) and never an exception 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -85,9 +86,10 @@ class Alert:
     fingerprint: str
     generator_url: str = ""
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple[str, str]:
-        """Identity across deliveries: HA pairs and retries repeat both fields unchanged."""
+        """Identity across deliveries: HA pairs and retries repeat both fields unchanged (asked for
+        several times per alert on the intake path: computed once)."""
         return self.fingerprint, self.starts_at.isoformat()
 
     @property

@@ -11,9 +11,10 @@ what sharing one journal between replicas needs:
   those rows, ``FOR UPDATE SKIP LOCKED`` (replicas never wait on each other's rows) with a lease,
   renewed on every pass of the worker; a replica that dies stops renewing and, once the lease has
   run out, another claims its actions and resumes them after their last journaled step;
-- admission (guardrails, then pending -> running) holds a session advisory lock, on a session kept
-  open for it, so the breaker, cooldowns and rate limits read a journal no other replica is changing
-  meanwhile: they are fleet-wide.
+- the decision of admission (the guardrails that count the fleet, then pending -> running) holds a
+  session advisory lock, on a session kept open for it, so the breaker, cooldowns and rate limits
+  read a journal no other replica is changing meanwhile: they are fleet-wide; what it reads and
+  writes meanwhile goes through a connection of its own.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import functools
 import json
 import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import psycopg
@@ -62,6 +65,9 @@ from gpuhealth.webhook.store import (
 log = logging.getLogger(__name__)
 MIGRATION_LOCK = 0x67707568_0001  # advisory lock keys: "gpuh" and what they guard
 ADMISSION_LOCK = 0x67707568_0002
+# The store whose admission lock the current task holds: its journal calls take the admission's lane.
+_ADMITTING: contextvars.ContextVar[AsyncPostgresJournal | None] = contextvars.ContextVar("admitting",
+                                                                                     default=None)
 _KEYS = {"drained": "node", "jobs": "job_id", "meta": "key"}  # INSERT OR REPLACE targets
 _WITH_ID = ("notifications", "actions", "transitions", "chains")
 
@@ -80,25 +86,26 @@ def all_firing(batch: Batch) -> bool:
 # A group commit of firing notifications in one statement, so one round trip and one transaction: the
 # notifications, their new alerts (a conflict on the primary key, fingerprint + startsAt, is a
 # duplicate, also while another replica's intake holds the key uncommitted: the insert waits for it),
-# the actions of those new alerts and their first transitions. The rows come as JSON, in the tables'
-# own columns (an alert's notification_id is its notification's position in the batch until the
-# notification has its id). One row per notification comes back (position, id, new alerts), and one
-# more per new action.
+# the actions of those new alerts and their first transitions. The rows come as one JSON document, in
+# the tables' own columns (an alert's notification_id is its notification's position in the batch
+# until the notification has its id; its labels and annotations are nested objects, stored as their
+# JSON text). One row per notification comes back (position, id, new alerts), and one more per new
+# action.
 _RECORD_FIRING = f"""
 WITH notes AS MATERIALIZED (
     SELECT ordinality AS position, nextval(pg_get_serial_sequence('notifications', 'id')) AS id,
            received_at, receiver, group_key, status, alerts
-    FROM json_populate_recordset(NULL::notifications, %(notifications)s::json) WITH ORDINALITY),
+    FROM json_populate_recordset(NULL::notifications, %(rows)s::json -> 'notifications') WITH ORDINALITY),
 new_alerts AS (
     INSERT INTO alerts ({', '.join(ALERT_COLUMNS)}, notification_id)
     SELECT {', '.join(f'a.{c}' for c in ALERT_COLUMNS)}, notes.id
-    FROM json_populate_recordset(NULL::alerts, %(alerts)s::json) WITH ORDINALITY AS a
+    FROM json_populate_recordset(NULL::alerts, %(rows)s::json -> 'alerts') WITH ORDINALITY AS a
     JOIN notes ON notes.position = a.notification_id ORDER BY a.ordinality
     ON CONFLICT DO NOTHING RETURNING fingerprint, starts_at, notification_id),
 new_actions AS (
     INSERT INTO actions ({', '.join(ACTION_COLUMNS)})
     SELECT {', '.join(f'c.{c}' for c in ACTION_COLUMNS)}
-    FROM json_populate_recordset(NULL::actions, %(actions)s::json) WITH ORDINALITY AS c
+    FROM json_populate_recordset(NULL::actions, %(rows)s::json -> 'actions') WITH ORDINALITY AS c
     JOIN new_alerts USING (fingerprint, starts_at) ORDER BY c.ordinality
     ON CONFLICT DO NOTHING RETURNING id, fingerprint, starts_at, kind, state, reason, detail),
 first_transitions AS (
@@ -125,14 +132,18 @@ def _firing_arguments(batch: Batch, now: float) -> dict[str, Any]:
                               "group_key": notification.group_key, "status": notification.status,
                               "alerts": len(notification.alerts)})
         for alert in notification.alerts:
-            alerts.append(dict(zip(ALERT_COLUMNS, alert_values(alert, "firing", now), strict=True),
+            alerts.append(dict(zip(ALERT_COLUMNS, alert_values(alert, "firing", now, _as_is), strict=True),
                                notification_id=position))
             if (decision := decisions.get(alert.key)) is not None:
                 actions.append(dict(zip(ACTION_COLUMNS, action_values(alert, decision.kind,
                                                                       *intake_state(decision), now),
                                         strict=True)))
-    return {"now": now, "notifications": json.dumps(notifications), "alerts": json.dumps(alerts),
-            "actions": json.dumps(actions)}
+    return {"now": now, "rows": json.dumps({"notifications": notifications, "alerts": alerts,
+                                            "actions": actions})}
+
+
+def _as_is(value: Any) -> Any:
+    return value
 
 
 def _firing_results(batch: Batch, rows: list[tuple[Any, ...]]) -> list[RecordResult | Exception]:
@@ -434,7 +445,10 @@ class AsyncPostgresJournal(AsyncJournal):
     one round trip): no thread hand-off, so an answer does not wait for a journal thread to get the
     interpreter back from the request handlers. What else intake journals (resolutions, and a group
     commit the database refused or broke off in a deadlock) runs statement by statement on the intake
-    thread. Admission holds the fleet's advisory lock on a connection of its own.
+    thread. Admission holds the fleet's advisory lock on a connection of its own, and what it reads
+    and writes meanwhile (the guardrails' counts, the start) goes through a thread and connection of
+    its own too: on the shared one it would queue behind every running action's step writes, and the
+    whole fleet would wait for them, since no replica admits while the lock is held.
     """
 
     ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, OSError)
@@ -447,6 +461,8 @@ class AsyncPostgresJournal(AsyncJournal):
                                               asyncio.Future[RecordResult]]] = collections.deque()
         self._committer: asyncio.Task[None] | None = None
         self._loop_connections: dict[str, psycopg.AsyncConnection[Any]] = {}  # "intake", "admission"
+        self._admission_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal-admission")
+        self._admission_db = self._admission_executor.submit(self._open, False).result()
 
     def _open(self, power_safe: bool) -> Journal:
         return PostgresJournal(self._url, self.replica, self._lease_seconds)
@@ -532,7 +548,12 @@ class AsyncPostgresJournal(AsyncJournal):
         self._recovered()
         return results
 
-    async def _read(self, fn: Callable[[], Any]) -> Any:
+    def _lane(self) -> tuple[ThreadPoolExecutor, Journal]:
+        if _ADMITTING.get() is self:
+            return self._admission_executor, self._admission_db
+        return super()._lane()
+
+    async def _read(self, fn: Callable[[Journal], Any]) -> Any:
         """Reads fail as writes do while the server cannot be reached: callers wait and retry."""
         try:
             return await super()._read(fn)
@@ -559,9 +580,11 @@ class AsyncPostgresJournal(AsyncJournal):
                     continue
                 self._failed(exc)
                 raise JournalUnwritable(str(exc)) from exc
+        admitting = _ADMITTING.set(self)
         try:
             yield
         finally:
+            _ADMITTING.reset(admitting)
             try:
                 await conn.execute("SELECT pg_advisory_unlock(%s)", (ADMISSION_LOCK,))
             except BaseException as exc:
@@ -574,4 +597,6 @@ class AsyncPostgresJournal(AsyncJournal):
             await asyncio.wait([self._committer])
         for name in list(self._loop_connections):
             await self._drop_connection(name)
+        await asyncio.get_running_loop().run_in_executor(self._admission_executor, self._admission_db.close)
+        self._admission_executor.shutdown(wait=True)
         await super().close()

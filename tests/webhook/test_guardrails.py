@@ -247,18 +247,79 @@ async def test_still_ours_before_a_resume(env):
     assert await guardrails.still_ours(env.ctx(pending("undrain"))) is None
 
 
+async def admit(ctx: guardrails.Admission) -> guardrails.Verdict | None:
+    """Admission as the engine runs it, the lock left out."""
+    return await guardrails.before_lock(ctx) or await guardrails.under_lock(ctx)
+
+
 async def test_admit_runs_the_checks_in_order_and_the_first_no_decides(env):
     await env.store.set_meta(guardrails.BREAKER, {"open": True, "since": 0, "reason": "test"})
     deny: dict[str, Any] = {"deny_nodes": ["gpu01"]}
-    assert said(await guardrails.admit(env.ctx(pending(), guardrails=deny))) == ("skipped", "denied")
-    assert said(await guardrails.admit(env.ctx(pending()))) == ("skipped", "breaker_open")
+    assert said(await admit(env.ctx(pending(), guardrails=deny))) == ("skipped", "denied")
+    assert said(await admit(env.ctx(pending()))) == ("skipped", "breaker_open")
     no_gpu = env.ctx(pending("drain_reset_gpu", gpu="unknown"))
-    assert said(await guardrails.admit(no_gpu)) == ("skipped", "no_gpu")
+    assert said(await admit(no_gpu)) == ("skipped", "no_gpu")
     assert [c.__name__ for c in guardrails.ACTION_CHECKS] == [
         "record_only", "labels", "deny_list", "allow_list", "breaker_closed", "node_state", "cooldown",
         "rate_limit", "breaker_cap", "requeue_cap"]
     assert [c.__name__ for c in guardrails.UNDRAIN_CHECKS] == [
         "labels", "drained_by_us", "all_resolved", "automatic_undrain", "breaker_closed", "still_ours"]
+    # before the fleet's lock only what reads neither the journal nor the cluster
+    assert [c.__name__ for c in guardrails.ACTION_CHECKS_BEFORE_LOCK] == [
+        "record_only", "labels", "deny_list", "allow_list"]
+    assert [c.__name__ for c in guardrails.UNDRAIN_CHECKS_BEFORE_LOCK] == ["labels"]
+
+
+class CountingReads:
+    """Wraps the backend's reads: how often the cluster was asked, and whether it is reachable."""
+
+    def __init__(self, backend: Any) -> None:
+        self.calls: list[str] = []
+        self.reachable = True
+        node_state, fleet_size = backend.node_state, backend.fleet_size
+
+        async def counted_node_state(node: str) -> Any:
+            self.calls.append("node_state")
+            if not self.reachable:
+                raise BackendError("connection refused")
+            return await node_state(node)
+
+        async def counted_fleet_size() -> int:
+            self.calls.append("fleet_size")
+            if not self.reachable:
+                raise BackendError("connection refused")
+            return int(await fleet_size())
+
+        backend.node_state, backend.fleet_size = counted_node_state, counted_fleet_size
+
+
+async def test_the_cluster_is_read_before_the_lock_once_and_the_checks_under_it_reuse_it(env):
+    reads = CountingReads(env.backend)
+    ctx = env.ctx(pending("drain", node="gpu02"))
+    assert await guardrails.before_lock(ctx) is None
+    assert reads.calls == ["node_state", "fleet_size"]  # every read the checks will need, before the lock
+    await env.backend.drain("gpu02", "an operator's drain")  # after the read: the steps read it again
+    assert await guardrails.under_lock(ctx) is None
+    assert reads.calls == ["node_state", "fleet_size"]  # nothing read from the cluster under the lock
+    undrain = env.ctx(pending("undrain", node="gpu02"), dry_run=True)
+    await guardrails.before_lock(undrain)  # a dry-run undrain never asks the cluster
+    assert reads.calls == ["node_state", "fleet_size"]
+
+
+async def test_a_failed_cluster_read_is_raised_by_the_check_that_needs_it_in_its_turn(env):
+    reads = CountingReads(env.backend)
+    reads.reachable = False
+    ctx = env.ctx(pending("drain"))
+    assert await guardrails.before_lock(ctx) is None  # kept, not raised before the lock
+    await env.store.set_meta(guardrails.BREAKER, {"open": True, "since": 0, "reason": "test"})
+    assert said(await guardrails.under_lock(ctx)) == ("skipped", "breaker_open")  # a check before it decides
+    await env.store.set_meta(guardrails.BREAKER, {"open": False})
+    with pytest.raises(BackendError):
+        await guardrails.under_lock(ctx)
+    assert reads.calls == ["node_state", "fleet_size"]  # asked once each, however often the checks ran
+    dry = env.ctx(pending("drain"), dry_run=True)
+    await guardrails.before_lock(dry)
+    assert await guardrails.under_lock(dry) is None and dry.node is None  # dry-run tolerates it, as before
 
 
 def test_a_resolution_cancels_what_has_not_started_and_undoes_what_drained():

@@ -24,6 +24,7 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
+from gpuhealth.webhook.backends.simulated import SimulatedBackend
 from gpuhealth.webhook.config import parse_config
 from gpuhealth.webhook.intake import resolve
 from gpuhealth.webhook.journal import Journal
@@ -430,6 +431,67 @@ async def test_admission_holds_the_fleet_lock_on_one_session_kept_open_and_opene
             await store.close()
 
 
+async def test_what_admission_reads_and_writes_under_the_lock_never_queues_behind_the_workers_calls(database):
+    """The shared journal thread busy (a running action's step write, say): admission, holding the
+    fleet's lock, still reads its counts and starts its action, on a connection of its own."""
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    store = AsyncPostgresJournal(database, resolve, "a", LEASE)
+    busy = threading.Event()
+    try:
+        body = parse_notification(notification(alert(NODES[0], action="drain")))
+        [action_id] = (await store.record(body, decide(body, config))).new_actions
+        [due] = await store.due(time.time(), (), 1)
+        blocked = asyncio.get_running_loop().run_in_executor(store._executor, busy.wait)  # the shared lane
+        async with asyncio.timeout(60), store.admission():  # on the shared lane: stuck until the timeout
+            assert await store.get_meta("breaker") is None
+            assert await store.start(action_id, None)
+        assert not blocked.done()
+        busy.set()
+        await blocked
+        assert due.id == action_id and (await store.get(action_id)).state == "running"
+    finally:
+        busy.set()
+        await store.close()
+
+
+async def test_admission_holds_the_fleet_lock_for_the_decision_not_across_cluster_reads(webhook, database):
+    """A backend call can take long (scontrol, an API server): the lock every replica admits under is
+    free while the cluster is read."""
+    watch = await psycopg.AsyncConnection.connect(database, autocommit=True)
+
+    async def lock_held() -> bool:
+        cursor = await watch.execute("SELECT COUNT(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                                     "AND ((classid::bigint << 32) | objid::bigint) = %s", (ADMISSION_LOCK,))
+        row = await cursor.fetchone()
+        return row is not None and int(row[0]) > 0
+
+    reads: list[tuple[str, bool]] = []
+
+    class Watched(SimulatedBackend):
+        async def node_state(self, node: str) -> Any:
+            reads.append(("node_state", await lock_held()))
+            return await super().node_state(node)
+
+        async def fleet_size(self) -> int:
+            reads.append(("fleet_size", await lock_held()))
+            return await super().fleet_size()
+
+        async def drain(self, node: str, reason: str, **kwargs: Any) -> None:
+            reads.append(("drain", await lock_held()))
+            await super().drain(node, reason, **kwargs)
+
+    try:
+        hook = await webhook(backend=Watched(NODES), journal={"url": database, "replica": "a"})
+        await hook.post(alert(NODES[0], action="drain"))  # one: another action's admission holds it
+        [action] = await hook.settle()
+        assert action["state"] == "done"
+        # the admission's reads (node, fleet size), then the node read again right before the drain
+        assert reads == [("node_state", False), ("fleet_size", False), ("node_state", False),
+                         ("drain", False)]
+    finally:
+        await watch.close()
+
+
 async def test_intake_on_the_event_loop_answers_unwritable_while_the_server_is_gone(database, cluster):
     config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
     store = AsyncPostgresJournal(database, resolve, "a", LEASE)
@@ -444,6 +506,30 @@ async def test_intake_on_the_event_loop_answers_unwritable_while_the_server_is_g
         cluster.start()
         after = await store.record(during, decide(during, config))  # Alertmanager's retry
         assert len(after.new_actions) == 1 and store.write_error is None
+    finally:
+        await store.close()
+
+
+async def test_a_group_commit_that_fails_answers_unwritable_to_every_caller_and_journals_none(database,
+                                                                                             cluster):
+    """Concurrent notifications committed together: when the commit fails each caller is told (503,
+    Alertmanager retries), and none of them is in the journal, so a retry is not a duplicate."""
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    store = AsyncPostgresJournal(database, resolve, "a", LEASE)
+    group = [parse_notification(notification(alert(node, action="drain", fingerprint=f"{i + 1:016x}")))
+             for i, node in enumerate(NODES[:4])]
+    try:
+        await store.record(group[0], decide(group[0], config))  # the intake connection is open
+        cluster.stop()
+        outcomes = await asyncio.gather(*(store.record(n, decide(n, config)) for n in group[1:]),
+                                        return_exceptions=True)
+        assert all(isinstance(o, JournalUnwritable) for o in outcomes), outcomes
+        cluster.start()
+        with psycopg.connect(database) as conn:
+            journaled = conn.execute("SELECT fingerprint FROM alerts ORDER BY fingerprint").fetchall()
+        assert journaled == [("0000000000000001",)]  # only the one answered 200 before
+        retried = [await store.record(n, decide(n, config)) for n in group[1:]]  # Alertmanager's retries
+        assert [(len(r.new_actions), r.duplicates) for r in retried] == [(1, 0)] * 3
     finally:
         await store.close()
 
@@ -624,9 +710,13 @@ def test_postgres_restarted_mid_intake_answers_5xx_and_loses_or_doubles_nothing(
     assert journaled == Counter({(f, "none"): 1 for f in sent}) and len(set(sent)) == len(sent)
 
 
-@pytest.mark.parametrize("replicas", [{"guardrails": {
-    "breaker_max_nodes": 2, "breaker_max_fraction": 1.0, "node_cooldown_seconds": 0,
-    "rate_limit_actions": 100}}], indirect=True)
+STORM_GUARDRAILS = {"breaker_max_nodes": 2, "breaker_max_fraction": 1.0, "node_cooldown_seconds": 0,
+                    "rate_limit_actions": 100}
+
+
+@pytest.mark.parametrize("replicas", [{"guardrails": STORM_GUARDRAILS},
+                                      {"guardrails": STORM_GUARDRAILS, "latency": 0.3}],  # reads overlap
+                         indirect=True, ids=["instant-cluster", "slow-cluster"])
 def test_a_storm_on_60_percent_of_nodes_split_across_replicas_is_capped_fleet_wide(replicas):
     a, b = replicas
     storm = NODES[:6]
