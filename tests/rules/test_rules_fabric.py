@@ -115,6 +115,30 @@ def test_flapping_ib_link_downed_and_roce_carrier_changes(tmp_path):
     _run(tmp_path, fleet, checks)
 
 
+def test_exporter_start_counts_losses_from_its_second_scrape(tmp_path):
+    """Where the exporters start (first deployed, or back after an outage), a counter's first value counts
+    the losses since the HCA's driver loaded, at times nothing tells: three nodes whose ports lost their
+    links before raise no flap and no switch event. A loss after the start is seen from the next
+    evaluation: a port lost two minutes after its exporter started drains after the one-minute
+    debounce, as on any node in service."""
+    fleet = Fleet("gpuhealth")
+    labels = {"device": "mlx5_0", "port": "1"}
+    after = MINUTES - 10
+    # node -> (up, link_downed) from minute 10 on, when the exporters start (no series before)
+    ports = {"n1": ("1x90", "3x90"), "n2": ("1x90", "3x90"), "n3": ("1x90", "2x90"),
+             "n4": (f"1x1 0x{after - 2}", f"0x1 1x{after - 2}")}      # lost at 12, stays down
+    for node, (up, downed) in ports.items():
+        fleet.add("nic_info", node, None, f"_x10 1x{after}", **labels, netdev="", switch="")
+        fleet.add("nic_up", node, None, f"_x10 {up}", **labels)
+        fleet.add("nic_link_downed", node, None, f"_x10 {downed}", **labels)
+    checks = [check for minute in (10, 11, 15, 30, 70)
+              for check in _quiet(minute, "GPUHealthNicPortFlapping", "GPUHealthFabricSwitchEvent")]
+    checks += _quiet(12, "GPUHealthNicPortDown")        # n4 lost its port at 12: within the debounce
+    checks += [{"eval_time": f"{minute}m", "alertname": "GPUHealthNicPortDown",
+                "exp_alerts": [_down("n4", "mlx5_0")]} for minute in (13, 30)]
+    _run(tmp_path, fleet, checks)
+
+
 def test_port_retrained_below_expected_rate_drains_at_once(tmp_path):
     """Width and speed are fixed when a link trains: an ACTIVE port below its expected rate drains at the
     first evaluation that sees it; a port that is down reports no trained rate and raises nothing here."""
