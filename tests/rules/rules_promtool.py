@@ -65,6 +65,7 @@ INPUTS: dict[str, dict[str, tuple[str, dict[str, str], float]]] = {
         "nic_rate": ("gpuhealth_nic_port_rate_bytes_per_second", {}, 1),
         "nic_expected_rate": ("gpuhealth_nic_port_expected_rate_bytes_per_second", {}, 1),
         "carrier_changes": ("gpuhealth_netdev_carrier_changes_total", {}, 1),
+        "nic_affinity": ("gpuhealth_nic_gpu_affinity_info", {"scope": "pcie_switch"}, 1),
     },
     "dcgm": {
         "temperature": ("DCGM_FI_DEV_GPU_TEMP", {"modelName": MODEL}, 1),
@@ -105,7 +106,7 @@ NFS = {
 JOBS = {"gpuhealth": ("gpuhealth-exporter", 9835), "dcgm": ("dcgm-exporter", 9400)}
 NODE_INPUTS = {"interrupts", "procs_running", "page_outs", "collector_success", "gpus_expected",
                "gpus_visible", "nic_info", "nic_up", "nic_link_downed", "nic_errors", "nic_rate",
-               "nic_expected_rate", "carrier_changes"}
+               "nic_expected_rate", "carrier_changes", "nic_affinity"}
 
 Segment = tuple[float, float, int]
 

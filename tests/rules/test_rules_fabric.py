@@ -25,13 +25,15 @@ def _port_alert(name: str, node: str, device: str, value: str, severity: str, ac
                  description, severity, action)
 
 
-def _down(node: str, device: str) -> dict:
+def _down(node: str, device: str, gpus: tuple[str, ...] = ()) -> dict:
+    """``gpus``: the GPUs of the node closest to the port (gpuhealth_nic_gpu_affinity_info), named last."""
+    near = f" Its GPUs (the closest, by PCIe switch or NUMA node): {', '.join(gpus)}." if gpus else ""
     return _port_alert(
         "GPUHealthNicPortDown", node, device, "0", "critical", "drain",
         f"NIC port {device}/1 of {node} is down",
         f"InfiniBand/RoCE port 1 of {device} on {node} has been down (not ACTIVE and LinkUp) for longer "
         "than a retrain takes, while its switch is up: jobs whose collectives use it hang or fail. Drain the "
-        "node and check the cable, transceiver and HCA.")
+        f"node and check the cable, transceiver and HCA.{near}")
 
 
 def _flapping(node: str, device: str, losses: int) -> dict:
@@ -64,6 +66,9 @@ def test_port_lost_in_service_drains_within_a_minute_boot_and_retrain_do_not(tmp
     counted from the boot, not from before a reboot."""
     fleet = Fleet("gpuhealth")
     _port(fleet, "n1", "mlx5_0", up=f"1x9 0x{MINUTES - 10}", downed=f"0x9 1x{MINUTES - 10}")  # lost at 10
+    near = {"n1": ("0", "1")}              # n1's GPUs 0 and 1 reach other nodes through its port
+    for gpu in near["n1"]:
+        fleet.add("nic_affinity", "n1", int(gpu), (1, 0, MINUTES), device="mlx5_0")
     _port(fleet, "n2", "mlx5_0", up=f"0x2 1x{MINUTES - 3}")                  # boot: ACTIVE after 3 minutes
     _port(fleet, "n3", "mlx5_0", up=f"1x19 0 1x{MINUTES - 21}", downed=f"0x19 1x{MINUTES - 20}")  # retrains
     _port(fleet, "n4", "mlx5_0", up=f"0x{MINUTES}")                          # never up since boot
@@ -86,7 +91,7 @@ def test_port_lost_in_service_drains_within_a_minute_boot_and_retrain_do_not(tmp
         60: [("n1", "mlx5_0"), ("n4", "mlx5_0"), ("n5", "mlx5_0"), ("n6", "mlx5_2")],
     }
     checks = [{"eval_time": f"{minute}m", "alertname": "GPUHealthNicPortDown",
-               "exp_alerts": [_down(node, device) for node, device in ports]}
+               "exp_alerts": [_down(node, device, near.get(node, ())) for node, device in ports]}
               for minute, ports in firing.items()]
     checks += _quiet(30, "GPUHealthNicPortFlapping")          # one loss each: no flapping
     _run(tmp_path, fleet, checks)
@@ -115,6 +120,30 @@ def test_flapping_ib_link_downed_and_roce_carrier_changes(tmp_path):
     _run(tmp_path, fleet, checks)
 
 
+def test_exporter_start_counts_losses_from_its_second_scrape(tmp_path):
+    """Where the exporters start (first deployed, or back after an outage), a counter's first value counts
+    the losses since the HCA's driver loaded, at times nothing tells: three nodes whose ports lost their
+    links before raise no flap and no switch event. A loss after the start is seen from the next
+    evaluation: a port lost two minutes after its exporter started drains after the one-minute
+    debounce, as on any node in service."""
+    fleet = Fleet("gpuhealth")
+    labels = {"device": "mlx5_0", "port": "1"}
+    after = MINUTES - 10
+    # node -> (up, link_downed) from minute 10 on, when the exporters start (no series before)
+    ports = {"n1": ("1x90", "3x90"), "n2": ("1x90", "3x90"), "n3": ("1x90", "2x90"),
+             "n4": (f"1x1 0x{after - 2}", f"0x1 1x{after - 2}")}      # lost at 12, stays down
+    for node, (up, downed) in ports.items():
+        fleet.add("nic_info", node, None, f"_x10 1x{after}", **labels, netdev="", switch="")
+        fleet.add("nic_up", node, None, f"_x10 {up}", **labels)
+        fleet.add("nic_link_downed", node, None, f"_x10 {downed}", **labels)
+    checks = [check for minute in (10, 11, 15, 30, 70)
+              for check in _quiet(minute, "GPUHealthNicPortFlapping", "GPUHealthFabricSwitchEvent")]
+    checks += _quiet(12, "GPUHealthNicPortDown")        # n4 lost its port at 12: within the debounce
+    checks += [{"eval_time": f"{minute}m", "alertname": "GPUHealthNicPortDown",
+                "exp_alerts": [_down("n4", "mlx5_0")]} for minute in (13, 30)]
+    _run(tmp_path, fleet, checks)
+
+
 def test_port_retrained_below_expected_rate_drains_at_once(tmp_path):
     """Width and speed are fixed when a link trains: an ACTIVE port below its expected rate drains at the
     first evaluation that sees it; a port that is down reports no trained rate and raises nothing here."""
@@ -126,22 +155,28 @@ def test_port_retrained_below_expected_rate_drains_at_once(tmp_path):
     _port(fleet, "n4", "mlx5_0", up=f"1x9 0x{MINUTES - 10}", downed=f"0x9 1x{MINUTES - 10}")
     for node in ("n2", "n3"):
         _port(fleet, node, "mlx5_0")
+    # n5's HCA has an odd number (the other half of the rate groups); it retrains slower at 40.
+    _port(fleet, "n5", "mlx5_1", up=f"1x39 0 1x{MINUTES - 41}", downed=f"0x39 1x{MINUTES - 40}")
+    fleet.add("nic_rate", "n5", None, f"5e10x39 2.5e10x{MINUTES - 40}", device="mlx5_1", port="1")
+    fleet.add("nic_expected_rate", "n5", None, f"5e10x{MINUTES}", device="mlx5_1", port="1")
     fleet.add("nic_rate", "n1", None, f"5e10x9 2.5e10x{MINUTES - 10}", **labels)
     fleet.add("nic_rate", "n2", None, f"5e10x{MINUTES}", **labels)                   # at its expected rate
     fleet.add("nic_rate", "n3", None, f"2.5e10x{MINUTES}", **labels)                 # nothing expected: quiet
     fleet.add("nic_rate", "n4", None, f"5e10x9 2.5e9x{MINUTES - 10}", **labels)
     for node in ("n1", "n2", "n4"):
         fleet.add("nic_expected_rate", node, None, f"5e10x{MINUTES}", **labels)
-    degraded = _port_alert(
-        "GPUHealthNicRateDegraded", "n1", "mlx5_0", "2.5e10", "warning", "drain",
-        "NIC port mlx5_0/1 of n1 runs below its expected rate",
-        "InfiniBand/RoCE port 1 of mlx5_0 on n1 trained at 25GB/s, below the rate configured as expected: "
-        "every collective over it, and so every job spanning the node, runs at that speed until the link "
-        "retrains. Drain the node and have the cable, transceiver or HCA replaced.")
+    degraded = [_port_alert(
+        "GPUHealthNicRateDegraded", node, device, "2.5e10", "warning", "drain",
+        f"NIC port {device}/1 of {node} runs below its expected rate",
+        f"InfiniBand/RoCE port 1 of {device} on {node} trained at 25GB/s, below the rate configured as "
+        "expected: every collective over it, and so every job spanning the node, runs at that speed until "
+        "the link retrains. Drain the node and have the cable, transceiver or HCA replaced.")
+        for node, device in (("n1", "mlx5_0"), ("n5", "mlx5_1"))]
     checks = [
         *_quiet(10, "GPUHealthNicRateDegraded"),               # n1 down while it retrains
-        *[{"eval_time": f"{minute}m", "alertname": "GPUHealthNicRateDegraded", "exp_alerts": [degraded]}
-          for minute in (11, 60)],
+        *[{"eval_time": f"{minute}m", "alertname": "GPUHealthNicRateDegraded", "exp_alerts": degraded[:1]}
+          for minute in (11, 40)],
+        {"eval_time": "41m", "alertname": "GPUHealthNicRateDegraded", "exp_alerts": degraded},
         {"eval_time": "11m", "alertname": "GPUHealthNicPortDown", "exp_alerts": [_down("n4", "mlx5_0")]},
     ]
     _run(tmp_path, fleet, checks)
