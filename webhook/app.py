@@ -119,6 +119,12 @@ async def _require_auth(request: web.Request, handler: Handler) -> web.StreamRes
 
 async def post_alerts(request: web.Request) -> web.Response:
     metrics = request.app[METRICS]
+    if request.content_type != "application/json":
+        # Alertmanager always sends JSON; the types a browser may send cross-site without asking
+        # (text/plain, forms) never reach the parser, whatever headers a proxy strips
+        metrics.notifications.labels("malformed").inc()
+        raise _json_error(web.HTTPUnsupportedMediaType,
+                          f"expected Content-Type: application/json, got {request.content_type[:60]!r}")
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:

@@ -161,7 +161,8 @@ def test_tls_with_client_certificates(tmp_path):
     def post(context: ssl.SSLContext) -> int:
         body = json.dumps(notification(alert("gpu01"))).encode()
         request = urllib.request.Request(f"{url}/alerts", data=body,
-                                         headers={"Authorization": "Bearer tls-token"})
+                                         headers={"Authorization": "Bearer tls-token",
+                                                  "Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=10, context=context) as resp:
             return resp.status
 
