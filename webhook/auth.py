@@ -16,6 +16,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuhealth.contract.files import read_text
 from gpuhealth.webhook.config import BasicAuth, Config
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ class AuthSetupError(RuntimeError):
 
 def _read_secret(path: Path, what: str) -> str:
     try:
-        value = path.read_text().strip()
+        value = read_text(path).strip()
     except OSError as exc:
         raise AuthSetupError(f"{what} {path}: cannot read: {exc.strerror}") from None
     if not value:

@@ -69,12 +69,15 @@ def test_backend_problems_are_listed_with_the_rest(tmp_path, capsys):
 
 @pytest.mark.parametrize(("content", "message"), [
     (None, "cannot read"), ("backend: [", "not valid YAML"), ("backend: {type: pbs}", "unknown backend type"),
-    ("- just a list", "must be a mapping"), (b"state_dir: /tmp/\xff\n", "not valid YAML"),
+    ("- just a list", "must be a mapping"), (b"state_dir: /tmp/\xff\n", "not UTF-8 text"),
+    ("/dev/zero", "is a device"),  # once read until memory ran out
 ])
 def test_unusable_files_give_one_clear_line(tmp_path, capsys, content, message):
     path = tmp_path / "config.yaml"
     if isinstance(content, bytes):
         path.write_bytes(content)
+    elif content is not None and content.startswith("/dev/"):
+        path = Path(content)
     elif content is not None:
         path.write_text(content)
     assert main(["--config", str(path), "--check-config"]) == 2
@@ -87,6 +90,10 @@ def test_missing_token_file_is_a_clear_error(tmp_path, capsys):
                                     "auth": {"token_file": "absent.token"}}))
     assert main(["--config", str(path), "--state-dir", str(tmp_path)]) == 2
     assert "absent.token: cannot read" in capsys.readouterr().err
+    path.write_text(yaml.safe_dump({"backend": {"type": "simulated", "nodes": ["n1"]},
+                                    "auth": {"token_file": "/dev/zero"}}))
+    assert main(["--config", str(path), "--state-dir", str(tmp_path)]) == 2
+    assert "/dev/zero: cannot read: is a device" in capsys.readouterr().err
 
 
 def test_unusable_state_dir_is_a_clear_error(tmp_path, capsys):
