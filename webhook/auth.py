@@ -97,6 +97,9 @@ class Authenticator:
         if config.auth.operator is not None:
             op = config.auth.operator
             operator = Credentials.load("operator", op.token_file, op.basic_auth, "auth.operator")
+        else:  # allowed (one credential is simpler to start with), but said at every start
+            log.warning("event=no_operator_credentials (Alertmanager's credential also approves, cancels "
+                        "and resets the breaker: set auth.operator to keep those for people)")
         return cls(intake, operator)
 
     def identify(self, header: str | None, *, operator: bool) -> str | None:

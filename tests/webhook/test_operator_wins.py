@@ -167,6 +167,20 @@ async def test_operator_actions_take_the_operator_credential_only(webhook, tmp_p
     assert approvals == ["approved by operator token", "approved by operator basic user alice"]
 
 
+
+async def test_a_start_without_operator_credentials_says_that_alertmanagers_also_approve(webhook, caplog,
+                                                                                         tmp_path):
+    """A careless deployment leaves out ``auth.operator``: allowed, but never silently."""
+    with caplog.at_level("WARNING", logger="gpuhealth.webhook.auth"):
+        await webhook()
+    assert any("event=no_operator_credentials" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    (tmp_path / "operator-token").write_text("operator-secret-42\n")
+    with caplog.at_level("WARNING", logger="gpuhealth.webhook.auth"):
+        await webhook(auth={"operator": {"token_file": str(tmp_path / "operator-token")}})
+    assert not any("no_operator_credentials" in r.getMessage() for r in caplog.records)
+
+
 SITE = """\
 import json, os, sys
 from pathlib import Path
