@@ -35,6 +35,26 @@ async def test_undrain_leaves_a_node_an_operator_redrained_while_the_health_chec
     assert (await hook.call("GET", "/status"))["drained_by_us"] == []
 
 
+async def test_no_alert_can_undrain_a_node_an_operator_drained(webhook):
+    """An attacker holding the intake credential asks for an undrain outright, names a node in a
+    hostlist or with a look-alike, and forges a resolution of an alert that met the operator's drain:
+    nothing reaches the cluster, and the operator's reason stays."""
+    hook = await webhook()
+    hook.backend.state["nodes"]["gpu07"].update(drained=True, reason=OPERATOR_REASON)
+    firing = alert("gpu07", action="drain")
+    asks = [alert("gpu07", action=kind) for kind in ("undrain", "resume", "UNDRAIN", "none ")]
+    hostlists = ("gpu0[6-8]", "gpu06,gpu07", "ALL", "gpu07 ", "gpu\u200b07")
+    asks += [alert(node, action="drain") for node in hostlists]
+    await hook.post(firing, *asks)
+    await hook.settle()
+    await hook.post(resolved(firing))
+    actions = await hook.settle()
+    assert hook.drained == {"gpu07": OPERATOR_REASON}
+    assert hook.backend.history == []
+    assert {(a["kind"], a["reason"]) for a in actions} == {
+        ("drain", "drained_by_other"), ("unknown", "unknown_action"), ("drain", "invalid_node")}
+
+
 class OperatorDuringRequeue(SimulatedBackend):
     """Between our drain and our reboot, an operator changes the node: the reboot must not follow."""
 
