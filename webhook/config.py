@@ -6,6 +6,7 @@ global rate limit, and undrain only of nodes this webhook drained.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 import string
@@ -69,10 +70,22 @@ Regex = Annotated[re.Pattern[str], PlainValidator(_regex),
                   WithJsonSchema({"type": ["string", "number"], "format": "regex"})]
 
 
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def parse_listen(value: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port); ``ValueError`` otherwise."""
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    bracketed = host.startswith("[") and host.endswith("]") and len(host) > 2
+    # a name, an IPv4 address, or an IPv6 one (between brackets or not: ":::9836" is "::", port 9836)
+    plain = "[" not in host and "]" not in host and (":" not in host or _is_ipv6(host))
+    if (not sep or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536
+            or not (bracketed or plain)):
         raise ValueError(f"listen: {value!r} is not HOST:PORT")
     return host.strip("[]") or "0.0.0.0", int(port)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import sqlite3
 import ssl
 import sys
@@ -103,6 +104,26 @@ def test_unusable_state_dir_is_a_clear_error(tmp_path, capsys):
     assert main(["--config", str(path), "--state-dir", str(tmp_path / "occupied" / "state")]) == 2
     err = capsys.readouterr().err
     assert "occupied" in err and "Traceback" not in err
+
+
+def test_a_listen_address_that_cannot_be_served_is_a_clear_error(tmp_path, capsys):
+    """A port in use (or a host that does not resolve) ended in a traceback; an unbalanced bracket or
+    a host with colons that is no IPv6 address passed the check and failed the same way."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"backend": {"type": "simulated", "nodes": ["n1"]}}))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["--config", str(path), "--state-dir", str(tmp_path), "--listen", f"127.0.0.1:{port}"]
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"cannot serve on 127.0.0.1:{port}: " in err and "Traceback" not in err
+    for bad in ("[::1:9836", "gpu:01:9836", "[]:9836", "127.0.0.1:\u0663"):
+        assert main(["--config", str(path), "--listen", bad, "--check-config"]) == 2, bad
+        assert "is not HOST:PORT" in capsys.readouterr().err
+    for good in (":::9836", "[::1]:9836", "gpu-a001:9836"):
+        assert main(["--config", str(path), "--listen", good, "--check-config"]) == 0, good
 
 
 def test_help_names_every_flag(capsys):
