@@ -172,26 +172,33 @@ def _argv(text: str) -> tuple[str, ...]:
     return argv
 
 
+FUTURE_SLACK_SECONDS = 5.0  # a time typed as "now", or a clock a little ahead
+
+
 def seconds_after_boot(text: str, now: float | None = None, monotonic: float | None = None) -> float:
     """``--xid-since``: seconds after boot as the kernel log counts them, from that number itself or
-    from an ISO 8601 time with its zone (``2026-12-02T01:15:00Z``), through the current boot time."""
+    from an ISO 8601 time with its zone (``2026-12-02T01:15:00Z``), through the current boot time.
+    A time still to come is refused: every XID would be skipped and the check pass unseen."""
+    uptime = time.monotonic() if monotonic is None else monotonic
     try:
         seconds = float(text)
     except ValueError:
         seconds = None
-    if seconds is not None:
-        if not 0 <= seconds < float("inf"):
-            raise argparse.ArgumentTypeError(f"expected seconds after boot >= 0, got {text!r}")
-        return seconds
-    try:
-        when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds after boot or an ISO 8601 time, got {text!r}") \
-            from None
-    if when.tzinfo is None:
-        raise argparse.ArgumentTypeError(f"{text!r} has no time zone (add Z or +HH:MM)")
-    boot = (time.time() if now is None else now) - (time.monotonic() if monotonic is None else monotonic)
-    return max(when.timestamp() - boot, 0.0)
+    if seconds is None:
+        try:
+            when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected seconds after boot or an ISO 8601 time, got "
+                                             f"{text!r}") from None
+        if when.tzinfo is None:
+            raise argparse.ArgumentTypeError(f"{text!r} has no time zone (add Z or +HH:MM)")
+        seconds = max(when.timestamp() - ((time.time() if now is None else now) - uptime), 0.0)
+    elif not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds after boot >= 0, got {text!r}")
+    if seconds > uptime + FUTURE_SLACK_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r} is {seconds - uptime:.0f} s in the future: no XID logged "
+                                         "so far would count")
+    return seconds
 
 
 class _HelpWithDefaults(argparse.HelpFormatter):

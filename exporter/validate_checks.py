@@ -274,20 +274,16 @@ class KernelLog:
     ignore: frozenset[int] = frozenset()
 
 
-def check_xid(node: NodeState, kernel_log: KernelLog | None) -> Check:
-    """XIDs (and fallen-off-the-bus notices) the kernel logged since ``since``, by GPU."""
-    if kernel_log is None:
-        return Check("xid", None, "kernel log not read (--no-kmsg)")
-    try:
-        follower = KmsgFollower(kernel_log.path, from_start=True)
-        lines = []
-        while batch := follower.read_lines():
-            lines += batch
-        follower.close()
-    except OSError as exc:
-        return Check("xid", False, f"cannot read the kernel log {kernel_log.path}: {exc.strerror or exc}")
-    inventory = node.inventory()
-    found: dict[str, dict[str, int]] = {}  # gpu -> XID -> lines
+# The kernel's ring buffer holds at most 32 MiB (log_buf_len's ceiling): some 300,000 records of 100 bytes.
+# A log beyond either bound (/dev/zero, a years-long syslog) fails the check instead of filling memory.
+MAX_LOG_RECORDS = 500_000
+MAX_LOG_CHARS = 64 << 20
+
+
+def _count_xids(lines: list[str], kernel_log: KernelLog, inventory: Inventory,
+                found: dict[str, dict[str, int]]) -> int:
+    """Add the lines' XIDs since ``kernel_log.since`` to ``found`` (gpu -> XID -> lines); how many
+    were ignored."""
     ignored = 0
     for line in lines:
         _, at, _ = split_record(line)
@@ -301,6 +297,30 @@ def check_xid(node: NodeState, kernel_log: KernelLog | None) -> Check:
             gpu = inventory.gpu_for_pci(event.pci_bus_id) if event.pci_bus_id else "unknown"
             counts = found.setdefault(gpu, {})
             counts[str(code)] = counts.get(str(code), 0) + 1
+    return ignored
+
+
+def check_xid(node: NodeState, kernel_log: KernelLog | None) -> Check:
+    """XIDs (and fallen-off-the-bus notices) the kernel logged since ``since``, by GPU."""
+    if kernel_log is None:
+        return Check("xid", None, "kernel log not read (--no-kmsg)")
+    inventory = node.inventory()
+    found: dict[str, dict[str, int]] = {}  # gpu -> XID -> lines
+    ignored = records = chars = 0
+    try:
+        follower = KmsgFollower(kernel_log.path, from_start=True)
+        try:
+            while batch := follower.read_lines():
+                records, chars = records + len(batch), chars + sum(map(len, batch))
+                if records > MAX_LOG_RECORDS or chars > MAX_LOG_CHARS:
+                    return Check("xid", False, f"the kernel log {kernel_log.path} holds more than "
+                                 f"{MAX_LOG_RECORDS} records or {MAX_LOG_CHARS >> 20} MiB: not one boot's "
+                                 "kernel log (use /dev/kmsg)")
+                ignored += _count_xids(batch, kernel_log, inventory, found)
+        finally:
+            follower.close()
+    except OSError as exc:
+        return Check("xid", False, f"cannot read the kernel log {kernel_log.path}: {exc.strerror or exc}")
     since = "boot" if kernel_log.since <= 0 else f"{kernel_log.since:g} s after boot"
     value = {"since_seconds_after_boot": kernel_log.since, "xids": found, "ignored": ignored}
     if found:

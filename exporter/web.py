@@ -291,9 +291,10 @@ class ExporterServer:
                         b"ok\n" if ok else b"sampling stalled\n", "text/plain", {}, keep_alive,
                         method == "HEAD")
             return keep_alive
+        head_only = method == "HEAD"  # no body then, or a kept-alive client reads it as the next answer
         if self.auth is not None and not await self._authorised(headers.get("authorization")):
             self._write(writer, HTTPStatus.UNAUTHORIZED, b"unauthorized\n", "text/plain",
-                        {"WWW-Authenticate": 'Basic realm="gpuhealth-exporter"'}, keep_alive)
+                        {"WWW-Authenticate": 'Basic realm="gpuhealth-exporter"'}, keep_alive, head_only)
             return keep_alive
         if path == "/metrics":
             snapshot, extra = self.sampler.snapshot, {"Vary": "Accept-Encoding"}
@@ -304,7 +305,7 @@ class ExporterServer:
         elif path == "/":
             self._write(writer, HTTPStatus.OK, LANDING, "text/html", {}, keep_alive, method == "HEAD")
         else:
-            self._write(writer, HTTPStatus.NOT_FOUND, b"not found\n", "text/plain", {}, keep_alive)
+            self._write(writer, HTTPStatus.NOT_FOUND, b"not found\n", "text/plain", {}, keep_alive, head_only)
         return keep_alive
 
     async def _authorised(self, header: str | None) -> bool:

@@ -16,6 +16,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuhealth.contract.files import read_text
 from gpuhealth.webhook.config import BasicAuth, Config
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ class AuthSetupError(RuntimeError):
 
 def _read_secret(path: Path, what: str) -> str:
     try:
-        value = path.read_text().strip()
+        value = read_text(path).strip()
     except OSError as exc:
         raise AuthSetupError(f"{what} {path}: cannot read: {exc.strerror}") from None
     if not value:
@@ -96,6 +97,9 @@ class Authenticator:
         if config.auth.operator is not None:
             op = config.auth.operator
             operator = Credentials.load("operator", op.token_file, op.basic_auth, "auth.operator")
+        else:  # allowed (one credential is simpler to start with), but said at every start
+            log.warning("event=no_operator_credentials (Alertmanager's credential also approves, cancels "
+                        "and resets the breaker: set auth.operator to keep those for people)")
         return cls(intake, operator)
 
     def identify(self, header: str | None, *, operator: bool) -> str | None:

@@ -6,6 +6,7 @@ global rate limit, and undrain only of nodes this webhook drained.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 import string
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
+from gpuhealth.contract.files import read_text
 from gpuhealth.contract.validation import Location, Model, problems
 from gpuhealth.webhook.actions import ALERT_ACTIONS as ACTIONS
 from gpuhealth.webhook.backends.command import NODE, template_errors
@@ -68,10 +70,22 @@ Regex = Annotated[re.Pattern[str], PlainValidator(_regex),
                   WithJsonSchema({"type": ["string", "number"], "format": "regex"})]
 
 
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def parse_listen(value: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port); ``ValueError`` otherwise."""
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    bracketed = host.startswith("[") and host.endswith("]") and len(host) > 2
+    # a name, an IPv4 address, or an IPv6 one (between brackets or not: ":::9836" is "::", port 9836)
+    plain = "[" not in host and "]" not in host and (":" not in host or _is_ipv6(host))
+    if (not sep or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536
+            or not (bracketed or plain)):
         raise ValueError(f"listen: {value!r} is not HOST:PORT")
     return host.strip("[]") or "0.0.0.0", int(port)
 
@@ -378,7 +392,7 @@ def parse_config(data: Any, base: Path = Path("."),
 def load_config(path: Path, check_backend: Callable[[dict[str, Any]], list[str]] | None = None) -> Config:
     """Read and validate ``path``; ``ConfigError`` for a missing file, bad YAML or bad values."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.safe_load(read_text(path))
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read: {exc.strerror}"]) from None
     except (yaml.YAMLError, UnicodeDecodeError) as exc:

@@ -117,9 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     log.info("event=listening host=%s port=%d tls=%s open_files_limit=%d connection_limit=%d idle_timeout=%g",
              config.listen_host, config.listen_port, context is not None, files, limit,
              config.connection_idle_timeout_seconds)
-    with contextlib.suppress(web.GracefulExit, KeyboardInterrupt):
-        asyncio.run(_serve(create_app(config, backend=backend), config, context, limit))
+    try:
+        with contextlib.suppress(web.GracefulExit, KeyboardInterrupt):
+            asyncio.run(_serve(create_app(config, backend=backend), config, context, limit))
+    except CannotListen as exc:
+        print(f"gpuhealth-webhook: {exc}", file=sys.stderr)
+        return 2
     return 0
+
+
+class CannotListen(Exception):
+    """The listening socket could not be opened; the message says where and why."""
 
 
 async def _serve(app: web.Application, config: Config, context: ssl.SSLContext | None, limit: int) -> None:
@@ -130,7 +138,10 @@ async def _serve(app: web.Application, config: Config, context: ssl.SSLContext |
                            keepalive_timeout=config.connection_idle_timeout_seconds)
     await runner.setup()
     try:
-        await web.TCPSite(runner, config.listen_host, config.listen_port, ssl_context=context).start()
+        try:
+            await web.TCPSite(runner, config.listen_host, config.listen_port, ssl_context=context).start()
+        except OSError as exc:  # a host that does not resolve, a port in use or not ours to bind
+            raise CannotListen(f"cannot serve on {config.listen}: {exc.strerror or exc}") from None
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()

@@ -23,6 +23,7 @@ from pydantic import (
     PlainValidator,
     ValidationError,
     WithJsonSchema,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -215,6 +216,13 @@ class AlertPayload(_Wire):
     generator_url: URL = Field(default="", alias="generatorURL")
     fingerprint: Annotated[str, AfterValidator(_fingerprint),
                            WithJsonSchema({"type": "string", "pattern": f"^{FINGERPRINT.pattern}$"})]
+
+    @model_validator(mode="after")
+    def _ends_after_start(self) -> AlertPayload:
+        """Alertmanager refuses such an alert (``model.Alert.Validate``); one that claims it is forged."""
+        if self.ends_at is not None and self.ends_at < self.starts_at:
+            raise PydanticCustomError("time_order", "endsAt is before startsAt")
+        return self
 
 
 class NotificationPayload(_Wire):

@@ -2,8 +2,9 @@
 exporter runs (a GPU reset, for ``gpuhealth-sim-reset``).
 
 Faults are injected through the scenario file (SIGHUP); a reset needs an answer (done, or why not),
-so it goes over a Unix socket beside the node's state, mode 0600: only the exporter's user can reset
-its GPUs, as only root can run ``nvidia-smi -r``. One JSON line each way per connection.
+so it goes over a Unix socket beside the node's state, mode 0600 and the peer's uid checked: only the
+exporter's user (or root) can reset its GPUs, as only root can run ``nvidia-smi -r``. One JSON line
+each way per connection; the GPU is held to the grammar ``nvidia-smi -i`` reads (an index or a UUID).
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import socketserver
+import stat
+import struct
 import threading
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,6 +27,10 @@ log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 4096
 TIMEOUT_SECONDS = 10.0
+_HEX = "[0-9a-fA-F]"
+# One GPU as nvidia-smi -i names it: an index (ASCII digits only) or a UUID; never a list or "all".
+GPU = re.compile(rf"[0-9]{{1,3}}|GPU-{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}")
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 class Resettable(Protocol):
@@ -40,18 +48,39 @@ class Unreachable(ControlError):
 def _answer(nvml: Resettable, line: bytes) -> dict[str, Any]:
     try:
         request = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested deeper than Python recurses
         return {"ok": False, "error": "the request is not JSON"}
     gpu = request.get("gpu") if isinstance(request, dict) else None
     if not isinstance(request, dict) or request.get("op") != "reset_gpu" or not isinstance(gpu, str):
         return {"ok": False, "error": 'expected {"op": "reset_gpu", "gpu": "<index or GPU-uuid>"}'}
+    if not GPU.fullmatch(gpu):
+        log.warning("event=sim_gpu_reset gpu=%r ok=false error=invalid_gpu", gpu[:80])
+        return {"ok": False, "error": f"gpu {gpu[:80]!r} is neither a GPU index nor a GPU-<uuid>"}
     try:
         detail = nvml.reset_gpu(gpu)
     except ResetRefused as exc:
-        log.warning("event=sim_gpu_reset gpu=%s ok=false error=%r", gpu, str(exc))
+        log.warning("event=sim_gpu_reset gpu=%r ok=false error=%r", gpu, str(exc))
         return {"ok": False, "error": str(exc)}
-    log.info("event=sim_gpu_reset gpu=%s ok=true", gpu)
+    log.info("event=sim_gpu_reset gpu=%r ok=true", gpu)
     return {"ok": True, "detail": detail}
+
+
+def _peer_allowed(sock: socket.socket) -> bool:
+    """The mode bits can be loosened by whoever owns the folder; the kernel's word on the peer cannot."""
+    _, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return uid in (os.geteuid(), 0)
+
+
+def _remove_stale_socket(path: Path) -> None:
+    """A socket left by an exporter that was killed goes; anything else at the path is an operator's
+    mistake (a config pointing at a real file) and is refused, never deleted."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
+    path.unlink()
 
 
 class ControlServer:
@@ -64,13 +93,19 @@ class ControlServer:
             timeout = TIMEOUT_SECONDS
 
             def handle(self) -> None:
-                try:
-                    line = self.rfile.readline(MAX_REQUEST_BYTES)
-                except OSError:
-                    return
-                self.wfile.write(json.dumps(_answer(nvml, line)).encode() + b"\n")
+                if not _peer_allowed(self.request):
+                    log.warning("event=sim_control_refused reason=peer_uid")
+                    answer: dict[str, Any] = {"ok": False,
+                                              "error": "only the exporter's user or root may reset its GPUs"}
+                else:
+                    try:
+                        line = self.rfile.readline(MAX_REQUEST_BYTES)
+                    except OSError:
+                        return
+                    answer = _answer(nvml, line)
+                self.wfile.write(json.dumps(answer).encode() + b"\n")
 
-        self.path.unlink(missing_ok=True)  # a socket left by an exporter that was killed
+        _remove_stale_socket(self.path)
         old_umask = os.umask(0o177)
         try:
             self._server = socketserver.ThreadingUnixStreamServer(str(self.path), Handler)

@@ -15,6 +15,7 @@ import yaml
 from gpuhealth.contract.duration import Offset
 from gpuhealth.contract.faults import APP_XIDS, FABRIC_KINDS, FAULT_XIDS
 from gpuhealth.contract.faults import SIMULATED_NODE_NOISE_KINDS as NOISE_KINDS
+from gpuhealth.contract.files import read_text
 from gpuhealth.contract.validation import Location, Model, OneOf, problems
 from pydantic import Field, ValidationError
 
@@ -245,7 +246,7 @@ def load_scenario(path: Path | None) -> Scenario:
     if path is None:
         return Scenario()
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.safe_load(read_text(path))
     except OSError as exc:
         raise ScenarioError(str(path), [f"cannot read: {exc.strerror}"]) from None
     except yaml.YAMLError as exc:

@@ -3,6 +3,8 @@ that are plain values, plus the few values Ansible would compute, supplied by th
 
 from __future__ import annotations
 
+import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -30,3 +32,12 @@ def render_to(path: Path, role: str, template: str, variables: dict[str, Any]) -
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render(role, template, variables))
     return path
+
+
+def systemd_argv(unit: str) -> list[str]:
+    """ExecStart as systemd splits it: specifiers (%%) first, C-style quoting, then $$ (no variables)."""
+    line = next(line for line in unit.replace("\\\n", " ").splitlines() if line.startswith("ExecStart="))
+    command = line.removeprefix("ExecStart=")
+    assert not re.search(r"(?<!%)%(?!%)", command.replace("%%", "")), "an unescaped specifier"
+    assert not re.search(r"(?<!\$)\$(?!\$)", command.replace("$$", "")), "an unescaped variable"
+    return [arg.replace("$$", "$") for arg in shlex.split(command.replace("%%", "%"))]

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import re
-import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 import jinja2
 from ansible_helpers import COLLECTION
-from rendering import role_defaults
+from rendering import role_defaults, systemd_argv
 
 HOSTILE = ['--web.config.file=/etc/gpu health/"web".yml', "--kmsg-path=/var/log/%zkern$HOME\\.log",
            "--state-dir=/srv/100%"]
@@ -26,15 +24,6 @@ def render_unit(venv: Path, **variables: object) -> str:
               "__gpuhealth_exporter_config_file": "/etc/gpuhealth x.yml",
               "__gpuhealth_exporter_state_dir": "/var/lib/gpuhealth-exporter", **variables}
     return env.get_template("gpuhealth-exporter.service.j2").render(values)
-
-
-def systemd_argv(unit: str) -> list[str]:
-    """ExecStart as systemd splits it: specifiers (%%) first, C-style quoting, then $$ (no variables)."""
-    line = next(line for line in unit.replace("\\\n", " ").splitlines() if line.startswith("ExecStart="))
-    command = line.removeprefix("ExecStart=")
-    assert not re.search(r"(?<!%)%(?!%)", command.replace("%%", "")), "an unescaped specifier"
-    assert not re.search(r"(?<!\$)\$(?!\$)", command.replace("$$", "")), "an unescaped variable"
-    return [arg.replace("$$", "$") for arg in shlex.split(command.replace("%%", "%"))]
 
 
 def test_every_argument_survives_systemd_quoting(tmp_path: Path) -> None:

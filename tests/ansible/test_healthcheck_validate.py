@@ -3,6 +3,7 @@ with the real gpuhealth-validate against the simulator and an scontrol that reco
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ NODE = "gpu07"
 UNREACHABLE = "file:///nonexistent/metrics"  # no exporter: only the validation speaks
 
 
-def render(tmp_path: Path, validate_args: list[str], validate: bool = True) -> Path:
+def render(tmp_path: Path, validate_args: list[str], validate: bool = True, scontrol: str = "") -> Path:
     """The installed health check, its venv this test's (where gpuhealth-validate is installed)."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(COLLECTION / "roles" / "gpuhealth_exporter" /
                                                             "templates"),
@@ -28,7 +29,7 @@ def render(tmp_path: Path, validate_args: list[str], validate: bool = True) -> P
     script.write_text(env.get_template("gpuhealth-healthcheck.j2").render({
         **role_defaults("gpuhealth_exporter"), "ansible_managed": "Ansible managed",
         "__gpuhealth_exporter_venv": str(Path(sys.executable).parent.parent),
-        "gpuhealth_exporter_slurm_healthcheck_scontrol": str(tmp_path / "scontrol"),
+        "gpuhealth_exporter_slurm_healthcheck_scontrol": scontrol or str(tmp_path / "scontrol"),
         "gpuhealth_exporter_slurm_healthcheck_validate": validate,
         "gpuhealth_exporter_slurm_healthcheck_validate_args": validate_args}))
     script.chmod(0o755)
@@ -113,3 +114,14 @@ def test_an_exporter_fault_drains_first_and_validation_is_not_run(tmp_path: Path
     assert result.returncode == 1, result.stderr
     expected = f"update|NodeName={NODE}|State=DRAIN|Reason=gpuhealth-healthcheck: gpu 4 lost|"
     assert (calls.read_text().splitlines() if calls.exists() else []) == ([expected] if drains else [])
+
+
+
+def test_the_scontrol_path_is_a_python_string_whatever_it_holds(tmp_path: Path) -> None:
+    """The path was pasted between double quotes: a quote in it ended the string and the rest ran as
+    Python in every health check."""
+    hostile = str(tmp_path / 'sbin" + __import__("os").system("touch pwned") + "\\x')
+    tree = ast.parse(render(tmp_path, [], validate=False, scontrol=hostile).read_text())
+    [value] = [ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+               and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["SCONTROL"]]
+    assert value == hostile

@@ -182,6 +182,14 @@ def test_exporter_fabric_settings_reach_the_exporter(rate: object, switches: dic
         assert settings.expected_rate("mlx5_0") == (rate * 1e9 / 8 if rate else None)
 
 
+def test_exporter_settings_keys_cannot_inject_yaml():
+    """A key was written as it was: a newline in it wrote a second setting of its own."""
+    hostile = 'sampling_window: 1\nbackend: "nvml"\nx'
+    config = yaml.safe_load(render("gpuhealth_exporter", "exporter.yml.j2", {
+        "gpuhealth_exporter_settings": {hostile: 30, "a: b": 1}}))
+    assert config == {"state_dir": "/var/lib/gpuhealth-exporter", hostile: 30, "a: b": 1}
+
+
 def test_managed_header_is_optional():
     header = "# Ansible managed"
     text = render("gpuhealth_exporter", "exporter.yml.j2", {"gpuhealth_managed_header": header})

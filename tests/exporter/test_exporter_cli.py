@@ -194,8 +194,16 @@ def test_a_config_file_that_is_not_utf8_is_one_clear_problem(tmp_path: Path) -> 
     path = tmp_path / "exporter.yaml"
     path.write_bytes(b"backend: sim\nlisten: \"\xff\"\n")
     problems: list[str] = []
-    assert read_yaml(path, problems) == {} and len(problems) == 1 and "not valid YAML" in problems[0]
+    assert read_yaml(path, problems) == {} and len(problems) == 1 and "not UTF-8 text" in problems[0]
     web = tmp_path / "web.yaml"
     web.write_bytes(b"basic_auth_users:\n  \xff: x\n")
     with pytest.raises(ConfigError, match="web_config_file"):
         build_settings({"web_config_file": str(web)}, {}, ["nfs"])
+
+
+@pytest.mark.parametrize(("path", "message"), [("/dev/zero", "is a device"), ("/", "Is a directory")])
+def test_a_config_path_that_is_no_file_is_one_clear_problem_not_a_hang(path: str, message: str) -> None:
+    """``--config /dev/zero`` once read until memory ran out."""
+    problems: list[str] = []
+    assert read_yaml(Path(path), problems) == {} and len(problems) == 1
+    assert problems[0].startswith(f"{path}: cannot read: ") and message in problems[0]

@@ -295,3 +295,16 @@ def test_a_client_that_never_reads_its_answers_is_closed_after_the_write_deadlin
             time.sleep(0.05)
         sock.close()
         assert get(f"http://{address}/healthz")[0] in (200, 503)
+
+
+def test_head_answers_carry_no_body_so_a_kept_alive_client_stays_in_step(sampler: Sampler) -> None:
+    """A HEAD answered 404 or 401 once sent its body; a client that keeps the connection reads that body
+    as the start of the next answer (one answer injected ahead of the real one)."""
+    hashed = bcrypt.hashpw(b"scrape-me", bcrypt.gensalt(rounds=4)).decode()
+    for address in serve(make_server("127.0.0.1", free_port(), sampler, users={"prometheus": hashed})):
+        for first in (b"HEAD /nope HTTP/1.1\r\n\r\n", b"HEAD /metrics HTTP/1.1\r\n\r\n",
+                      b"HEAD /healthz HTTP/1.1\r\n\r\n",
+                      b"HEAD / HTTP/1.1\r\nAuthorization: Basic eDp5\r\n\r\n"):
+            answer = _raw(address, first + b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
+            _, sep, rest = answer.partition(b"\r\n\r\n")
+            assert sep and rest.startswith(b"HTTP/1.1 200 OK\r\n") and rest.endswith(b"\r\n\r\nok\n"), answer

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -128,6 +130,65 @@ def test_the_control_socket_answers_bad_requests_and_is_private(clock: FakeClock
     assert not (tmp_path / "ctl.sock").exists()
     with pytest.raises(Unreachable, match="cannot reach"):
         reset_gpu(tmp_path / "ctl.sock", "0")
+
+
+def _ask(path: Path, request: bytes) -> dict:
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(path))
+        sock.sendall(request)
+        return json.loads(sock.makefile("rb").readline())
+
+
+def test_the_control_socket_refuses_hostile_requests(clock: FakeClock, tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Deep nesting once killed the handler (no answer, a traceback); an Arabic-Indic digit reset GPU
+    3 ("\u0663".isdecimal()); a newline in the GPU forged a log line."""
+    nvml = sim({"gpus": 4}, clock)
+    server = ControlServer(tmp_path / "ctl.sock", nvml)
+    try:
+        nested = b"[" * 4000 + b"\n"
+        assert _ask(tmp_path / "ctl.sock", nested) == {"ok": False, "error": "the request is not JSON"}
+        for gpu in ("\u0663", "3\nevent=sim_gpu_reset gpu=0 ok=true", "0,1", "all", " 1", "-1", "1234"):
+            answer = _ask(tmp_path / "ctl.sock", json.dumps({"op": "reset_gpu", "gpu": gpu}).encode() + b"\n")
+            assert answer["ok"] is False, gpu
+        assert not any("\n" in r.getMessage() for r in caplog.records)
+        assert "successfully reset" in reset_gpu(tmp_path / "ctl.sock", "3")
+    finally:
+        server.close()
+
+
+def test_the_control_socket_answers_only_its_own_user_even_if_its_mode_is_loosened(clock: FakeClock,
+                                                                                  tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to connect as another user")
+    shared = Path(tempfile.mkdtemp(prefix="gpuhealth-ctl-"))  # pytest's tmp_path is root's alone
+    shared.chmod(0o755)
+    server = ControlServer(shared / "ctl.sock", sim({"gpus": 1}, clock))
+    try:
+        (shared / "ctl.sock").chmod(0o666)  # an operator's chmod, or a umask race: the uid check holds
+        client = ("import socket, sys\n"
+                  "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+                  "try:\n    s.sendall(b'{\"op\": \"reset_gpu\", \"gpu\": \"0\"}\\n')\n"
+                  "except BrokenPipeError:\n    pass  # refused before it was read\n"
+                  "print(s.makefile('rb').readline().decode(), end='')\n")
+        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        done = subprocess.run([*nobody, "/usr/bin/python3", "-c", client, str(shared / "ctl.sock")],
+                              capture_output=True, text=True, timeout=30, check=False)
+        assert done.returncode == 0, done.stderr
+        answer = json.loads(done.stdout)
+        assert answer["ok"] is False and "only the exporter's user" in answer["error"]
+    finally:
+        server.close()
+        shared.rmdir()
+
+
+def test_the_control_socket_never_replaces_a_file_that_is_not_a_socket(clock: FakeClock,
+                                                                       tmp_path: Path) -> None:
+    precious = tmp_path / "scenario.yml"
+    precious.write_text("gpus: 1\n")
+    with pytest.raises(FileExistsError, match="not a socket"):
+        ControlServer(precious, sim({"gpus": 1}, clock))
+    assert precious.read_text() == "gpus: 1\n"
 
 
 def _metrics(port: int) -> str:

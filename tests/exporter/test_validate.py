@@ -3,6 +3,7 @@ every NVML error class gives a verdict (never a traceback), and the exit code sa
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ from gpuhealth.exporter.nvml_errors import UNCOUNTED, Reaction, error_label, rea
 from gpuhealth.exporter.sim.nvml import SimulatedNvml
 from gpuhealth.exporter.sim.scenario import parse_scenario
 from gpuhealth.exporter.validate import APPLICATION_XIDS, Options, main, seconds_after_boot, validate
-from gpuhealth.exporter.validate_checks import Check, KernelLog, NicPorts
+from gpuhealth.exporter.validate_checks import MAX_LOG_RECORDS, Check, KernelLog, NicPorts
 from test_nvml_errors import ERRORS, GPU_DOWN, NVML_DOWN
 
 PASSED, FAILED, CANNOT = 0, 1, 2
@@ -255,13 +256,30 @@ def test_an_unreadable_kernel_log_fails_the_xid_check(tmp_path: Path) -> None:
     assert checks["xid"].detail.startswith(f"cannot read the kernel log {tmp_path}: ")
 
 
+@pytest.mark.parametrize("flood", ["/dev/zero", "records"])
+def test_a_kernel_log_that_never_ends_fails_the_xid_check(tmp_path: Path, flood: str) -> None:
+    """``--kmsg-path /dev/zero`` (or a years-long syslog) was read into one list until memory ran out."""
+    path = Path(flood)
+    if flood == "records":  # more short lines than any kernel ring buffer holds, an XID among the last
+        path = tmp_path / "syslog"
+        path.write_text("x\n" * MAX_LOG_RECORDS + "NVRM: Xid (PCI:0000:18:00): 48, DBE\n")
+    code, checks = run(sim({"gpus": 1}), kernel_log=KernelLog(path))
+    assert code == FAILED
+    assert "not one boot's kernel log (use /dev/kmsg)" in checks["xid"].detail
+
+
 def test_xid_since_takes_seconds_after_boot_or_a_zoned_time() -> None:
-    assert seconds_after_boot("250.5") == 250.5
+    assert seconds_after_boot("250.5", monotonic=4000) == 250.5
     # booted at 1000 s after the epoch (now 5000, 4000 s since boot); the reset 1 h after the epoch
     assert seconds_after_boot("1970-01-01T01:00:00Z", now=5000, monotonic=4000) == 2600
     for bad in ("-1", "nan", "yesterday", "2026-12-02T01:00:00"):
         with pytest.raises(Exception, match=r"expected|time zone"):
             seconds_after_boot(bad)
+    # a time still to come skipped every XID and passed the check (a typo'd year, a wrong clock)
+    for future in ("4006", "99999999999999999999", "1970-01-01T01:23:27Z", "9999-12-31T23:59:59-23:59"):
+        with pytest.raises(argparse.ArgumentTypeError, match="in the future"):
+            seconds_after_boot(future, now=5000, monotonic=4000)
+    assert seconds_after_boot("4004", now=5000, monotonic=4000) == 4004  # "now", a clock a little ahead
 
 
 def fake_tool(path: Path, body: str) -> Path:

@@ -15,7 +15,7 @@ from exporter_helpers import (
     value,
 )
 from gpuhealth.exporter.collectors.xid import MAX_EVENT_SERIES
-from gpuhealth.exporter.dedup import XidDeduplicator
+from gpuhealth.exporter.dedup import MAX_UNPAIRED, XidDeduplicator
 
 
 def kmsg_context(tmp_path: Path, clock: FakeClock, scenario: dict | None = None):
@@ -121,6 +121,18 @@ def test_deduplicator_pairs_across_sources_only() -> None:
     assert not dedup.is_new("nvml", "0", 79, 4.0)
     assert dedup.is_new("nvml", "1", 79, 4.0)       # another GPU
     assert dedup.is_new("kmsg", "1", 79, 20.0)      # too late to pair: a new event
+
+
+def test_a_flood_of_one_xid_keeps_bounded_state_and_still_pairs() -> None:
+    """A kernel log repeating one XID thousands of times (forged, or a driver gone mad) once made
+    every line walk every line of the last window: 10,000 lines a run took seconds."""
+    dedup = XidDeduplicator(window=10)
+    flood = 2 * MAX_UNPAIRED
+    assert all(dedup.is_new("kmsg", "0", 31, 1.0 + i * 1e-5) for i in range(flood))
+    kept = sum(len(times) for by_source in dedup._unpaired.values() for times in by_source.values())
+    assert kept == MAX_UNPAIRED  # the newest reports, not the whole flood
+    assert not dedup.is_new("nvml", "0", 31, 2.0)   # NVML's report of one of them still pairs
+    assert dedup.is_new("nvml", "0", 31, 30.0)      # the flood left the window
 
 
 def test_logged_recovery_action_survives_a_restart(tmp_path: Path, clock: FakeClock) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import sqlite3
 import ssl
 import sys
@@ -69,12 +70,15 @@ def test_backend_problems_are_listed_with_the_rest(tmp_path, capsys):
 
 @pytest.mark.parametrize(("content", "message"), [
     (None, "cannot read"), ("backend: [", "not valid YAML"), ("backend: {type: pbs}", "unknown backend type"),
-    ("- just a list", "must be a mapping"), (b"state_dir: /tmp/\xff\n", "not valid YAML"),
+    ("- just a list", "must be a mapping"), (b"state_dir: /tmp/\xff\n", "not UTF-8 text"),
+    ("/dev/zero", "is a device"),  # once read until memory ran out
 ])
 def test_unusable_files_give_one_clear_line(tmp_path, capsys, content, message):
     path = tmp_path / "config.yaml"
     if isinstance(content, bytes):
         path.write_bytes(content)
+    elif content is not None and content.startswith("/dev/"):
+        path = Path(content)
     elif content is not None:
         path.write_text(content)
     assert main(["--config", str(path), "--check-config"]) == 2
@@ -87,6 +91,10 @@ def test_missing_token_file_is_a_clear_error(tmp_path, capsys):
                                     "auth": {"token_file": "absent.token"}}))
     assert main(["--config", str(path), "--state-dir", str(tmp_path)]) == 2
     assert "absent.token: cannot read" in capsys.readouterr().err
+    path.write_text(yaml.safe_dump({"backend": {"type": "simulated", "nodes": ["n1"]},
+                                    "auth": {"token_file": "/dev/zero"}}))
+    assert main(["--config", str(path), "--state-dir", str(tmp_path)]) == 2
+    assert "/dev/zero: cannot read: is a device" in capsys.readouterr().err
 
 
 def test_unusable_state_dir_is_a_clear_error(tmp_path, capsys):
@@ -96,6 +104,26 @@ def test_unusable_state_dir_is_a_clear_error(tmp_path, capsys):
     assert main(["--config", str(path), "--state-dir", str(tmp_path / "occupied" / "state")]) == 2
     err = capsys.readouterr().err
     assert "occupied" in err and "Traceback" not in err
+
+
+def test_a_listen_address_that_cannot_be_served_is_a_clear_error(tmp_path, capsys):
+    """A port in use (or a host that does not resolve) ended in a traceback; an unbalanced bracket or
+    a host with colons that is no IPv6 address passed the check and failed the same way."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"backend": {"type": "simulated", "nodes": ["n1"]}}))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["--config", str(path), "--state-dir", str(tmp_path), "--listen", f"127.0.0.1:{port}"]
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"cannot serve on 127.0.0.1:{port}: " in err and "Traceback" not in err
+    for bad in ("[::1:9836", "gpu:01:9836", "[]:9836", "127.0.0.1:\u0663"):
+        assert main(["--config", str(path), "--listen", bad, "--check-config"]) == 2, bad
+        assert "is not HOST:PORT" in capsys.readouterr().err
+    for good in (":::9836", "[::1]:9836", "gpu-a001:9836"):
+        assert main(["--config", str(path), "--listen", good, "--check-config"]) == 0, good
 
 
 def test_help_names_every_flag(capsys):
@@ -161,7 +189,8 @@ def test_tls_with_client_certificates(tmp_path):
     def post(context: ssl.SSLContext) -> int:
         body = json.dumps(notification(alert("gpu01"))).encode()
         request = urllib.request.Request(f"{url}/alerts", data=body,
-                                         headers={"Authorization": "Bearer tls-token"})
+                                         headers={"Authorization": "Bearer tls-token",
+                                                  "Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=10, context=context) as resp:
             return resp.status
 

@@ -35,6 +35,26 @@ async def test_undrain_leaves_a_node_an_operator_redrained_while_the_health_chec
     assert (await hook.call("GET", "/status"))["drained_by_us"] == []
 
 
+async def test_no_alert_can_undrain_a_node_an_operator_drained(webhook):
+    """An attacker holding the intake credential asks for an undrain outright, names a node in a
+    hostlist or with a look-alike, and forges a resolution of an alert that met the operator's drain:
+    nothing reaches the cluster, and the operator's reason stays."""
+    hook = await webhook()
+    hook.backend.state["nodes"]["gpu07"].update(drained=True, reason=OPERATOR_REASON)
+    firing = alert("gpu07", action="drain")
+    asks = [alert("gpu07", action=kind) for kind in ("undrain", "resume", "UNDRAIN", "none ")]
+    hostlists = ("gpu0[6-8]", "gpu06,gpu07", "ALL", "gpu07 ", "gpu\u200b07")
+    asks += [alert(node, action="drain") for node in hostlists]
+    await hook.post(firing, *asks)
+    await hook.settle()
+    await hook.post(resolved(firing))
+    actions = await hook.settle()
+    assert hook.drained == {"gpu07": OPERATOR_REASON}
+    assert hook.backend.history == []
+    assert {(a["kind"], a["reason"]) for a in actions} == {
+        ("drain", "drained_by_other"), ("unknown", "unknown_action"), ("drain", "invalid_node")}
+
+
 class OperatorDuringRequeue(SimulatedBackend):
     """Between our drain and our reboot, an operator changes the node: the reboot must not follow."""
 
@@ -165,6 +185,20 @@ async def test_operator_actions_take_the_operator_credential_only(webhook, tmp_p
     approvals = [(await hook.call("GET", f"/actions/{i}"))["transitions"][1]["detail"]
                  for i in (first, second)]
     assert approvals == ["approved by operator token", "approved by operator basic user alice"]
+
+
+
+async def test_a_start_without_operator_credentials_says_that_alertmanagers_also_approve(webhook, caplog,
+                                                                                         tmp_path):
+    """A careless deployment leaves out ``auth.operator``: allowed, but never silently."""
+    with caplog.at_level("WARNING", logger="gpuhealth.webhook.auth"):
+        await webhook()
+    assert any("event=no_operator_credentials" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    (tmp_path / "operator-token").write_text("operator-secret-42\n")
+    with caplog.at_level("WARNING", logger="gpuhealth.webhook.auth"):
+        await webhook(auth={"operator": {"token_file": str(tmp_path / "operator-token")}})
+    assert not any("no_operator_credentials" in r.getMessage() for r in caplog.records)
 
 
 SITE = """\

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 from waiting import eventually
-from webhook_helpers import FIXTURES, TOKEN, alert, notification, recorded
+from webhook_helpers import FIXTURES, TOKEN, alert, notification, recorded, resolved
 
 
 async def test_recorded_alertmanager_delivery_is_accepted_with_its_own_headers(webhook, tmp_path):
@@ -95,6 +95,9 @@ async def test_reads_are_open_and_writes_need_credentials(webhook):
     (json.dumps(notification({**alert(), "startsAt": "20261130T050000Z"})).encode(), "not an RFC 3339 time"),
     (json.dumps(notification({**alert(), "startsAt": "2026-11-30 05:00:00Z"})).encode(), "not an RFC 3339"),
     (json.dumps(notification({**alert(), "endsAt": "2026-11-30T05:00:00"})).encode(), "alerts[0].endsAt"),
+    # Alertmanager refuses an alert that ends before it starts; a resolution claiming so is forged
+    (json.dumps(notification(resolved({**alert(), "startsAt": "2026-11-30T07:00:00Z"}))).encode(),
+     "alerts[0]: endsAt is before startsAt"),
     (json.dumps(notification({**alert(), "generatorURL": "http://prom:9090/graph?g0.expr=up == 0"})).encode(),
      "generatorURL: 'http://prom:9090/graph?g0.expr=up == 0' is not an absolute URI"),
     (json.dumps(notification({**alert(), "generatorURL": "/graph?g0.expr=up"})).encode(), "absolute URI"),
@@ -108,7 +111,7 @@ async def test_reads_are_open_and_writes_need_credentials(webhook):
 ])
 async def test_malformed_notifications_are_400_with_a_clear_message(webhook, body, message):
     hook = await webhook()
-    resp = await hook.client.post("/alerts", data=body, headers=hook.auth)
+    resp = await hook.client.post("/alerts", data=body, headers=hook.posting)
     assert resp.status == 400
     assert message in (await resp.json())["error"]
     assert await hook.metric("gpuhealth_webhook_notifications_total", outcome="malformed") == 1
@@ -197,7 +200,7 @@ async def test_fuzzed_payloads_through_the_app_are_never_5xx(webhook):
 
     draw()
     for body in bodies:
-        resp = await hook.client.post("/alerts", data=body, headers=hook.auth)
+        resp = await hook.client.post("/alerts", data=body, headers=hook.posting)
         assert resp.status in (200, 400), await resp.text()
     assert (await hook.client.get("/healthz")).status == 200
     await hook.settle()
@@ -223,7 +226,7 @@ async def test_one_bad_notification_in_a_group_commit_leaves_its_neighbours_comm
     bad = notification(alert("gpu01", action="none"))
     bad["alerts"][0]["labels"]["team"] = "\ud800"  # a lone surrogate: JSON allows it, UTF-8 does not
     bodies.insert(30, bad)
-    answers = await asyncio.gather(*[hook.client.post("/alerts", data=json.dumps(b), headers=hook.auth)
+    answers = await asyncio.gather(*[hook.client.post("/alerts", data=json.dumps(b), headers=hook.posting)
                                      for b in bodies])
     statuses = [r.status for r in answers]
     assert statuses.count(200) == 59 and statuses[30] == 400, statuses
@@ -328,5 +331,24 @@ async def test_a_web_page_cannot_drive_the_webhook_through_a_browser(webhook, pa
     resp = await hook.client.post(path, data=json.dumps(notification(alert())), headers=headers)
     assert resp.status == status and resp.content_type == "application/json", await resp.text()
     assert await hook.actions() == []
-    resp = await hook.client.post("/alerts", data=json.dumps(notification(alert())))  # a tool, text/plain
+    resp = await hook.client.post("/alerts", json=notification(alert()))  # a tool, saying it sends JSON
     assert resp.status == 200
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", "application/jsonp",
+                                          "text/json"])
+async def test_a_body_that_is_not_declared_json_is_415_and_never_parsed(webhook, content_type):
+    """The types a browser sends cross-site without a preflight (text/plain, forms) carried a valid
+    notification through to the journal; Alertmanager always says application/json."""
+    hook = await webhook()
+    headers = {**hook.auth} | ({"Content-Type": content_type} if content_type else {})
+    body = json.dumps(notification(alert())).encode()
+    resp = await hook.client.post("/alerts", data=body, headers=headers, skip_auto_headers=["Content-Type"])
+    assert resp.status == 415 and resp.content_type == "application/json", await resp.text()
+    assert "application/json" in (await resp.json())["error"]
+    assert await hook.actions() == []
+    assert await hook.metric("gpuhealth_webhook_notifications_total", outcome="malformed") == 1
+    declared = {**hook.auth, "Content-Type": "application/json; charset=utf-8"}
+    resp = await hook.client.post("/alerts", data=body, headers=declared)
+    assert resp.status == 200, await resp.text()

@@ -522,6 +522,27 @@ async def test_hostile_labels_never_reach_scontrol(on_slurm, slurm):
     assert slurm.node("gpu04").reason.startswith("gpuhealth: GPUHealthXidFatal: XID 79 red next line [")
 
 
+async def test_a_summary_written_to_fool_scontrol_leaves_our_reason_ours_and_undrains(on_slurm, slurm):
+    """Quotes Slurm strips, key=value text and a forged "[user@time]" stamp that its -o listing could
+    be read by, and a summary far over the reason's length: the reason Slurm keeps is still ours (so
+    the resolution undrains the node), one line, at most MAX_REASON_CHARS before Slurm's stamp."""
+    hook = await on_slurm()
+    summary = ('"quoted" State=IDLE Reason=ops: mine Comment=x [root@2026-01-01T00:00:00] '
+               + "y" * 500 + '"')
+    firing = alert("gpu03", action="drain", summary=summary)
+    await hook.post(firing)
+    await hook.settle(timeout=60)
+    node = slurm.node("gpu03")
+    assert "DRAIN" in node.flags, node
+    assert node.reason.startswith('gpuhealth: GPUHealthXidFatal: "quoted" State=IDLE Reason=ops: mine'), node
+    assert len(node.reason) <= MAX_REASON_CHARS and "\n" not in node.reason
+    await hook.post(resolved(firing))
+    actions = await hook.settle(timeout=60)
+    assert [(a["kind"], a["state"], a["reason"]) for a in actions] == [("drain", "done", "ok"),
+                                                                         ("undrain", "done", "ok")]
+    assert "DRAIN" not in slurm.node("gpu03").flags
+
+
 async def test_a_full_journal_disk_never_sends_a_drain_twice(on_slurm, slurm, tmp_path, small_disk):
     """scontrol, through a wrapper that logs its argv, fills the journal's 2 MiB tmpfs as it sends the
     drain: the write recording the drain is refused, and while it is, no step runs again."""

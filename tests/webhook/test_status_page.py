@@ -80,3 +80,19 @@ async def test_status_page_in_headless_chromium(webhook, tmp_path):
     assert "<title>gpuhealth webhook</title>" in dom.decode()  # the alert's markup stayed text
     assert hostile in text
     assert shot.stat().st_size > 10_000
+
+
+async def test_every_answer_forbids_scripts_framing_and_sniffing(webhook):
+    """The page escapes alert text (jinja2 autoescape); the headers are the second wall should a
+    template ever print a value raw: no script runs, nothing loads, no page can frame it."""
+    hook = await webhook()
+    await hook.post(alert(summary='<script>alert(1)</script><img src=x onerror=alert(2)>'))
+    for path in ("/", "/actions", "/status", "/nope"):
+        resp = await hook.client.get(path)
+        headers = resp.headers
+        assert headers["X-Content-Type-Options"] == "nosniff", path
+        assert headers["X-Frame-Options"] == "DENY", path
+        assert "default-src 'none'" in headers["Content-Security-Policy"], path
+        assert "frame-ancestors 'none'" in headers["Content-Security-Policy"], path
+    page = await (await hook.client.get("/")).text()
+    assert "<script>alert(1)" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page

@@ -64,6 +64,7 @@ class Harness:
         self.client = client
         self.backend = backend
         self.auth = {"Authorization": f"Bearer {TOKEN}"}
+        self.posting = {**self.auth, "Content-Type": "application/json"}  # a body as Alertmanager sends it
 
     async def post(self, *alerts: dict[str, Any], expect: int = 200) -> dict[str, Any]:
         resp = await self.client.post("/alerts", json=notification(*alerts), headers=self.auth)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from gpuhealth.contract.files import read_text
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -37,7 +38,7 @@ class Connection:
         """Authentication headers for one request; raises ``OSError`` if the token file is gone."""
         token = self.token
         if token is None and self.token_file is not None:
-            token = self.token_file.read_text().strip()
+            token = read_text(self.token_file).strip()
         if token:
             return {"Authorization": f"Bearer {token}"}
         if self.basic_auth is not None:
@@ -72,7 +73,7 @@ def from_kubeconfig(path: Path, context_name: str | None, insecure: bool,
     """The cluster and user of one context of a kubeconfig file (the current one by default)."""
     where = f"kubeconfig {path}"
     try:
-        doc = yaml.safe_load(path.read_text())
+        doc = yaml.safe_load(read_text(path))
     except OSError as exc:
         errors.append(f"{where}: cannot read: {exc.strerror}")
         return None
