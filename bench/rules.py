@@ -29,16 +29,16 @@ import yaml
 from gpuhealth.rules.catalogue import load
 from gpuhealth.rules.render import render_all
 
-from gpuhealth.local.process import free_port, wait_until
+from gpuhealth.local.process import free_port
 from gpuhealth.local.prometheus import PrometheusServer
 from gpuhealth.local.synthetic_fleet import SyntheticFleet
 
 log = logging.getLogger("bench.rules")
 
 
-def _value(api, expr: str) -> float:
+def _value(api, expr: str, empty: float = float("nan")) -> float:
     result = api.query(expr)
-    return float(result[0]["value"][1]) if result else float("nan")
+    return float(result[0]["value"][1]) if result else empty
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,11 +68,8 @@ def run(args: argparse.Namespace) -> int:
             prometheus.start(timeout=120)
             api = prometheus.api
             started = time.monotonic()
-            # Every node scraped at least once lately: on a loaded machine the synthetic fleet's one
-            # Python server answers a few scrapes late, so all targets are seldom up at one instant.
-            scraped = 'count(max_over_time(up{job="gpuhealth-exporter"}[2m]) == 1)'
-            wait_until(lambda: _value(api, scraped) >= args.nodes,
-                       timeout=300, interval=2, what="every synthetic node scraped")
+            if not _wait_for_targets(api, args.nodes, args.start_timeout):
+                return 2
             print(f"all {args.nodes} targets up after {time.monotonic() - started:.0f}s; "
                   f"running {args.minutes} min", flush=True)
             time.sleep(args.minutes * 60)
@@ -82,6 +79,26 @@ def run(args: argparse.Namespace) -> int:
         finally:
             prometheus.stop()
             fleet.stop()
+
+
+def _wait_for_targets(api, nodes: int, timeout: float) -> bool:
+    """Every node scraped at least once lately (on a loaded machine a few scrapes answer late, so all
+    targets are seldom up at one instant), with progress every 15 s; False, said plainly, on timeout."""
+    scraped = 'count(max_over_time(up{job="gpuhealth-exporter"}[2m]) == 1)'
+    started = time.monotonic()
+    printed = started
+    while (up := _value(api, scraped, empty=0.0)) < nodes:
+        now = time.monotonic()
+        if now - started > timeout:
+            print(f"error: only {up:.0f} of {nodes} synthetic nodes scraped within {timeout:.0f}s: "
+                  "the machine is too loaded for this fleet; try fewer --nodes or a longer "
+                  "--start-timeout", file=sys.stderr)
+            return False
+        if now - printed >= 15:
+            print(f"{up:.0f} of {nodes} targets scraped after {now - started:.0f}s", flush=True)
+            printed = now
+        time.sleep(2)
+    return True
 
 
 def cpu_per_group(prometheus: PrometheusServer, rule_files: list[str], repeats: int, top: int) -> None:
@@ -163,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="InfiniBand ports per node, each behind its rack's leaf switch (default 8)")
     parser.add_argument("--minutes", type=float, default=4, help="minutes of scraping and evaluation")
     parser.add_argument("--scrape-interval", default="15s", help="scrape interval (default 15s)")
+    parser.add_argument("--start-timeout", type=float, default=300,
+                        help="seconds to wait for every node to be scraped once (default 300)")
     parser.add_argument("--top", type=int, default=8, help="slowest rules to list (default 8)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="evaluations per group for the CPU figure (default 5)")
