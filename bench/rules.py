@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import statistics
 import sys
 import tempfile
 import time
@@ -29,16 +31,16 @@ import yaml
 from gpuhealth.rules.catalogue import load
 from gpuhealth.rules.render import render_all
 
-from gpuhealth.local.process import free_port, wait_until
+from gpuhealth.local.process import free_port
 from gpuhealth.local.prometheus import PrometheusServer
 from gpuhealth.local.synthetic_fleet import SyntheticFleet
 
 log = logging.getLogger("bench.rules")
 
 
-def _value(api, expr: str) -> float:
-    result = api.query(expr)
-    return float(result[0]["value"][1]) if result else float("nan")
+def _value(api, expr: str, empty: float = float("nan"), at: float | None = None) -> float:
+    result = api.query(expr, time=at)
+    return float(result[0]["value"][1]) if result else empty
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,71 +70,131 @@ def run(args: argparse.Namespace) -> int:
             prometheus.start(timeout=120)
             api = prometheus.api
             started = time.monotonic()
-            # Every node scraped at least once lately: on a loaded machine the synthetic fleet's one
-            # Python server answers a few scrapes late, so all targets are seldom up at one instant.
-            scraped = 'count(max_over_time(up{job="gpuhealth-exporter"}[2m]) == 1)'
-            wait_until(lambda: _value(api, scraped) >= args.nodes,
-                       timeout=300, interval=2, what="every synthetic node scraped")
+            if not _wait_for_targets(api, args.nodes, args.start_timeout):
+                return 2
             print(f"all {args.nodes} targets up after {time.monotonic() - started:.0f}s; "
                   f"running {args.minutes} min", flush=True)
             time.sleep(args.minutes * 60)
-            status = report(api, args, fleet.gpus)
-            cpu_per_group(prometheus, rule_files, args.repeats, args.top)
+            rules = _last_evaluations(api)
+            # Everything after this instant reads the data as it stood: with ingest and evaluation
+            # stopped, a machine too loaded to answer queries beside 2,048 scrapes answers them now.
+            # After it Prometheus writes staleness markers, so every query is made at this instant.
+            at = time.time() - 1
+            _stop_scraping(prometheus)
+            status = report(api, args, fleet.gpus, at, rules)
+            cpu_per_group(prometheus, rule_files, at, args.repeats, args.top)
             return status
         finally:
             prometheus.stop()
             fleet.stop()
 
 
-def cpu_per_group(prometheus: PrometheusServer, rule_files: list[str], repeats: int, top: int) -> None:
+def _wait_for_targets(api, nodes: int, timeout: float) -> bool:
+    """Every node scraped at least once lately (on a loaded machine a few scrapes answer late, so all
+    targets are seldom up at one instant), with progress every 15 s; False, said plainly, on timeout."""
+    scraped = 'count(max_over_time(up{job="gpuhealth-exporter"}[2m]) == 1)'
+    started = time.monotonic()
+    printed = started
+    up = 0.0
+    while up < nodes:
+        now = time.monotonic()
+        if now - started > timeout:
+            print(f"error: only {up:.0f} of {nodes} synthetic nodes scraped within {timeout:.0f}s: "
+                  "the machine is too loaded for this fleet; try fewer --nodes or a longer "
+                  "--start-timeout", file=sys.stderr)
+            return False
+        try:
+            up = _value(api, scraped, empty=0.0)
+        except (TimeoutError, OSError):  # a Prometheus busy creating series answers late: ask again
+            continue
+        if now - printed >= 15:
+            print(f"{up:.0f} of {nodes} targets scraped after {now - started:.0f}s", flush=True)
+            printed = now
+        time.sleep(2)
+    return True
+
+
+def _stop_scraping(prometheus: PrometheusServer, tries: int = 5) -> None:
+    """Reload with nothing to scrape; a reload that answers late on a loaded machine is asked again
+    (a second reload of the same empty configuration changes nothing)."""
+    for attempt in range(tries):
+        try:
+            prometheus.stop_scraping()
+            return
+        except (TimeoutError, OSError):
+            if attempt == tries - 1:
+                raise
+
+
+def _last_evaluations(api) -> list[tuple[float, str, str]]:
+    """(seconds, name, error) of every rule's last evaluation; none when Prometheus, loaded, does not
+    answer in time (the figures that matter are the ones read after ingest stops)."""
+    try:
+        groups = api.rule_groups()
+    except (TimeoutError, OSError) as exc:
+        print(f"rule evaluation times not read ({exc}); figures below from the recorded metrics")
+        return []
+    return [(float(r.get("evaluationTime", 0)), r.get("name", ""), r.get("lastError", ""))
+            for g in groups for r in g["rules"]]
+
+
+def cpu_per_group(prometheus: PrometheusServer, rule_files: list[str], at: float, repeats: int,
+                  top: int) -> None:
     """Prometheus CPU seconds to evaluate each group once, with scraping and rule evaluation stopped:
-    every rule's expression runs as an instant query, ``repeats`` times, over the data just collected,
-    at one instant just before scraping and evaluation stop: after it, Prometheus writes staleness
-    markers for the removed targets and groups, and instant selectors would find nothing to read."""
-    now = time.time() - 1
-    prometheus.stop_scraping()
+    every rule's expression runs as an instant query at ``at`` over the data just collected, once to
+    warm up and then ``repeats`` times; the median of the group's evaluations is its figure, so that
+    a background pass of the TSDB (garbage collection after ingest stopped) lands on no one group."""
     before = prometheus.cpu_seconds()
     for _ in range(repeats * 20):
         prometheus.api.query("vector(1)")
     overhead = (prometheus.cpu_seconds() - before) / (repeats * 20)
     print(f"\nper-query overhead of the HTTP API (vector(1)): {overhead:.4f} CPU s, included below")
-    print(f"{'rule group':<40}{'CPU s per evaluation (scraping and evaluation stopped)':>56}")
+    print("CPU s per evaluation (scraping and evaluation stopped): median, min and max of "
+          f"{repeats}\n{'rule group':<40}{'median':>12}{'min':>10}{'max':>10}")
     costs: list[tuple[float, str]] = []
     groups = [group for path in rule_files for group in yaml.safe_load(Path(path).read_text())["groups"]]
     for group in groups:
-        total = 0.0
         for rule in group["rules"]:
-            before = prometheus.cpu_seconds()
-            for _ in range(repeats):
-                prometheus.api.query(rule["expr"], time=now)
-            cost = (prometheus.cpu_seconds() - before) / repeats
-            costs.append((cost, rule.get("record") or rule["alert"]))
-            total += cost
-        print(f"{group['name']:<40}{total:>12.3f}")
+            prometheus.api.query(rule["expr"], time=at)
+        evaluations = []
+        per_rule: list[list[float]] = [[] for _ in group["rules"]]
+        for _ in range(repeats):
+            start = prometheus.cpu_seconds()
+            for index, rule in enumerate(group["rules"]):
+                before = prometheus.cpu_seconds()
+                prometheus.api.query(rule["expr"], time=at)
+                per_rule[index].append(prometheus.cpu_seconds() - before)
+            evaluations.append(prometheus.cpu_seconds() - start)
+        costs += [(statistics.median(c), rule.get("record") or rule["alert"])
+                  for c, rule in zip(per_rule, group["rules"], strict=True)]
+        print(f"{group['name']:<40}{statistics.median(evaluations):>12.3f}"
+              f"{min(evaluations):>10.3f}{max(evaluations):>10.3f}")
     print("costliest rules (CPU s per evaluation):")
     for cost, name in sorted(costs, reverse=True)[:top]:
         print(f"  {cost:8.3f}  {name}")
 
 
-def _per_group(api, expr: str) -> dict[str, float]:
+def _per_group(api, expr: str, at: float) -> dict[str, float]:
     """``expr``'s value by rule group name (the file path prefix of ``rule_group`` dropped)."""
-    return {r["metric"]["rule_group"].split(";")[-1]: float(r["value"][1]) for r in api.query(expr)}
+    return {r["metric"]["rule_group"].split(";")[-1]: float(r["value"][1])
+            for r in api.query(expr, time=at)}
 
 
-def report(api, args: argparse.Namespace, gpus: int) -> int:
+def report(api, args: argparse.Namespace, gpus: int, at: float, rules: list[tuple[float, str, str]]) -> int:
     window = f"{int(args.minutes * 60)}s"
     duration = "prometheus_rule_group_last_duration_seconds"
-    last = _per_group(api, duration)
-    worst = _per_group(api, f"max_over_time({duration}[{window}])")
-    median = _per_group(api, f"quantile_over_time(0.5, {duration}[{window}])")
-    samples = _per_group(api, "prometheus_rule_group_last_evaluation_samples")
+    last = _per_group(api, duration, at)
+    worst = _per_group(api, f"max_over_time({duration}[{window}])", at)
+    median = _per_group(api, f"quantile_over_time(0.5, {duration}[{window}])", at)
+    samples = _per_group(api, "prometheus_rule_group_last_evaluation_samples", at)
     recorded = {r["metric"]["__name__"]: float(r["value"][1])
-                for r in api.query('count by (__name__) ({__name__=~"gpuhealth:.+"})')}
-    head = _value(api, "prometheus_tsdb_head_series")
-    rss = _value(api, 'process_resident_memory_bytes{job="prometheus"}')
+                for r in api.query('count by (__name__) ({__name__=~"gpuhealth:.+"})', time=at)}
+    head = _value(api, "prometheus_tsdb_head_series", at=at)
+    rss = _value(api, 'process_resident_memory_bytes{job="prometheus"}', at=at)
     print(f"\nfleet: {args.nodes} nodes x {args.gpus} GPUs = {gpus} GPUs, {args.nvlinks} NVLinks per GPU, "
           f"{args.nics} NIC ports per node, scrape {args.scrape_interval}; head series {head:,.0f}; "
-          f"Prometheus RSS {rss / 2**30:.2f} GiB")
+          f"Prometheus RSS {rss / 2**30:.2f} GiB; machine load average (1, 5, 15 min) "
+          f"{', '.join(f'{load:.1f}' for load in os.getloadavg())}")
     print(f"\n{'rule group':<40}{'last eval s':>12}{'median s':>10}{'max eval s':>12}{'samples':>10}")
     for name in sorted(last):
         print(f"{name:<40}{last[name]:>12.3f}{median.get(name, float('nan')):>10.3f}"
@@ -141,8 +203,6 @@ def report(api, args: argparse.Namespace, gpus: int) -> int:
     print(f"\nrecorded series: {total:,.0f} = {total / gpus:.1f} per GPU (target <= 60)")
     for name, count in sorted(recorded.items()):
         print(f"  {name:<58}{count:>8.0f}")
-    rules = [(float(r.get("evaluationTime", 0)), r.get("name", ""), r.get("lastError", ""))
-             for g in api.rule_groups() for r in g["rules"]]
     print("\nslowest rules (last evaluation):")
     for seconds, name, _ in sorted(rules, reverse=True)[:args.top]:
         print(f"  {seconds:8.3f} s  {name}")
@@ -163,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="InfiniBand ports per node, each behind its rack's leaf switch (default 8)")
     parser.add_argument("--minutes", type=float, default=4, help="minutes of scraping and evaluation")
     parser.add_argument("--scrape-interval", default="15s", help="scrape interval (default 15s)")
+    parser.add_argument("--start-timeout", type=float, default=600,
+                        help="seconds to wait for every node to be scraped once (default 600)")
     parser.add_argument("--top", type=int, default=8, help="slowest rules to list (default 8)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="evaluations per group for the CPU figure (default 5)")
