@@ -212,9 +212,10 @@ def _nvlink_alert(gpu: int, per_minute: str) -> dict:
         "GPUHealthNvlinkErrorRate", "n1", gpu, per_minute, "warning", "checkpoint_drain_reset_gpu",
         f"NVLink of n1 GPU {gpu} errs without pause ({per_minute}/min)",
         f"The NVLink error counters of GPU {gpu} on n1 grew between nearly every two scrapes of the last "
-        f"window ({per_minute} errors a minute), at least twice the GPU's own rate over the last day: a link "
-        "whose bit error rate rose, not a flap that healed. Let the jobs checkpoint, drain the node, reset the "
-        "GPU and check the link (nvidia-smi nvlink -e, the NVLink cable or tray) before it fails with XID 74.")
+        f"window ({per_minute} errors a minute), at least twice the GPU's own rate over the last day: a "
+        "link whose bit error rate rose, not a flap that healed. Let the jobs checkpoint, drain the node, "
+        "reset the GPU and check the link (nvidia-smi nvlink -e, the NVLink cable or tray) before it fails "
+        "with XID 74.")
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -240,14 +241,11 @@ def test_nvlink_error_rate_needs_errors_between_most_scrapes(tmp_path, source):
     fleet.add("nvlink_crc", "n1", 3, (0, 3, minutes))                               # chronic
     fleet.add("nvlink_crc", "n1", 4, (0, 0, 70), (3, 3, 29), (0, 3, minutes - 100))  # reset at 100
     both = [_nvlink_alert(0, "3.0"), _nvlink_alert(4, "3.0")]
-    checks = [
-        {"eval_time": "40m", "alertname": "GPUHealthNvlinkErrorRate", "exp_alerts": [_nvlink_alert(3, "3.0")]},
-        # GPU 0's counter grew between 15 of the 20 scrape intervals at minute 85, then 5 minutes of `for`.
-        {"eval_time": "89m", "alertname": "GPUHealthNvlinkErrorRate", "exp_alerts": []},
-        {"eval_time": "90m", "alertname": "GPUHealthNvlinkErrorRate", "exp_alerts": both},
-        {"eval_time": "99m", "alertname": "GPUHealthNvlinkErrorRate", "exp_alerts": both},
-        {"eval_time": "125m", "alertname": "GPUHealthNvlinkErrorRate", "exp_alerts": [_nvlink_alert(4, "3.0")]},
-    ]
+    # GPU 0's counter grew between 15 of the 20 scrape intervals at minute 85, then 5 minutes of `for`.
+    expected = {"40m": [_nvlink_alert(3, "3.0")], "89m": [], "90m": both, "99m": both,
+                "125m": [_nvlink_alert(4, "3.0")]}
+    checks = [{"eval_time": at, "alertname": "GPUHealthNvlinkErrorRate", "exp_alerts": alerts}
+              for at, alerts in expected.items()]
     run_promtool(tmp_path, source, ["definitive"], [{"interval": "1m", "input_series": fleet.input_series(),
                                                      "alert_rule_test": checks}], rules_dir=rules_dir)
 
