@@ -226,7 +226,8 @@ def test_nvlink_error_rate_needs_errors_between_most_scrapes(tmp_path, source):
     minute of three, a job's burst at start (four minutes of thousands) and a link erring at the same
     rate since minute 0 (chronic: its normal) stay quiet. A link with no history yet is judged on its
     errors alone: the chronic one fires within its first baseline, then stops; so does a link that has
-    erred at one rate for more than half its baseline (by then the alert has drained the node)."""
+    erred at one rate for more than half its baseline (by then the alert has drained the node). The fused
+    NVLink evidence is the same share of scrapes, so a flap's bursts add nothing to the risk score."""
     rules_dir = tmp_path / "rules"
     overlay = {"defaults": {"definitive": {"nvlink_error_rate": {"baseline_window": "1h"}}}}
     for path, text in render_all(catalogue.resolve(overlay), (source,)).items():
@@ -246,8 +247,13 @@ def test_nvlink_error_rate_needs_errors_between_most_scrapes(tmp_path, source):
                 "125m": [_nvlink_alert(4, "3.0")]}
     checks = [{"eval_time": at, "alertname": "GPUHealthNvlinkErrorRate", "exp_alerts": alerts}
               for at, alerts in expected.items()]
-    run_promtool(tmp_path, source, ["definitive"], [{"interval": "1m", "input_series": fleet.input_series(),
-                                                     "alert_rule_test": checks}], rules_dir=rules_dir)
+    # The fused evidence reads the same share, without the history: the flap and the burst add nothing.
+    evidence = [{"labels": f'gpuhealth:gpu_evidence:nvlink_errors{{gpu="{gpu}", node="n1"}}', "value": 1}
+                for gpu in (0, 3, 4)]
+    exprs = [{"expr": "gpuhealth:gpu_evidence:nvlink_errors", "eval_time": "99m", "exp_samples": evidence}]
+    run_promtool(tmp_path, source, ["definitive", "evidence"],
+                 [{"interval": "1m", "input_series": fleet.input_series(), "alert_rule_test": checks,
+                   "promql_expr_test": exprs}], rules_dir=rules_dir)
 
 
 @pytest.mark.parametrize("source", SOURCES)
