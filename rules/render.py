@@ -143,11 +143,12 @@ class Renderer:
 
 
 def _signals(evidence: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
-    """GPU and node signal names the evidence groups record, in their order."""
+    """GPU and node signal names the evidence groups record, in their order, each once (a signal split
+    into groups by GPU index is recorded by each of them)."""
     found: dict[str, list[str]] = {"gpu_evidence": [], "node_evidence": []}
     for rule in (rule for group in evidence for rule in group["rules"]):
         level, _, signal = rule.get("record", "").partition(":")[2].partition(":")
-        if level in found:
+        if level in found and signal not in found[level]:
             found[level].append(signal)
     return found["gpu_evidence"], found["node_evidence"]
 
