@@ -53,6 +53,8 @@ BOUNDS: dict[str, dict[str, Any]] = {
     "definitive.ecc_storm.min_per_second": {"type": "number", "exclusiveMinimum": 0},
     "definitive.ecc_storm.fleet_quantile": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
     "definitive.ecc_storm.fleet_factor": {"type": "number", "exclusiveMinimum": 0},
+    "definitive.nvlink_error_rate.min_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "definitive.nvlink_error_rate.baseline_factor": {"type": "number", "minimum": 1},
     "fabric.switch_event.min_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     "fusion.threshold": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     "fusion.weights.*": {"type": "number", "minimum": 0, "maximum": 1},

@@ -4,6 +4,8 @@ to each (an SBE burst, a slow HBM degradation, a pending remap, a few non-fatal 
 from __future__ import annotations
 
 import pytest
+from gpuhealth.rules import catalogue
+from gpuhealth.rules.render import render_all
 from rules_promtool import INPUTS, SOURCES, Fleet, alert, run_promtool
 
 GROUPS = ["xid", "definitive", "evidence", "fleet"]
@@ -203,6 +205,55 @@ def test_pcie_replay_rate_above_the_driver_limit(tmp_path, source):
               "exp_samples": [{"labels": "{}", "value": 1}]}]
     run_promtool(tmp_path, source, GROUPS, [{"interval": "1m", "input_series": fleet.input_series(),
                                              "alert_rule_test": checks, "promql_expr_test": exprs}])
+
+
+def _nvlink_alert(gpu: int, per_minute: str) -> dict:
+    return _gpu_alert(
+        "GPUHealthNvlinkErrorRate", "n1", gpu, per_minute, "warning", "checkpoint_drain_reset_gpu",
+        f"NVLink of n1 GPU {gpu} errs without pause ({per_minute}/min)",
+        f"The NVLink error counters of GPU {gpu} on n1 grew between nearly every two scrapes of the last "
+        f"window ({per_minute} errors a minute), at least twice the GPU's own rate over the last day: a "
+        "link whose bit error rate rose, not a flap that healed. Let the jobs checkpoint, drain the node, "
+        "reset the GPU and check the link (nvidia-smi nvlink -e, the NVLink cable or tray) before it fails "
+        "with XID 74.")
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_nvlink_error_rate_needs_errors_between_most_scrapes(tmp_path, source):
+    """A link erring 3 times every minute from minute 70 fires 20 minutes later (a baseline of 1 h here,
+    so that a chronic link has its history within the test); so does one whose GPU is reset at minute 100
+    while it degrades (the counter starts again from 0 and keeps growing). A flap erring heavily in one
+    minute of three, a job's burst at start (four minutes of thousands) and a link erring at the same
+    rate since minute 0 (chronic: its normal) stay quiet. A link with no history yet is judged on its
+    errors alone: the chronic one fires within its first baseline, then stops; so does a link that has
+    erred at one rate for more than half its baseline (by then the alert has drained the node). The fused
+    NVLink evidence is the same share of scrapes, so a flap's bursts add nothing to the risk score."""
+    rules_dir = tmp_path / "rules"
+    overlay = {"defaults": {"definitive": {"nvlink_error_rate": {"baseline_window": "1h"}}}}
+    for path, text in render_all(catalogue.resolve(overlay), (source,)).items():
+        (rules_dir / path).parent.mkdir(parents=True, exist_ok=True)
+        (rules_dir / path).write_text(text)
+    minutes = 130
+    fleet = Fleet(source).node("n1", minutes)
+    fleet.add("nvlink_crc", "n1", 0, (0, 0, 70), (3, 3, minutes - 71))             # degrading from 70
+    flap = " ".join(str(300 * ((m - 68) // 3)) if m >= 70 else "0" for m in range(minutes + 1))
+    fleet.add("nvlink_crc", "n1", 1, flap)                                          # 1 minute in 3
+    fleet.add("nvlink_crc", "n1", 2, (0, 0, 70), (2000, 2000, 3), (8000, 0, minutes - 74))   # burst
+    fleet.add("nvlink_crc", "n1", 3, (0, 3, minutes))                               # chronic
+    fleet.add("nvlink_crc", "n1", 4, (0, 0, 70), (3, 3, 29), (0, 3, minutes - 100))  # reset at 100
+    both = [_nvlink_alert(0, "3.0"), _nvlink_alert(4, "3.0")]
+    # GPU 0's counter grew between 15 of the 20 scrape intervals at minute 85, then 5 minutes of `for`.
+    expected = {"40m": [_nvlink_alert(3, "3.0")], "89m": [], "90m": both, "99m": both,
+                "125m": [_nvlink_alert(4, "3.0")]}
+    checks = [{"eval_time": at, "alertname": "GPUHealthNvlinkErrorRate", "exp_alerts": alerts}
+              for at, alerts in expected.items()]
+    # The fused evidence reads the same share, without the history: the flap and the burst add nothing.
+    evidence = [{"labels": f'gpuhealth:gpu_evidence:nvlink_errors{{gpu="{gpu}", node="n1"}}', "value": 1}
+                for gpu in (0, 3, 4)]
+    exprs = [{"expr": "gpuhealth:gpu_evidence:nvlink_errors", "eval_time": "99m", "exp_samples": evidence}]
+    run_promtool(tmp_path, source, ["definitive", "evidence"],
+                 [{"interval": "1m", "input_series": fleet.input_series(), "alert_rule_test": checks,
+                   "promql_expr_test": exprs}], rules_dir=rules_dir)
 
 
 @pytest.mark.parametrize("source", SOURCES)

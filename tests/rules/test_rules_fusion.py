@@ -36,19 +36,27 @@ def test_several_weak_signals_raise_the_risk_alert(tmp_path, source):
     # Thermal runaway on n3 GPU 6 from 200 min: hotter than its node mates and thermally slowed down.
     fleet.add("temperature", "n3", 6, (60, 0, 199), (70, 0, minutes - 200))
     fleet.add("thermal_seconds", "n3", 6, (0, 0, 199), (0, 30, minutes - 200))
+    # n1 GPU 5 is thermally slowed down (0.3) beside a healing NVLink flap, heavy bursts one minute in
+    # three: the bursts leave clean scrapes between, so the flap adds nothing.
+    fleet.add("thermal_seconds", "n1", 5, (0, 30, minutes))
+    flap = " ".join(str(300 * (m // 3)) if m >= 100 else "0" for m in range(minutes + 1))
+    fleet.add("nvlink_crc", "n1", 5, flap)
     # NVLink (0.45) and the host collapse (interrupts 0.30; runnable processes, the same cause, adds nothing).
     nvlink = _risk_alert("n2", 3, "0.75",
                          "nvlink_errors=0.45, interrupt_collapse=0.30, procs_running_collapse=0.20")
     checks = [
-        # Quiet while pending (the condition cannot hold before its onset + `for`), then firing.
+        # Quiet while pending (the condition cannot hold before its onset + `for`), then firing: the NVLink
+        # evidence passes 2/3 once the errors grew between 16 of 20 scrapes (minute 166), 15 min of `for`.
         {"eval_time": "160m", "alertname": RISK, "exp_alerts": []},
-        {"eval_time": "175m", "alertname": RISK, "exp_alerts": [nvlink]},
+        {"eval_time": "178m", "alertname": RISK, "exp_alerts": []},
+        {"eval_time": "185m", "alertname": RISK, "exp_alerts": [nvlink]},
         {"eval_time": "210m", "alertname": RISK, "exp_alerts": [nvlink]},
         # Three thermal signals of n3 GPU 6 are one cause: the largest (0.45) counts, below the threshold.
         {"eval_time": "240m", "alertname": RISK, "exp_alerts": [nvlink]},
     ]
     exprs = [
         _score("n3", 6, "240m", 0.45),
+        _score("n1", 5, "240m", 0.3),
         # Node evidence counts for every GPU of the node: n2's other GPUs carry the collapse alone.
         _score("n2", 5, "240m", 0.3),
         # A healthy GPU without ECC, PCIe or NVLink series at all still scores 0.

@@ -288,3 +288,19 @@ def test_a_value_missing_from_the_catalogue_is_a_clear_error(tmp_path, monkeypat
     assert main(["rules", "generate", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "has no attribute 'reasons'" in err and "Traceback" not in err
+
+
+def test_no_rule_is_generated_twice():
+    """Two rules of one group that write the same series collide at every evaluation: a signal whose
+    evidence is split into groups by GPU index is still fused by one rule."""
+    repeated = []
+    for path in sorted(GENERATED.rglob("*.yml")):
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            seen = set()
+            for rule in group["rules"]:
+                key = (rule.get("record") or rule.get("alert"), rule["expr"],
+                       tuple(sorted((rule.get("labels") or {}).items())))
+                if key in seen:
+                    repeated.append(f"{path.relative_to(GENERATED)} {group['name']}: {key[0]}")
+                seen.add(key)
+    assert not repeated, repeated

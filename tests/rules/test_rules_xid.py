@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from gpuhealth.rules import catalogue
-from rules_promtool import SOURCES, Fleet, alert, run_promtool
+from rules_promtool import SOURCES, Fleet, alert, run_promtool, values
 
 MINUTES = 90
 
@@ -104,6 +104,9 @@ def test_nvlink_flap_restarts_the_job_a_failing_link_drains(tmp_path, source):
     fleet.xid("n1", 1, [(5, 74)], MINUTES)                       # a link that fails and stays down
     fleet.add("nvlink_up", "n1", 1, "1x4 0x86", link="7")
     fleet.add("nvlink_crc", "n1", 1, (0, 50, MINUTES))
+    if source == "dcgm":   # DCGM's other NVLink fields of the GPU: read one by one, they never collide
+        fleet.raw('DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL{job="dcgm-exporter", instance="n1:9400", '
+                  'node="n1", gpu="1"}', values((0, 10, MINUTES)))
     fleet.xid("n2", 2, [(5, 74), (6, 43), (7, 74)], MINUTES)    # repeats (43 between, for dcgm's gauge)
     fleet.add("nvlink_up", "n2", 2, (1, 0, MINUTES), link="0")
 
