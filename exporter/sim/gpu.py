@@ -194,13 +194,18 @@ class FaultRun:
                 94: "pid=4242, name=python, Contained: SM (0x1). RST: No, D-RST: No",
                 95: "pid=4242, name=python, Uncontained: FBHUB. RST: Yes, D-RST: No"}[xid]
         self._xid(gpu, xid, text)
-        gpu.recovery_action = pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
-        self._xid(gpu, 154, "GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)")
+        self._require_reset(gpu)
 
     def _fail_sram_uncorrectable(self, gpu: GpuState) -> None:
         gpu.ecc_uncorrected_volatile += 1
         gpu.ecc_uncorrected_aggregate += 1
         self._xid(gpu, 95, "pid=4242, name=python, Uncontained: SM (0x1). RST: Yes, D-RST: No")
+        self._require_reset(gpu)
+
+    def _require_reset(self, gpu: GpuState) -> None:
+        """The driver's answer to an uncorrectable error: its recovery action (the NVML field
+        NVML_FI_DEV_GET_GPU_RECOVERY_ACTION) becomes a GPU reset, announced by XID 154."""
+        gpu.recovery_action = pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
         self._xid(gpu, 154, "GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)")
 
     def _fail_thermal_runaway(self, gpu: GpuState) -> None:

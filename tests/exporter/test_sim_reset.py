@@ -14,7 +14,7 @@ import pynvml
 import pytest
 import yaml
 from exporter_helpers import FakeClock, value
-from gpuhealth.contract.faults import FALLS_OFF_BUS_KINDS, RESET_REPAIRS_KINDS
+from gpuhealth.contract.faults import FALLS_OFF_BUS_KINDS, RECOVERY_ACTION_KINDS, RESET_REPAIRS_KINDS
 from gpuhealth.exporter.sim.control import ControlServer, Unreachable, reset_gpu
 from gpuhealth.exporter.sim.gpu import ResetRefused
 from gpuhealth.exporter.sim.nvml import SimulatedNvml
@@ -51,6 +51,33 @@ def test_reset_applies_the_pending_remap_and_ends_the_memory_fault(clock: FakeCl
     assert nvml.nvmlDeviceGetTotalEccErrors(handle, *VOLATILE) == 0
     assert nvml.nvmlDeviceGetTotalEccErrors(handle, *AGGREGATE) == aggregate
     assert nvml._node.gpus[1].recovery_action == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    assert "154, GPU recovery action changed from 0x1 (GPU Reset Required) to 0x0 (None)" in kmsg.read_text()
+
+
+def _recovery_action(nvml: SimulatedNvml, gpu: int) -> int:
+    """The driver's recovery action as NVML reports it (R565+), the field the exporter reads."""
+    handle = nvml.nvmlDeviceGetHandleByIndex(gpu)
+    (field,) = nvml.nvmlDeviceGetFieldValues(handle, [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])
+    assert field.nvmlReturn == pynvml.NVML_SUCCESS
+    return int(field.value.ullVal)
+
+
+@pytest.mark.parametrize("kind", RECOVERY_ACTION_KINDS)
+def test_an_uncorrectable_error_makes_the_driver_ask_for_a_reset_until_one_is_done(
+        clock: FakeClock, tmp_path: Path, kind: str) -> None:
+    kmsg = tmp_path / "kmsg"
+    nvml = sim({"gpus": 2, "driver_version": "570.133.20",  # R565+: the field exists
+                "faults": [{"kind": kind, "gpu": 1, "precursor": 10}]}, clock, kmsg)
+    clock.advance(5)
+    assert _recovery_action(nvml, 1) == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    clock.advance(6)
+    # NVIDIA: the recovery action flag is set for uncorrectable errors, "Reset" for one nvidia-smi -r
+    # recovers; the field says so, and XID 154 announces it
+    assert _recovery_action(nvml, 1) == pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
+    assert "154, GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)" in kmsg.read_text()
+    assert _recovery_action(nvml, 0) == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    nvml.reset_gpu("1")
+    assert _recovery_action(nvml, 1) == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
     assert "154, GPU recovery action changed from 0x1 (GPU Reset Required) to 0x0 (None)" in kmsg.read_text()
 
 
