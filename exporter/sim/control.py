@@ -19,7 +19,7 @@ import stat
 import struct
 import threading
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from gpuhealth.exporter.sim.gpu import ResetRefused
 
@@ -35,6 +35,15 @@ _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 class Resettable(Protocol):
     def reset_gpu(self, gpu: str) -> str: ...
+
+    def gpu_index(self, gpu: str) -> int: ...
+
+
+class ResetDone(NamedTuple):
+    """A reset carried out: the GPU's index (the request may name it by UUID) and nvidia-smi's report."""
+
+    gpu: int
+    detail: str
 
 
 class ControlError(Exception):
@@ -62,7 +71,7 @@ def _answer(nvml: Resettable, line: bytes) -> dict[str, Any]:
         log.warning("event=sim_gpu_reset gpu=%r ok=false error=%r", gpu, str(exc))
         return {"ok": False, "error": str(exc)}
     log.info("event=sim_gpu_reset gpu=%r ok=true", gpu)
-    return {"ok": True, "detail": detail}
+    return {"ok": True, "detail": detail, "index": nvml.gpu_index(gpu)}
 
 
 def _peer_allowed(sock: socket.socket) -> bool:
@@ -120,9 +129,9 @@ class ControlServer:
         self.path.unlink(missing_ok=True)
 
 
-def reset_gpu(path: Path, gpu: str, timeout: float = TIMEOUT_SECONDS) -> str:
-    """Ask the simulator behind ``path`` to reset ``gpu``; its report. Raises ``ControlError`` when the
-    reset is refused, ``Unreachable`` when nothing answers."""
+def reset_gpu(path: Path, gpu: str, timeout: float = TIMEOUT_SECONDS) -> ResetDone:
+    """Ask the simulator behind ``path`` to reset ``gpu``. Raises ``ControlError`` when the reset is
+    refused, ``Unreachable`` when nothing answers."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
@@ -138,4 +147,7 @@ def reset_gpu(path: Path, gpu: str, timeout: float = TIMEOUT_SECONDS) -> str:
         raise Unreachable(f"the simulator at {path} gave no answer") from None
     if not isinstance(answer, dict) or not answer.get("ok"):
         raise ControlError(str(answer.get("error", "refused") if isinstance(answer, dict) else answer))
-    return str(answer.get("detail", ""))
+    index = answer.get("index")
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise Unreachable(f"the simulator at {path} did not say which GPU it reset")
+    return ResetDone(index, str(answer.get("detail", "")))

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pynvml
-from gpuhealth.contract.faults import FABRIC_KINDS, RESET_ENDS_NOISE_KINDS, RESET_REPAIRS_KINDS
+from gpuhealth.contract.faults import FABRIC_KINDS
 from gpuhealth.exporter.sim import kernel_lines
-from gpuhealth.exporter.sim.scenario import Fault, Scenario
+from gpuhealth.exporter.sim.scenario import RESET_ENDS_KINDS, Fault, Scenario
 
 # H100 SXM figures: thresholds, clocks (MHz), limits, HBM row-remap banks.
 SLOWDOWN_C, SHUTDOWN_C = 87.0, 92.0
@@ -194,13 +194,18 @@ class FaultRun:
                 94: "pid=4242, name=python, Contained: SM (0x1). RST: No, D-RST: No",
                 95: "pid=4242, name=python, Uncontained: FBHUB. RST: Yes, D-RST: No"}[xid]
         self._xid(gpu, xid, text)
-        gpu.recovery_action = pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
-        self._xid(gpu, 154, "GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)")
+        self._require_reset(gpu)
 
     def _fail_sram_uncorrectable(self, gpu: GpuState) -> None:
         gpu.ecc_uncorrected_volatile += 1
         gpu.ecc_uncorrected_aggregate += 1
         self._xid(gpu, 95, "pid=4242, name=python, Uncontained: SM (0x1). RST: Yes, D-RST: No")
+        self._require_reset(gpu)
+
+    def _require_reset(self, gpu: GpuState) -> None:
+        """The driver's answer to an uncorrectable error: its recovery action (the NVML field
+        NVML_FI_DEV_GET_GPU_RECOVERY_ACTION) becomes a GPU reset, announced by XID 154."""
+        gpu.recovery_action = pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
         self._xid(gpu, 154, "GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)")
 
     def _fail_thermal_runaway(self, gpu: GpuState) -> None:
@@ -350,7 +355,7 @@ class Node:
     def reset_gpu(self, index: int) -> None:
         """What ``nvidia-smi -r -i INDEX`` does: volatile ECC counts cleared, pending row remaps applied,
         a recovery action of reset kind carried out, the GPU's hang and down links cleared, and the
-        faults a reset repairs (``RESET_REPAIRS_KINDS``) over on it. Raises ``ResetRefused`` as the
+        faults and noise a reset ends (``RESET_ENDS_KINDS``) over on it. Raises ``ResetRefused`` as the
         real reset fails: on a GPU off the bus, one still in use, or one whose driver asks for more."""
         gpu = self.gpus[index]
         if gpu.lost:
@@ -364,7 +369,7 @@ class Node:
             raise ResetRefused(f"GPU {index} ({gpu.pci_bus_id}): the driver's recovery action "
                                f"{gpu.recovery_action} is more than a GPU reset (a node reboot)")
         for run in self.runs:
-            if index in run.fault.gpus and run.fault.kind in (*RESET_REPAIRS_KINDS, *RESET_ENDS_NOISE_KINDS):
+            if index in run.fault.gpus and run.fault.kind in RESET_ENDS_KINDS:
                 run.repaired.add(index)
         gpu.hung = False
         if gpu.recovery_action != pynvml.NVML_GPU_RECOVERY_ACTION_NONE:  # the driver announces the change

@@ -98,15 +98,19 @@ class SimulatedNvml(NvmlCurrent):
         what nvidia-smi prints. Raises ``ResetRefused`` when the reset fails."""
         with self._lock:
             self._advance()
-            uuids = [self._uuid(index) for index in range(len(self._node.gpus))]
-            if gpu.isdecimal() and int(gpu) < len(uuids):
-                index = int(gpu)
-            elif gpu in uuids:
-                index = uuids.index(gpu)
-            else:
-                raise ResetRefused(f"no GPU {gpu!r} on this node (indices 0-{len(uuids) - 1} or GPU-<uuid>)")
+            index = self.gpu_index(gpu)
             self._node.reset_gpu(index)
             return f"GPU {self._node.gpus[index].pci_bus_id} was successfully reset."
+
+    def gpu_index(self, gpu: str) -> int:
+        """The index of the GPU named by index or UUID, as ``nvidia-smi -i`` takes it; ``ResetRefused``
+        for a GPU this node does not have."""
+        uuids = [self._uuid(index) for index in range(len(self._node.gpus))]
+        if gpu.isdecimal() and int(gpu) < len(uuids):
+            return int(gpu)
+        if gpu in uuids:
+            return uuids.index(gpu)
+        raise ResetRefused(f"no GPU {gpu!r} on this node (indices 0-{len(uuids) - 1} or GPU-<uuid>)")
 
     @property
     def fabric_manager_pid_file(self) -> Path | None:

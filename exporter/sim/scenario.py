@@ -13,7 +13,13 @@ from typing import Annotated, Any
 
 import yaml
 from gpuhealth.contract.duration import Offset
-from gpuhealth.contract.faults import APP_XIDS, FABRIC_KINDS, FAULT_XIDS
+from gpuhealth.contract.faults import (
+    APP_XIDS,
+    FABRIC_KINDS,
+    FAULT_XIDS,
+    RESET_ENDS_NOISE_KINDS,
+    RESET_REPAIRS_KINDS,
+)
 from gpuhealth.contract.faults import SIMULATED_NODE_NOISE_KINDS as NOISE_KINDS
 from gpuhealth.contract.files import read_text
 from gpuhealth.contract.validation import Location, Model, OneOf, problems
@@ -52,6 +58,9 @@ _KIND_KEYS: dict[str, tuple[float, dict[str, type]]] = {
     "ib_boot_flap": (30.0, {"nic": int}),
     "switch_reboot": (300.0, {}),
 }
+# What a GPU reset ends on its GPU, struck or still to come: the faults it repairs and the noise that
+# lasts until a reset. Everything else (a wearing HBM stack among them) goes on after it.
+RESET_ENDS_KINDS = (*RESET_REPAIRS_KINDS, *RESET_ENDS_NOISE_KINDS)
 _NODE_WIDE = ("hot_aisle", "idle_node", "app_xid", "slow_nvml", "power_brake")
 _NIC_KINDS = ("ib_link_flap", "ib_symbol_errors", "ib_rate_downgrade", "ib_boot_flap")  # take ``nic``
 
@@ -252,3 +261,11 @@ def load_scenario(path: Path | None) -> Scenario:
     except yaml.YAMLError as exc:
         raise ScenarioError(str(path), [f"not valid YAML: {exc}"]) from None
     return parse_scenario(data, str(path))
+
+
+def after_reset(data: dict[str, Any], gpu: int) -> dict[str, Any]:
+    """A scenario document as a reset of ``gpu`` leaves the node: what the reset ends on that GPU
+    (``RESET_ENDS_KINDS``) is taken out, every other fault and setting kept as written."""
+    faults = [entry for entry in data.get("faults") or []
+              if not (entry.get("kind") in RESET_ENDS_KINDS and entry.get("gpu") == gpu)]
+    return {**data, "faults": faults}

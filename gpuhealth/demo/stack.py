@@ -7,7 +7,8 @@ and sending SIGHUP. Used by ``gpuhealth demo``, the end-to-end test and ``bench/
 
 The webhook resets a GPU as a site's ``reset_gpu_command`` would (``ssh -- {node} nvidia-smi -r -i {gpu}``):
 ``gpuhealth-sim-reset`` asks the node's exporter, over its ``--sim-control`` socket, to reset the GPU
-in its simulator, which succeeds or fails as ``nvidia-smi -r`` does (exporter/README.md).
+in its simulator, which succeeds or fails as ``nvidia-smi -r`` does (exporter/README.md), and takes
+what the reset ended on that GPU out of the node's hardware file, as a real reset leaves the GPU.
 
 The webhook returns a node to service as on a real fleet: after its alerts resolved and
 ``gpuhealth-validate`` passed, run here on this host with the simulator against the node's hardware
@@ -263,9 +264,11 @@ class ClosedLoopStack:
             "gpuhealth_webhook_port": self.webhook_port,
             "gpuhealth_webhook_backend": {
                 "type": "slurm", "slurm_conf": str(self.slurm.conf_path),
-                # nvidia-smi -r -i {gpu} on the node, played by its simulator
+                # nvidia-smi -r -i {gpu} on the node, played by its simulator; what the reset ended
+                # leaves the node's hardware, so that gpuhealth-validate then sees the repair
                 "reset_gpu_command": [self._bin("gpuhealth-sim-reset"), "--control",
-                                      str(self._control_path("{node}")), "-i", "{gpu}"]},
+                                      str(self._control_path("{node}")), "-i", "{gpu}",
+                                      "--scenario", str(self._hardware_path("{node}"))]},
             "gpuhealth_webhook_guardrails": {
                 "breaker_max_nodes": self.options.breaker_max_nodes,
                 "breaker_max_fraction": 0.5,
@@ -276,7 +279,7 @@ class ClosedLoopStack:
             # every NIC port up at the simulator's 400 Gb/s among its checks
             "gpuhealth_webhook_undrain": {
                 "health_check": [self._bin("gpuhealth-validate"), "--backend", "sim", "--sim-scenario",
-                                 str(self.root / "nodes" / "{node}" / "hardware.yml"),
+                                 str(self._hardware_path("{node}")),
                                  "--nic-rate-gbps", "400"],
                 "health_check_timeout_seconds": 60, "health_check_retry_seconds": 2,
                 "health_check_max_attempts": 1000},

@@ -13,6 +13,7 @@ import re
 import time
 
 import pytest
+import yaml
 from demo_process import demo_at_baseline, interrupt, processes_under
 
 from gpuhealth.demo.observe import Observer, reboot_with_a_job_waiting
@@ -125,8 +126,10 @@ def test_training_jobs_checkpoint_and_the_demo_sees_it(loop):
 def test_the_gpu_reset_step_succeeded_and_repaired_the_memory_fault(loop):
     """The predictive action's last step resets the GPU through ``gpuhealth-sim-reset``: the action is
     done, and the exporter shows the volatile ECC count cleared while the aggregate kept every error
-    (the wearing HBM goes on counting from 0: a reset applies remaps, it does not stop wear)."""
-    stack, _, where = loop
+    (the wearing HBM goes on counting from 0: a reset applies remaps, it does not stop wear). The reset
+    rewrote the node's hardware file that gpuhealth-validate reads, and the wearing HBM stays in it:
+    the node stays drained."""
+    stack, observer, where = loop
     node = where["slow"]
 
     def resets() -> list[dict]:
@@ -147,6 +150,11 @@ def test_the_gpu_reset_step_succeeded_and_repaired_the_memory_fault(loop):
         return bool(volatile and aggregate) and (float(volatile[0]["value"][1])
                                                  < float(aggregate[0]["value"][1]))
     wait_until(cleared, timeout=30, interval=1.0, what="the reset GPU's volatile count below its aggregate")
+    hardware = stack.root / "nodes" / node / "hardware.yml"
+    assert hardware.stat().st_mtime > observer.injections[-1].at, "rewritten by the reset, after injections"
+    assert [(f["kind"], f["gpu"]) for f in yaml.safe_load(hardware.read_text())["faults"]] == \
+        [("hbm_degradation", 5)]
+    assert "DRAIN" in stack.slurm.node(node).flags
 
 
 def test_a_rebooted_node_takes_a_job_only_after_gpuhealth_validate_passed(loop):

@@ -16,7 +16,9 @@ import pynvml
 import pytest
 import yaml
 from exporter_helpers import FakeClock, value
-from gpuhealth.contract.faults import FALLS_OFF_BUS_KINDS, RESET_REPAIRS_KINDS
+from gpuhealth.contract.faults import FALLS_OFF_BUS_KINDS, RECOVERY_ACTION_KINDS, RESET_REPAIRS_KINDS
+from gpuhealth.exporter import validate
+from gpuhealth.exporter.sim import reset_cli
 from gpuhealth.exporter.sim.control import ControlServer, Unreachable, reset_gpu
 from gpuhealth.exporter.sim.gpu import ResetRefused
 from gpuhealth.exporter.sim.nvml import SimulatedNvml
@@ -53,6 +55,33 @@ def test_reset_applies_the_pending_remap_and_ends_the_memory_fault(clock: FakeCl
     assert nvml.nvmlDeviceGetTotalEccErrors(handle, *VOLATILE) == 0
     assert nvml.nvmlDeviceGetTotalEccErrors(handle, *AGGREGATE) == aggregate
     assert nvml._node.gpus[1].recovery_action == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    assert "154, GPU recovery action changed from 0x1 (GPU Reset Required) to 0x0 (None)" in kmsg.read_text()
+
+
+def _recovery_action(nvml: SimulatedNvml, gpu: int) -> int:
+    """The driver's recovery action as NVML reports it (R565+), the field the exporter reads."""
+    handle = nvml.nvmlDeviceGetHandleByIndex(gpu)
+    (field,) = nvml.nvmlDeviceGetFieldValues(handle, [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])
+    assert field.nvmlReturn == pynvml.NVML_SUCCESS
+    return int(field.value.ullVal)
+
+
+@pytest.mark.parametrize("kind", RECOVERY_ACTION_KINDS)
+def test_an_uncorrectable_error_makes_the_driver_ask_for_a_reset_until_one_is_done(
+        clock: FakeClock, tmp_path: Path, kind: str) -> None:
+    kmsg = tmp_path / "kmsg"
+    nvml = sim({"gpus": 2, "driver_version": "570.133.20",  # R565+: the field exists
+                "faults": [{"kind": kind, "gpu": 1, "precursor": 10}]}, clock, kmsg)
+    clock.advance(5)
+    assert _recovery_action(nvml, 1) == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    clock.advance(6)
+    # NVIDIA: the recovery action flag is set for uncorrectable errors, "Reset" for one nvidia-smi -r
+    # recovers; the field says so, and XID 154 announces it
+    assert _recovery_action(nvml, 1) == pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
+    assert "154, GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)" in kmsg.read_text()
+    assert _recovery_action(nvml, 0) == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    nvml.reset_gpu("1")
+    assert _recovery_action(nvml, 1) == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
     assert "154, GPU recovery action changed from 0x1 (GPU Reset Required) to 0x0 (None)" in kmsg.read_text()
 
 
@@ -124,7 +153,7 @@ def test_the_control_socket_answers_bad_requests_and_is_private(clock: FakeClock
                 sock.sendall(request)
                 answer = json.loads(sock.makefile("rb").readline())
             assert answer["ok"] is False and answer["error"], request
-        assert "successfully reset" in reset_gpu(tmp_path / "ctl.sock", "0")
+        assert reset_gpu(tmp_path / "ctl.sock", "0") == (0, "GPU 00000000:18:00.0 was successfully reset.")
     finally:
         server.close()
     assert not (tmp_path / "ctl.sock").exists()
@@ -152,7 +181,52 @@ def test_the_control_socket_refuses_hostile_requests(clock: FakeClock, tmp_path:
             answer = _ask(tmp_path / "ctl.sock", json.dumps({"op": "reset_gpu", "gpu": gpu}).encode() + b"\n")
             assert answer["ok"] is False, gpu
         assert not any("\n" in r.getMessage() for r in caplog.records)
-        assert "successfully reset" in reset_gpu(tmp_path / "ctl.sock", "3")
+        assert "successfully reset" in reset_gpu(tmp_path / "ctl.sock", "3").detail
+    finally:
+        server.close()
+
+
+def _validates(hardware: Path, capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """The checks gpuhealth-validate fails on the node's hardware, as the demo runs it."""
+    code = validate.main(["--backend", "sim", "--sim-scenario", str(hardware)])
+    failed = json.loads(capsys.readouterr().out)["failed"]
+    assert code == (1 if failed else 0), failed
+    return failed
+
+
+def test_a_reset_recorded_in_the_nodes_hardware_lets_the_node_validate(
+        clock: FakeClock, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo's return to service: gpuhealth-validate builds the node's hardware from a scenario file
+    (every fault struck), so ``gpuhealth-sim-reset --scenario`` takes out what the reset ended there;
+    what it did not end (a wearing HBM stack on another GPU) still fails the check."""
+    hardware = tmp_path / "hardware.yml"
+    struck = {"gpus": 4, "driver_version": "570.133.20",
+              "faults": [{"kind": "sram_uncorrectable", "gpu": 1},
+                         {"kind": "benign_remap", "gpu": 1, "duration": 60},
+                         {"kind": "hbm_degradation", "gpu": 2, "precursor": 0}]}
+    hardware.write_text(yaml.safe_dump(struck))
+    nvml = sim(struck, clock)
+    server = ControlServer(tmp_path / "ctl.sock", nvml)
+
+    def sim_reset(gpu: str) -> tuple[int, str]:
+        code = reset_cli.main(["--control", str(server.path), "-i", gpu, "--scenario", str(hardware)])
+        return code, capsys.readouterr().err
+    try:
+        clock.advance(1)
+        assert {"recovery_action", "xid"} <= set(_validates(hardware, capsys))
+        uuid = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(1))  # named as an alert may name it
+        assert sim_reset(uuid) == (0, "")
+        written = yaml.safe_load(hardware.read_text())
+        assert written == {**struck, "faults": [struck["faults"][2]]}
+        assert {"row_remap", "xid"} <= set(_validates(hardware, capsys))  # the HBM of GPU 2 is still bad
+        assert sim_reset("2") == (0, "")
+        assert yaml.safe_load(hardware.read_text()) == written, "a reset does not stop HBM wear"
+        hardware.write_text(yaml.safe_dump({**struck, "faults": struck["faults"][:2]}))
+        assert sim_reset("1") == (0, "")
+        assert _validates(hardware, capsys) == []
+        hardware.write_text("- not a mapping\n")
+        code, err = sim_reset("0")
+        assert code == 2 and "the GPU was reset, but" in err and "Traceback" not in err
     finally:
         server.close()
 

@@ -7,6 +7,8 @@ import datetime
 import re
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from gpuhealth.webhook.backends import create_backend
@@ -584,9 +586,24 @@ async def test_a_full_journal_disk_never_sends_a_drain_twice(on_slurm, slurm, tm
 ESCALATION_STEPS = ["restart_job", "drain_reset_gpu", "drain_reboot", "replace"]
 
 
-def site_scripts(tmp_path, passing: bool) -> tuple[list[str], list[str], dict]:
-    """A reset command that records its arguments, a health check (stands in for ssh {node}
-    gpuhealth-validate) whose verdict is a file's content, and where they write."""
+@dataclass
+class EscalationSite:
+    """A job running on the node an alert will name, the site's scripts, and the reboots so far."""
+
+    job: str
+    node: str
+    reset: list[str]  # reset_gpu_command: records "{node} {gpu}" in files["resets"]
+    check: list[str]  # undrain health check (stands in for ssh {node} gpuhealth-validate)
+    files: dict[str, Path]
+    reboots: list[str]
+
+
+def escalation_site(slurm: SlurmCluster, tmp_path: Path, *, passing: bool) -> EscalationSite:
+    """A one-node job running (no --nodelist: it may run anywhere, its node is the one the alert
+    names), a reset command that records its arguments, a health check whose verdict is a file's
+    content (``passing`` or not), and the reboot requests made before the test."""
+    job = slurm.sbatch("--requeue", "--nodes=1", "--wrap", "sleep 600")
+    [node] = slurm.wait_job(job, lambda j: j.state == "RUNNING").nodes
     files = {"resets": tmp_path / "resets", "checks": tmp_path / "checks", "verdict": tmp_path / "verdict"}
     files["verdict"].write_text("0" if passing else "1")
     reset = tmp_path / "reset-gpu"
@@ -595,7 +612,8 @@ def site_scripts(tmp_path, passing: bool) -> tuple[list[str], list[str], dict]:
     check.write_text(f'#!/bin/sh\necho "$1" >> {files["checks"]}\nexit "$(cat {files["verdict"]})"\n')
     for script in (reset, check):
         script.chmod(0o755)
-    return [str(reset), "{node}", "{gpu}"], [str(check), "{node}"], files
+    return EscalationSite(job, node, [str(reset), "{node}", "{gpu}"], [str(check), "{node}"], files,
+                          slurm.reboot_requests())
 
 
 async def chain_of(hook) -> dict:
@@ -605,12 +623,10 @@ async def chain_of(hook) -> dict:
 
 async def test_escalation_on_slurm_fails_every_verification_until_the_chain_is_exhausted(on_slurm, slurm,
                                                                                         tmp_path):
-    job = slurm.sbatch("--requeue", "--nodes=1", "--wrap", "sleep 600")
-    [bad] = slurm.wait_job(job, lambda j: j.state == "RUNNING").nodes  # no --nodelist: it may run elsewhere
-    reset, check, files = site_scripts(tmp_path, passing=False)
-    reboots = slurm.reboot_requests()
+    site = escalation_site(slurm, tmp_path, passing=False)
+    job, bad, files = site.job, site.node, site.files
     hook = await on_slurm(
-        slurm={"reset_gpu_command": reset}, undrain={"health_check": check},
+        slurm={"reset_gpu_command": site.reset}, undrain={"health_check": site.check},
         guardrails={"node_cooldown_seconds": 3600},  # each step is stronger: never held by it
         escalation={"enabled": True, "settle_seconds": 0, "poll_seconds": 0.2,
                     "step_timeout_seconds": {"restart_job": 2, "drain_reset_gpu": 2, "drain_reboot": 30}})
@@ -629,7 +645,7 @@ async def test_escalation_on_slurm_fails_every_verification_until_the_chain_is_e
     assert {(a["state"], a["reason"]) for a in actions} == {("done", "ok")}, actions
     assert chain["step"] == "replace" and chain["action_id"] == actions[-1]["id"]
     assert files["resets"].read_text().split() == [bad, "1"], "the alert's GPU was reset, once"
-    assert slurm.reboot_requests()[len(reboots):] == [bad], "one reboot"
+    assert slurm.reboot_requests()[len(site.reboots):] == [bad], "one reboot"
     assert set(files["checks"].read_text().split()) == {bad}, "checked after the reset and the reboot"
     node = slurm.node(bad)
     assert {"DRAIN", "DOWN"} & node.flags, node
@@ -638,12 +654,10 @@ async def test_escalation_on_slurm_fails_every_verification_until_the_chain_is_e
 
 
 async def test_escalation_on_slurm_closes_the_chain_when_the_reset_verifies(on_slurm, slurm, tmp_path):
-    job = slurm.sbatch("--requeue", "--nodes=1", "--wrap", "sleep 600")
-    [bad] = slurm.wait_job(job, lambda j: j.state == "RUNNING").nodes  # no --nodelist: it may run elsewhere
-    reset, check, files = site_scripts(tmp_path, passing=True)
-    reboots = slurm.reboot_requests()
+    site = escalation_site(slurm, tmp_path, passing=True)
+    job, bad, files = site.job, site.node, site.files
     hook = await on_slurm(
-        slurm={"reset_gpu_command": reset}, undrain={"health_check": check},
+        slurm={"reset_gpu_command": site.reset}, undrain={"health_check": site.check},
         escalation={"enabled": True, "settle_seconds": 0, "poll_seconds": 0.2,
                     "step_timeout_seconds": {"restart_job": 1, "drain_reset_gpu": 120}})
     firing = alert(bad, action="restart_job", gpu="0", alertname="GPUHealthXidRestartJob")
@@ -658,5 +672,5 @@ async def test_escalation_on_slurm_closes_the_chain_when_the_reset_verifies(on_s
     await asyncio.to_thread(slurm.wait_node, bad, lambda n: n.state == "IDLE", 60, "the node resumed")
     actions = await hook.settle(timeout=30)
     assert [a["kind"] for a in actions] == ["restart_job", "drain_reset_gpu", "undrain"]
-    assert slurm.reboot_requests() == reboots and files["resets"].read_text().split() == [bad, "0"]
+    assert slurm.reboot_requests() == site.reboots and files["resets"].read_text().split() == [bad, "0"]
     assert slurm.job(job).state == "RUNNING" and bad not in slurm.job(job).nodes
