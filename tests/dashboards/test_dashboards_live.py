@@ -27,7 +27,7 @@ from gpuhealth.previews.fleet_sample import backfilled_fleet
 from gpuhealth.previews.webhook_sample import SCRAPE_SECONDS, webhook_session
 
 # The first test backfills a simulated fleet into a real Prometheus: minutes on a loaded machine.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SCENARIO = Path(__file__).resolve().parents[2] / "bench" / "scenarios" / "small.yaml"
 

@@ -88,6 +88,7 @@ def test_records_read_once_are_folded_into_their_reader() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # every shipped rule folded and stored: grows with the rule groups
 def test_stored_records_give_the_folded_episodes_and_values(tmp_path: Path) -> None:
     with backfilled_prometheus(SMALL, tmp_path, rules_dir=RULES, record=False) as fleet:
         rules = fleet.rules
