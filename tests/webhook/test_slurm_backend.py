@@ -391,7 +391,8 @@ async def test_a_predictive_drain_saves_the_jobs_work_before_draining(on_slurm, 
     bad = slurm.job(job).nodes[0]
 
     async def output() -> str:
-        return (slurm.workdir / f"job-{job}.out").read_text()
+        path = slurm.workdir / f"job-{job}.out"  # written once slurmd starts the job, not at submission
+        return path.read_text() if path.exists() else ""
     # until its handler is in place, SIGUSR1 would end the trainer (an exit, which also confirms)
     await eventually(output, lambda text: "event=start" in text, timeout=30, what="the trainer to start")
     hook = await on_slurm(checkpoint={"confirm": "file", "grace_seconds": 30, "poll_seconds": 0.1,
