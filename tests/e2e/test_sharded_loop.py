@@ -98,8 +98,9 @@ def test_a_fault_on_a_node_of_each_shard_drains_it_in_slurm(tiers):
         assert "DRAIN" in info.state
         assert info.reason.startswith("gpuhealth:")
         # the drain lands before the requeue that moves the job off the node: wait for both
-        wait_until(lambda node=node: node not in {n for job in stack.jobs for n in stack.slurm.job(job).nodes},
-                   timeout=120, what=f"the jobs to leave {node}")
+        def left(node: str = node) -> bool:
+            return node not in {n for job in stack.jobs for n in stack.slurm.job(job).nodes}
+        wait_until(left, timeout=120, what=f"the jobs to leave {node}")
         # the alert came from the shard that scrapes the node; the other shard never saw the node
         own, other = stack.shards[index], stack.shards[1 - index]
         assert own.api.query(f'ALERTS{{alertstate="firing",node="{node}"}}')
