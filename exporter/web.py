@@ -285,13 +285,12 @@ class ExporterServer:
                         {"Allow": "GET, HEAD"}, keep_alive)
             return keep_alive
         path = target.split("?", 1)[0]
+        head_only = method == "HEAD"  # no body then, or a kept-alive client reads it as the next answer
         if path == "/healthz":  # for the process supervisor: no credentials, no metrics in it
             ok = self.sampler.healthy()
             self._write(writer, HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE,
-                        b"ok\n" if ok else b"sampling stalled\n", "text/plain", {}, keep_alive,
-                        method == "HEAD")
+                        b"ok\n" if ok else b"sampling stalled\n", "text/plain", {}, keep_alive, head_only)
             return keep_alive
-        head_only = method == "HEAD"  # no body then, or a kept-alive client reads it as the next answer
         if self.auth is not None and not await self._authorised(headers.get("authorization")):
             self._write(writer, HTTPStatus.UNAUTHORIZED, b"unauthorized\n", "text/plain",
                         {"WWW-Authenticate": 'Basic realm="gpuhealth-exporter"'}, keep_alive, head_only)
@@ -301,9 +300,9 @@ class ExporterServer:
             body = snapshot.plain
             if accepts_gzip(headers.get("accept-encoding", "")):
                 body, extra = snapshot.gzipped, extra | {"Content-Encoding": "gzip"}
-            self._write(writer, HTTPStatus.OK, body, CONTENT_TYPE_LATEST, extra, keep_alive, method == "HEAD")
+            self._write(writer, HTTPStatus.OK, body, CONTENT_TYPE_LATEST, extra, keep_alive, head_only)
         elif path == "/":
-            self._write(writer, HTTPStatus.OK, LANDING, "text/html", {}, keep_alive, method == "HEAD")
+            self._write(writer, HTTPStatus.OK, LANDING, "text/html", {}, keep_alive, head_only)
         else:
             self._write(writer, HTTPStatus.NOT_FOUND, b"not found\n", "text/plain", {}, keep_alive, head_only)
         return keep_alive
