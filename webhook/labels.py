@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
+from gpuhealth.contract.gpu import GPU
 from gpuhealth.webhook.actions import ALERT_ACTIONS, KINDS, NONE
 from gpuhealth.webhook.outcomes import Reason
 
@@ -19,9 +20,6 @@ from gpuhealth.webhook.outcomes import Reason
 # what one alert acts on. ASCII only (no look-alikes), no leading "-" (never an option).
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 HOSTLIST_WORDS = frozenset({"ALL"})  # names scontrol reads as every node, in any case
-# One GPU: its index as NVML numbers it, or its NVML UUID. Never a list ("0,1"), "all" or an option.
-_HEX = "[0-9a-fA-F]"
-GPU = re.compile(rf"[0-9]{{1,3}}|GPU-{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}")
 # The exporter's gpu label for a kernel-log event it could not match to a GPU: the node is known, the
 # GPU is not. A node-wide action may go ahead; one that acts on a GPU may not.
 UNKNOWN_GPU = "unknown"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import socket
 import socketserver
 import stat
@@ -21,15 +20,13 @@ import threading
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
+from gpuhealth.contract.gpu import GPU
 from gpuhealth.exporter.sim.gpu import ResetRefused
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 4096
 TIMEOUT_SECONDS = 10.0
-_HEX = "[0-9a-fA-F]"
-# One GPU as nvidia-smi -i names it: an index (ASCII digits only) or a UUID; never a list or "all".
-GPU = re.compile(rf"[0-9]{{1,3}}|GPU-{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}")
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 

@@ -12,11 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from gpuhealth.contract.gpu import GPU
 from gpuhealth.webhook.backends import create_backend
 from gpuhealth.webhook.backends.base import BackendError
 from gpuhealth.webhook.backends.command import CommandBackend, alert_fields, check_gpu
 from gpuhealth.webhook.config import ACTIONS
-from gpuhealth.webhook.labels import ALERT_NAME, GPU, clean_text, label_problem, valid_node
+from gpuhealth.webhook.labels import ALERT_NAME, clean_text, label_problem, valid_node
 from gpuhealth.webhook.policy import drain_reason
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -26,11 +26,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+from gpuhealth.contract.gpu import GPU
 from gpuhealth.contract.validation import Location, Model, problems
 from gpuhealth.webhook import process
 from gpuhealth.webhook.backends.base import BackendError, JobState, NodeState
 from gpuhealth.webhook.backends.helpers import HelperRegistry, TracksHelpers
-from gpuhealth.webhook.labels import ALERT_NAME, GPU, UNNAMED_ALERT, clean_text, shown, valid_node
+from gpuhealth.webhook.labels import ALERT_NAME, UNNAMED_ALERT, clean_text, shown, valid_node
 from pydantic import Field, GetCoreSchemaHandler, GetJsonSchemaHandler, ValidationError
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import PydanticCustomError, core_schema
