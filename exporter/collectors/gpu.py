@@ -1,10 +1,12 @@
 """Per-GPU NVML telemetry plus the features only high-rate sampling can give.
 
 Each GPU is sampled on its own guarded worker with its own deadline, so a hung or lost GPU is marked
-down while the others keep reporting; when every GPU misses its deadline at once, that is a stall of
-the driver (a GSP timeout usually stalls NVML node-wide), reported as ``gpuhealth_nvml_stalled``
-rather than as every GPU lost. Window maxima (temperature, NVML latency) cover the last
-``window_seconds``, about one scrape interval, so a spike between scrapes is not lost.
+down while the others keep reporting. The GPUs are sampled one after another (together once one has
+missed its deadline), so a scrape meets one busy sampling thread rather than one per GPU. When every
+GPU misses its deadline at once, that is a stall of the driver (a GSP timeout usually stalls NVML
+node-wide), reported as ``gpuhealth_nvml_stalled`` rather than as every GPU lost. Window maxima
+(temperature, NVML latency) cover the last ``window_seconds``, about one scrape interval, so a spike
+between scrapes is not lost.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import functools
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpuhealth.exporter.collector import GPU_IDENTITIES, GPU_PROCESSES, Context, register
 from gpuhealth.exporter.guard import DeadlineExceeded, GuardedWorker
@@ -30,6 +34,7 @@ PREINITIALISED_ERRORS = ("gpu_is_lost", "timeout", "unknown")
 # seconds (still several times per 15 s scrape), the temperatures, clocks and load every second.
 FULL_EVERY_SECONDS = 5.0
 SAMPLE = "sample"  # the query label of errors that marked the GPU down
+Outcome = tuple[GpuIdentity | None, GpuReading, float] | BaseException  # one GPU's sample, or why none
 
 
 def _by_family(gpu: str, samples: list[tuple[str, tuple[str, ...], float]]) -> dict[str, list[Series]]:
@@ -104,18 +109,7 @@ class GpuCollector:
         if self.expected is None:  # no readable sysfs: the count NVML sees first
             self.expected = count
         indices = sorted(set(range(count)) | set(ctx.inventory.gpus) | set(self.tracks))
-        # Each GPU's own deadline from its submission, in real time (what the guard waits in); the
-        # waits overlap, so a run takes one timeout at most however many GPUs hang.
-        deadlines = {i: time.monotonic() + ctx.nvml_timeout_seconds for i in indices}
-        futures = {i: ctx.worker(f"gpu{i}").submit(
-                       functools.partial(self._sample, i, i in ctx.inventory.gpus, self._full_due(i)))
-                   for i in indices}
-        outcomes: dict[int, tuple[GpuIdentity | None, GpuReading, float] | BaseException] = {}
-        for index, future in futures.items():
-            try:
-                outcomes[index] = GuardedWorker.result(future, deadlines[index] - time.monotonic())
-            except (DeadlineExceeded, GpuDown) as exc:
-                outcomes[index] = exc
+        outcomes = self._sample_all(indices)
         timed_out = [i for i, o in outcomes.items() if isinstance(o, DeadlineExceeded)]
         stalled = len(indices) > 1 and len(timed_out) == len(indices)
         if stalled != self.stalled:
@@ -138,6 +132,34 @@ class GpuCollector:
                     ctx.inventory.add(identity)
                 self._up(index, track, reading, latency)
         yield from self._families(indices, nvml_up=session.up)
+
+    def _sample_all(self, indices: list[int]) -> dict[int, Outcome]:
+        """Each GPU on its own worker with its own deadline (``--nvml.timeout``), one GPU at a time:
+        only one worker then competes for the GIL with a scrape. When a GPU misses its deadline, the
+        rest start together and their deadlines overlap, so a run waits two timeouts at most however
+        many GPUs hang, and a node-wide stall is still every GPU missing its deadline in one run."""
+        ctx = self.ctx
+        outcomes: dict[int, Outcome] = {}
+        overlapping: dict[int, tuple[Future[Any], float]] = {}
+        for index in indices:
+            future = ctx.worker(f"gpu{index}").submit(
+                functools.partial(self._sample, index, index in ctx.inventory.gpus, self._full_due(index)))
+            deadline = time.monotonic() + ctx.nvml_timeout_seconds  # from the submission, in real time
+            if overlapping or any(isinstance(o, DeadlineExceeded) for o in outcomes.values()):
+                overlapping[index] = (future, deadline)
+            else:
+                outcomes[index] = self._outcome(future, deadline)
+        for index, (future, deadline) in overlapping.items():
+            outcomes[index] = self._outcome(future, deadline)
+        return outcomes
+
+    @staticmethod
+    def _outcome(future: Future[Any], deadline: float) -> Outcome:
+        try:
+            result: Outcome = GuardedWorker.result(future, deadline - time.monotonic())
+        except (DeadlineExceeded, GpuDown) as exc:
+            return exc
+        return result
 
     def _down(self, index: int, track: GpuTrack, exc: BaseException, enumerated: bool) -> None:
         error = error_label(exc)

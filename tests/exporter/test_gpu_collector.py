@@ -160,6 +160,49 @@ def test_hung_gpu_times_out_and_stays_down_without_blocking(clock: FakeClock) ->
         release.set()
 
 
+@pytest.mark.timeout(30)
+def test_a_hung_first_gpu_leaves_the_others_sampled_together(clock: FakeClock) -> None:
+    release = threading.Event()
+    scenario = {"gpus": 4, "nvlinks": 0, "faults": [{"kind": "gsp_timeout", "gpu": 0, "start": 1}]}
+    ctx = sim_context(scenario, clock, nvml_timeout_seconds=1.0)
+    ctx.nvml._sleep = lambda seconds: release.wait(10)
+    collector = make_collector("gpu", ctx)
+    try:
+        scrape(collector)
+        clock.advance(2)
+        text = scrape(collector)
+        assert value(text, "gpuhealth_gpu_nvml_errors_total", gpu="0", error="timeout", query="sample") == 1
+        assert all(value(text, "gpuhealth_gpu_up", gpu=str(i)) == 1 for i in range(1, 4))
+        assert value(text, "gpuhealth_nvml_stalled") == 0
+    finally:
+        release.set()
+
+
+def test_gpus_are_sampled_one_at_a_time_while_none_hangs(clock: FakeClock) -> None:
+    """One sampling worker at a time competes for the GIL with a scrape, not eight."""
+    ctx = sim_context({"gpus": 8, "nvlinks": 0}, clock)
+    collector = make_collector("gpu", ctx)
+    gpu = collector.collector
+    sample, lock = gpu._sample, threading.Lock()
+    running, most = [0], [0]
+
+    def counted(*args):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            threading.Event().wait(0.01)  # long enough for a second worker to start, were one started
+            return sample(*args)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    gpu._sample = counted
+    text = scrape(collector)
+    assert all(value(text, "gpuhealth_gpu_up", gpu=str(i)) == 1 for i in range(8))
+    assert most[0] == 1
+
+
 def test_gsp_precursor_shows_as_nvml_latency(clock: FakeClock) -> None:
     """Slow answers before the GSP timeout: the simulator's delays move an injected clock, not real time.
 
