@@ -131,9 +131,9 @@ def simulated_sampler(profile_name: str, workdir: Path, no_collector: list[str],
                             expected_rate_gbps=NIC_RATE_GBPS)
     ctx = Context(nvml=nvml, sysfs=workdir / "sys", kmsg_path=workdir / "kmsg", fabric=fabric)
     collectors, steps = assemble(ctx, dict.fromkeys(no_collector, False))
-    if not hasattr(ctx, "priority"):  # a --baseline from before scrapes had priority over sampling
-        return Sampler(collectors, steps=steps)
-    return Sampler(collectors, steps=steps, priority=ctx.priority)
+    if hasattr(ctx, "priority"):  # a --baseline whose sampling gave way to scrapes (17b0bf1 to e4feac5)
+        return Sampler(collectors, steps=steps, priority=ctx.priority)
+    return Sampler(collectors, steps=steps)
 
 
 def profile(args: argparse.Namespace, workdir: Path) -> int:
@@ -164,12 +164,12 @@ def profile(args: argparse.Namespace, workdir: Path) -> int:
           f"exporter {(cpu - simulated) * 1000:.2f} ms, simulated NVML {simulated * 1000:.2f} ms "
           f"({simulated / cpu * 100:.0f} %); the timing's own {timing * 1000:.2f} ms "
           f"({sim_clock.calls / args.runs:.0f} calls a run) left out")
-    level = getattr(sys.modules[Sampler.__module__], "GZIP_LEVEL", None)  # None: before runs gzipped
+    level = getattr(sys.modules[Sampler.__module__], "GZIP_LEVEL", None)  # None: before 17b0bf1
     if level is not None:
         start, body = time.process_time(), sampler.exposition
         for _ in range(20):
             zipped = gzip.compress(body, level, mtime=0)
-        print(f"of which gzip at level {level}: {(time.process_time() - start) / 20 * 1000:.2f} ms "
+        print(f"gzip at level {level}: {(time.process_time() - start) / 20 * 1000:.2f} ms "
               f"({len(body) // 1024} KB to {len(zipped) // 1024} KB)")
     return 0
 

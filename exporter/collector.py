@@ -30,7 +30,6 @@ from gpuhealth.exporter.inventory_step import InventoryStep
 from gpuhealth.exporter.metrics import Exposed
 from gpuhealth.exporter.nvml_reader import NvmlReader
 from gpuhealth.exporter.nvml_session import NvmlSession
-from gpuhealth.exporter.scrape_priority import ScrapePriority
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +52,6 @@ class Context:
     nvml_timeout_seconds: float = 2.0
     clock: Callable[[], float] = time.monotonic
     workers: dict[str, GuardedWorker] = field(default_factory=dict)
-    priority: ScrapePriority = field(default_factory=ScrapePriority)  # sampling yields to scrapes
 
     def __post_init__(self) -> None:
         if self.session is None and self.nvml is not None:
@@ -70,7 +68,7 @@ class Context:
     def reader(self) -> NvmlReader:
         """One reader for the inventory step and the collectors: what a GPU does not offer is learned
         once, and forgotten once (by the step) when NVML is initialised again."""
-        return NvmlReader(self.nvml, self.priority.yield_to_scrape)
+        return NvmlReader(self.nvml)
 
     @property
     def nvml_session(self) -> NvmlSession:

@@ -172,8 +172,7 @@ def _serve(settings: Settings, tmpdir: Path | None) -> int:
                   gpus_expected=settings.gpus_expected, window_seconds=settings.sampling_window,
                   nvml_timeout_seconds=settings.nvml_timeout, fabric=_fabric(settings, nvml))
     collectors, steps = assemble(ctx, settings.collectors)
-    sampler = Sampler(collectors, _build_info(settings.backend), settings.sampling_interval, steps=steps,
-                      priority=ctx.priority)
+    sampler = Sampler(collectors, _build_info(settings.backend), settings.sampling_interval, steps=steps)
     host, port = settings.host_port
     try:
         tls = None if settings.tls_cert_file is None else tls_context(

@@ -8,7 +8,7 @@ against it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from gpuhealth.contract.metrics import (
     KMSG_RESULTS,
@@ -130,8 +130,7 @@ class Renderer:
     label names are fixed by ``SPECS``), and a series whose value held keeps its line.
     """
 
-    def __init__(self, pause: Callable[[], None] = lambda: None) -> None:
-        self._pause = pause  # called before each family: where sampling gives way to a scrape
+    def __init__(self) -> None:
         self._series_lines: dict[str, dict[_SeriesKey, _Line]] = {}  # sample name -> label values -> line
         self._cached = 0
         self._headers: dict[tuple[str, str, str], str] = {}
@@ -188,12 +187,8 @@ class Renderer:
         return "\n".join(lines).encode()
 
     def render(self, families: Iterable[Exposed]) -> bytes:
-        blocks = []
-        for family in families:
-            self._pause()
-            block = self._family_block(family) if isinstance(family, Family) else self._metric_block(family)
-            blocks.append(block)
-        return b"".join(blocks)
+        return b"".join(self._family_block(f) if isinstance(f, Family) else self._metric_block(f)
+                        for f in families)
 
 
 def render(families: Iterable[Exposed]) -> bytes:

@@ -90,9 +90,8 @@ def _text(value: Any) -> str:
 class NvmlReader:
     """Reads GPUs through ``nvml``; remembers what each GPU does not offer until ``forget()``."""
 
-    def __init__(self, nvml: Any, pause: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, nvml: Any) -> None:
         self.nvml = nvml
-        self._pause = pause  # called before each query: where sampling gives way to a scrape
         self._absent: set[tuple[Any, ...]] = set()   # (gpu, query, args) and (gpu, "field", field id, scope)
         self._links: dict[int, list[int]] = {}
         self._lock = threading.Lock()
@@ -128,7 +127,6 @@ class NvmlReader:
         key = self._key(index, fn, args)
         if key in self._absent:
             return None
-        self._pause()
         try:
             return fn(*args)
         except Exception as exc:
@@ -153,7 +151,6 @@ class NvmlReader:
 
     def core(self, fn: Callable[..., Any], *args: Any) -> Any:
         """A query without which the GPU cannot be sampled: any NVML error marks the GPU down."""
-        self._pause()
         try:
             return fn(*args)
         except Exception as exc:
@@ -333,7 +330,6 @@ class NvmlReader:
 
     def _link_state(self, index: int, handle: Any, link: int) -> int | None:
         """Probing: a link number past the GPU's last answers InvalidArgument (or NotSupported)."""
-        self._pause()
         try:
             state: int = self.nvml.nvmlDeviceGetNvLinkState(handle, link)
             return state

@@ -2,11 +2,14 @@
 
 Collectors run in one thread at a fixed interval (about 1 s), far faster than Prometheus scrapes,
 which is what makes window maxima and time-in-state features possible. Steps (the inventory) run
-before the collectors, which read what they learned. Each run renders the whole exposition once
-and compresses it once (gzip level 1, under half a millisecond); a scrape only writes
-those bytes, so it never renders or compresses and never waits on NVML or the filesystem. It gets
-the last complete run's snapshot: at most one sampling interval plus one run old (a run gives
-scrapes 20 ms at most, ``scrape_priority.py``).
+before the collectors, which read what they learned. Each run renders the whole exposition once; a
+scrape only writes those bytes, so it never renders and never waits on NVML or the filesystem. It
+gets the last complete run's snapshot: at most one sampling interval plus one run old.
+
+Gzip is paid for only when a scraper asks for it. While gzip requests keep coming (one within
+``GZIP_INTEREST_SECONDS``, Prometheus's default scrape interval), each run also compresses its
+exposition (level 1, under half a millisecond), so those scrapes only write bytes too; otherwise the
+first gzip request of a snapshot compresses it, once, and a plain scraper never costs a compression.
 """
 
 from __future__ import annotations
@@ -20,22 +23,23 @@ from typing import NamedTuple
 
 from gpuhealth.exporter.collector import Collector
 from gpuhealth.exporter.metrics import Exposed, Families, Renderer
-from gpuhealth.exporter.scrape_priority import ScrapePriority
 
 log = logging.getLogger(__name__)
 # Level 1 still compresses the exposition about 10:1 (its repetitive label text is what compresses),
-# for a fraction of the default level's CPU: cheap enough to do at every run.
+# for a fraction of the default level's CPU.
 GZIP_LEVEL = 1
+GZIP_INTEREST_SECONDS = 60.0
+
+
+def compress(body: bytes) -> bytes:
+    return gzip.compress(body, GZIP_LEVEL, mtime=0)
 
 
 class Snapshot(NamedTuple):
-    """One sampling run's exposition, plain and gzipped, published together."""
+    """One sampling run's exposition, and its gzipped form once someone compressed it."""
 
     plain: bytes
-    gzipped: bytes
-
-
-EMPTY = Snapshot(b"", gzip.compress(b"", GZIP_LEVEL, mtime=0))
+    gzipped: bytes | None = None
 
 
 class Sampler:
@@ -43,16 +47,17 @@ class Sampler:
 
     def __init__(self, collectors: dict[str, Collector], static: Callable[[], Iterable[Exposed]] = tuple,
                  interval: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 steps: Sequence[Callable[[], None]] = (), priority: ScrapePriority | None = None) -> None:
+                 steps: Sequence[Callable[[], None]] = ()) -> None:
         self.collectors = collectors
         self.steps = steps
         self.static = static
         self.interval = interval
         self.clock = clock
         self._failing: set[str] = set()
-        self.priority = priority or ScrapePriority()
-        self._snapshot = EMPTY
-        self._renderer = Renderer(self.priority.yield_to_scrape)
+        self._snapshot = Snapshot(b"")
+        self._publish = threading.Lock()  # a run's snapshot and a scrape's compression of an older one
+        self._gzip_asked = float("-inf")  # when a scraper last asked for gzip (self.clock)
+        self._renderer = Renderer()
         self._last_run: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -60,18 +65,14 @@ class Sampler:
 
     def sample_once(self) -> bytes:
         with self._lock:
-            pause = self.priority.yield_to_scrape
-            self.priority.new_run()
             families: list[Exposed] = list(self.static())
             meta = Families()
             for step in self.steps:
-                pause()
                 try:
                     step()
                 except Exception:  # the collectors still run, on what the inventory already knows
                     log.exception("sampling step failed step=%s", getattr(step, "__qualname__", step))
             for name, collector in self.collectors.items():
-                pause()
                 start = time.perf_counter()
                 try:
                     for family in collector.collect():  # what a failing collector yielded still counts
@@ -88,16 +89,30 @@ class Sampler:
                 (self._failing.discard if ok else self._failing.add)(name)
                 meta.add("gpuhealth_collector_success", int(ok), [name])
                 meta.add("gpuhealth_collector_duration_seconds", time.perf_counter() - start, [name])
-            pause()
             plain = self._renderer.render([*families, *meta])
-            pause()
-            self._snapshot = Snapshot(plain, gzip.compress(plain, GZIP_LEVEL, mtime=0))
+            wanted = self.clock() - self._gzip_asked < GZIP_INTEREST_SECONDS
+            snapshot = Snapshot(plain, compress(plain) if wanted else None)
+            with self._publish:
+                self._snapshot = snapshot
             self._last_run = self.clock()
             return plain
 
     @property
     def snapshot(self) -> Snapshot:
         return self._snapshot
+
+    def gzipped(self) -> bytes:
+        """The latest exposition gzipped, for a scraper that asked for gzip: compressed by the run while
+        such scrapers keep coming, else here, once per snapshot."""
+        self._gzip_asked = self.clock()
+        snapshot = self._snapshot
+        if snapshot.gzipped is not None:
+            return snapshot.gzipped
+        body = compress(snapshot.plain)
+        with self._publish:
+            if self._snapshot is snapshot:  # not replaced by a newer run meanwhile
+                self._snapshot = snapshot._replace(gzipped=body)
+        return body
 
     @property
     def exposition(self) -> bytes:

@@ -4,8 +4,8 @@ One asyncio loop on its own thread serves every connection: an idle or slow clie
 not a thread, and each connection has deadlines (request head, TLS handshake, keep-alive idle). At
 ``max_connections`` the oldest connection still waiting for its request is closed to admit the new
 one, so hundreds of idle sockets (opened before any authentication) cannot lock scrapers out or
-exhaust the process's file limit. The body is rendered and gzipped by the sampler once per run;
-while a request is being answered, sampling threads step aside (``scrape_priority.py``).
+exhaust the process's file limit. The body is rendered by the sampler once per run, and gzipped
+once for the scrapers that ask for it (``sampler.py``).
 Basic auth follows Prometheus's exporter-toolkit: bcrypt hashes (``htpasswd -B``) or PBKDF2 ones
 (``--hash-password``), checked off the loop, an unknown user costing the same time as a known one.
 """
@@ -167,7 +167,6 @@ class ExporterServer:
         self._server: asyncio.base_events.Server | None = None
         self._connections: collections.OrderedDict[int, _Connection] = collections.OrderedDict()
         self._checks = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="http-auth")
-        self.priority = sampler.priority
         self._ready = threading.Event()
         self._done = threading.Event()
 
@@ -184,15 +183,8 @@ class ExporterServer:
             self._done.set()
 
     async def _start(self) -> None:
-        loop = asyncio.get_running_loop()
-
-        def protocol() -> asyncio.StreamReaderProtocol:  # asyncio.start_server's, plus the priority
-            self.priority.begin()  # just accepted: the request is on its way, answer it before sampling on
-            return asyncio.StreamReaderProtocol(asyncio.StreamReader(MAX_HEAD_BYTES, loop), self._handle,
-                                                loop=loop)
-
-        self._server = await loop.create_server(
-            protocol, sock=self.socket, ssl=self.tls,
+        self._server = await asyncio.start_server(
+            self._handle, sock=self.socket, ssl=self.tls, limit=MAX_HEAD_BYTES,
             ssl_handshake_timeout=self.limits.handshake_timeout if self.tls else None)
 
     async def _stop(self) -> None:
@@ -227,21 +219,15 @@ class ExporterServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         key = self._admit(writer)
         timeout = self.limits.head_timeout
-        answering = True  # the priority began when the connection was accepted
         try:
             while True:
                 async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
                     head = await reader.readuntil(b"\r\n\r\n")
-                if not answering:  # the next request on a kept-alive connection
-                    self.priority.begin()
-                    answering = True
                 connection = self._connections.get(key)
                 if connection is None:
                     break
                 connection.waiting = False
                 keep_alive = await self._respond(head, writer)
-                self.priority.end()  # answered; the rest is the kernel's and the client's
-                answering = False
                 async with asyncio.timeout(self.limits.write_timeout):
                     await writer.drain()
                 if not keep_alive:
@@ -252,8 +238,6 @@ class ExporterServer:
                 ssl.SSLError, OSError):
             pass  # a slow, silent, oversized or vanished client: closed below, nothing to report
         finally:
-            if answering:
-                self.priority.end()
             self._connections.pop(key, None)
             writer.close()
 
@@ -296,10 +280,9 @@ class ExporterServer:
                         {"WWW-Authenticate": 'Basic realm="gpuhealth-exporter"'}, keep_alive, head_only)
             return keep_alive
         if path == "/metrics":
-            snapshot, extra = self.sampler.snapshot, {"Vary": "Accept-Encoding"}
-            body = snapshot.plain
+            body, extra = self.sampler.exposition, {"Vary": "Accept-Encoding"}
             if accepts_gzip(headers.get("accept-encoding", "")):
-                body, extra = snapshot.gzipped, extra | {"Content-Encoding": "gzip"}
+                body, extra = self.sampler.gzipped(), extra | {"Content-Encoding": "gzip"}
             self._write(writer, HTTPStatus.OK, body, CONTENT_TYPE_LATEST, extra, keep_alive, head_only)
         elif path == "/":
             self._write(writer, HTTPStatus.OK, LANDING, "text/html", {}, keep_alive, head_only)

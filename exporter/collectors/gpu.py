@@ -116,7 +116,6 @@ class GpuCollector:
             log.warning("nvml stall %s gpus=%d", "began" if stalled else "ended", len(indices))
         self.stalled = stalled
         for index, outcome in outcomes.items():
-            ctx.priority.yield_to_scrape()
             track = self.tracks.get(index) or self.tracks.setdefault(index, GpuTrack())  # not built per run
             if isinstance(outcome, NvmlDown):
                 session.lost(outcome.error)
@@ -213,7 +212,6 @@ class GpuCollector:
         f.add("gpuhealth_gpus_visible", sum(self.tracks[i].visible for i in indices) if nvml_up else 0)
         inventory = self.ctx.inventory
         for index in indices:
-            self.ctx.priority.yield_to_scrape()
             gpu, track = str(index), self.tracks[index]
             action_labels, reason_labels = _labels(gpu)
             identity = inventory.gpus.get(index)

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from gpuhealth.exporter.collector import Context, load_collectors
-from gpuhealth.exporter.sampler import Sampler
+from gpuhealth.exporter.sampler import GZIP_INTEREST_SECONDS, Sampler
 from gpuhealth.exporter.web import Limits, hash_password, hash_problem, make_server
 
 from gpuhealth.local.process import free_port
@@ -189,6 +189,29 @@ def test_gzip_when_the_scraper_accepts_it_and_keep_alive(sampler: Sampler) -> No
         two = _raw(address, b"GET /healthz HTTP/1.1\r\n\r\n"
                             b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
         assert two.count(b"HTTP/1.1 200 OK") == 2  # one kept-alive connection, two answers
+
+
+def test_gzip_costs_nothing_until_a_scraper_asks_for_it_and_stops_when_none_does() -> None:
+    now = [0.0]
+    sampler = Sampler({"host": load_collectors()["host"].factory(Context())}, clock=lambda: now[0])
+    sampler.sample_once()
+    plain = b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n"
+    zipped = b"GET /metrics HTTP/1.1\r\nAccept-Encoding: gzip\r\nConnection: close\r\n\r\n"
+    for address in serve(make_server("127.0.0.1", free_port(), sampler)):
+        for _ in range(3):
+            assert b"Content-Encoding" not in _raw(address, plain).split(b"\r\n\r\n", 1)[0]
+            sampler.sample_once()
+        assert sampler.snapshot.gzipped is None  # plain scrapers only: no run and no scrape compressed
+        body = _raw(address, zipped).split(b"\r\n\r\n", 1)[1]
+        assert gzip.decompress(body) == sampler.exposition
+        assert sampler.snapshot.gzipped == body  # compressed once for this snapshot, kept for the next
+        sampler.sample_once()
+        ready = sampler.snapshot.gzipped  # gzip scrapers are coming: the run compressed its own
+        assert ready is not None and gzip.decompress(ready) == sampler.exposition
+        assert _raw(address, zipped).split(b"\r\n\r\n", 1)[1] == ready
+        now[0] += GZIP_INTEREST_SECONDS
+        sampler.sample_once()
+        assert sampler.snapshot.gzipped is None  # none asked for a while: the runs stop compressing
 
 
 def test_healthz_needs_no_credentials_and_bcrypt_users_work(sampler: Sampler) -> None:
