@@ -33,6 +33,12 @@ import psutil
 from gpuhealth.local.process import ManagedProcess, free_port, http_ok
 
 WARMUP_S = 5.0
+# The exporter's targets (issue text and README): scrape p99, CPU of one core, RSS, and how much RSS may
+# grow from the first to the last minute and still count as flat.
+TARGET_P99_MS = 5.0
+TARGET_CPU = 0.02
+TARGET_RSS_MB = 60.0
+FLAT_MB = 1.0
 
 
 def scrape_seconds(url: str, gzip: bool = False) -> tuple[float, int]:
@@ -162,7 +168,24 @@ def main() -> int:
               f"{cpu[t.name] * 100:>8.2f}{statistics.mean(t.rss[:minute]):>14.1f}"
               f"{statistics.mean(t.rss[-minute:]):>12.1f}{max(t.rss):>12.1f}{t.size / 1024:>9.0f}")
     print("CPU % is of one core, scrapes included; RSS start/end are means over the first/last minute.")
+    print(verdict(targets[0], targets[-1], cpu[targets[0].name]))
     return 0
+
+
+def verdict(exporter: Target, node_exporter: Target, cpu: float) -> str:
+    """gpuhealth-exporter's figures of this run against each target, one line."""
+    p99 = percentile([s * 1000 for s in exporter.latencies], 0.99)
+    node_p99 = percentile([s * 1000 for s in node_exporter.latencies], 0.99)
+    minute = max(1, min(60, len(exporter.rss) // 4))
+    growth = statistics.mean(exporter.rss[-minute:]) - statistics.mean(exporter.rss[:minute])
+    rss = max(exporter.rss)
+    checks = [(f"scrape p99 {p99:.2f} ms <= {TARGET_P99_MS:g} ms", p99 <= TARGET_P99_MS),
+              (f"p99 not above node_exporter's {node_p99:.2f} ms", p99 <= node_p99),
+              (f"CPU {cpu * 100:.2f} % <= {TARGET_CPU * 100:g} % of a core", cpu <= TARGET_CPU),
+              (f"RSS max {rss:.1f} MB <= {TARGET_RSS_MB:g} MB", rss <= TARGET_RSS_MB),
+              (f"RSS flat ({growth:+.1f} MB first to last minute, at most +{FLAT_MB:g})", growth <= FLAT_MB)]
+    return "targets, gpuhealth-exporter: " + "; ".join(f"{text}: {'met' if ok else 'NOT met'}"
+                                                       for text, ok in checks)
 
 
 if __name__ == "__main__":
