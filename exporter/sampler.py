@@ -7,9 +7,10 @@ scrape only writes those bytes, so it never renders and never waits on NVML or t
 gets the last complete run's snapshot: at most one sampling interval plus one run old.
 
 Gzip is paid for only when a scraper asks for it. While gzip requests keep coming (one within
-``GZIP_INTEREST_SECONDS``, Prometheus's default scrape interval), each run also compresses its
-exposition (level 1, under half a millisecond), so those scrapes only write bytes too; otherwise the
-first gzip request of a snapshot compresses it, once, and a plain scraper never costs a compression.
+``GZIP_INTEREST_SECONDS``, two of Prometheus's default scrape intervals), each run also compresses
+its exposition (level 1, about half a millisecond), so those scrapes only write bytes too; otherwise
+the first gzip request of a snapshot compresses it, once, and a plain scraper never costs a
+compression.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 # Level 1 still compresses the exposition about 10:1 (its repetitive label text is what compresses),
 # for a fraction of the default level's CPU.
 GZIP_LEVEL = 1
-GZIP_INTEREST_SECONDS = 60.0
+GZIP_INTEREST_SECONDS = 120.0
 
 
 def compress(body: bytes) -> bytes:

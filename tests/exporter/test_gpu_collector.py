@@ -164,7 +164,7 @@ def test_hung_gpu_times_out_and_stays_down_without_blocking(clock: FakeClock) ->
 def test_a_hung_first_gpu_leaves_the_others_sampled_together(clock: FakeClock) -> None:
     release = threading.Event()
     scenario = {"gpus": 4, "nvlinks": 0, "faults": [{"kind": "gsp_timeout", "gpu": 0, "start": 1}]}
-    ctx = sim_context(scenario, clock, nvml_timeout_seconds=1.0)
+    ctx = sim_context(scenario, clock, nvml_timeout_seconds=2.0)
     ctx.nvml._sleep = lambda seconds: release.wait(10)
     collector = make_collector("gpu", ctx)
     try:
