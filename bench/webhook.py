@@ -17,7 +17,11 @@ journal holds exactly one action per alert sent; it also prints PostgreSQL's CPU
 processes alive at the start and end of each case). Targets (issue 16): >= 1,000 alerts/s in total,
 p99 < 50 ms, no loss. ``--baseline REV`` adds a second pair running the webhook as it was at git
 revision REV (on its own database of the same PostgreSQL), driven in turn with the others, so a
-change is measured before and after in one run, under one load.
+change is measured before and after in one run, under one load; ``--rounds N`` repeats the intake
+cases, every other round with the sides in reverse order. Each case also prints how many
+notifications a group commit carried and its CPU ceiling (the alerts per second its measured CPU
+per alert, servers, database and sender together, would allow on this machine's CPUs), and the run
+ends with each pair judged against the targets, by the wall clock and by that ceiling.
 
 SIGINT (Ctrl-C) and SIGTERM stop every PostgreSQL and webhook the benchmark started, and remove its
 files.
