@@ -17,13 +17,18 @@ journal holds exactly one action per alert sent; it also prints PostgreSQL's CPU
 processes alive at the start and end of each case). Targets (issue 16): >= 1,000 alerts/s in total,
 p99 < 50 ms, no loss. ``--baseline REV`` adds a second pair running the webhook as it was at git
 revision REV (on its own database of the same PostgreSQL), driven in turn with the others, so a
-change is measured before and after in one run, under one load.
+change is measured before and after in one run, under one load; ``--rounds N`` repeats the intake
+cases, every other round with the sides in reverse order. Each case also prints how many
+notifications a group commit carried and its CPU ceiling (the alerts per second its measured CPU
+per alert, servers, database and sender together, would allow on this machine's CPUs), and the run
+ends with each pair judged against the targets, by the wall clock and by that ceiling.
 
 SIGINT (Ctrl-C) and SIGTERM stop every PostgreSQL and webhook the benchmark started, and remove its
 files.
 
     .venv/bin/python bench/webhook.py [--notifications 3000] [--concurrency 8]
-                                      [--journal postgres [--baseline REV] [--cluster-latency 0.02]]
+                                      [--journal postgres [--baseline REV] [--rounds 1]
+                                       [--cluster-latency 0.02]]
 """
 
 from __future__ import annotations
@@ -144,18 +149,27 @@ def _p(values: list[float], q: float) -> float:
 
 
 def _report(name: str, alerts: int, wall: float, latencies: list[float], cpu: float, sender: float,
-            database: float | None = None, load: float | None = None) -> None:
+            database: float | None = None, load: float | None = None, per_commit: float | None = None
+            ) -> float:
     """One case: wall-clock rate and latency, then CPU per alert of the servers, the sender and (on
-    PostgreSQL) the database, and the 1-minute load average when the case started."""
+    PostgreSQL) the database, the 1-minute load average when the case started, and (on PostgreSQL) the
+    notifications a group commit carried on average (``/commit``). Returns the
+    CPU ceiling: the alerts per second those CPU costs would allow if they had every CPU of the
+    machine to themselves, which a busy shared machine does not distort as it does the wall clock."""
+    spent = (cpu + sender + (database or 0.0)) / alerts
+    ceiling = (os.cpu_count() or 1) / spent
     print(f"{name:<{34 if load is not None else 26}} {alerts:>6} {alerts / wall:8.0f} "
           f"{_p(latencies, 0.5) * 1000:7.1f} {_p(latencies, 0.99) * 1000:7.1f} {cpu / alerts * 1e6:12.0f} "
           f"{alerts / cpu:12.0f} {sender / alerts * 1e6:9.0f}"
           + ("" if load is None else f" {'-' if database is None else f'{database / alerts * 1e6:.0f}':>8} "
-                                     f"{load:5.1f}"), flush=True)
+                                     f"{'-' if per_commit is None else f'{per_commit:.2f}':>8} {load:5.1f}")
+          + f" {ceiling:8.0f}", flush=True)
+    return ceiling
 
 
 _HEADER = (f"{'alerts':>6} {'alerts/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'CPU us/alert':>12} "
            f"{'alerts/CPU-s':>12} {'sender us':>9}")
+_CEILING = f" {'ceiling':>8}"
 
 
 def _journal_counts(path: Path) -> tuple[int, int]:
@@ -228,7 +242,7 @@ def intake(workdir: Path, notifications: int, concurrency: int) -> None:
     """Accepted and journaled alerts per second, the worker idle (every action awaits approval)."""
     with _webhook(workdir, approval=True) as (url, server):
         _load(url, [_notification(1) for _ in range(200)], concurrency)  # warm-up
-        print(f"{'intake, worker idle':<26} {_HEADER}")
+        print(f"{'intake, worker idle':<26} {_HEADER}{_CEILING}")
         for size in (1, 10):
             count = notifications // size
             bodies = [_notification(size) for _ in range(count)]
@@ -257,7 +271,7 @@ def storm(workdir: Path) -> int:
 
 
 def replicas(workdir: Path, notifications: int, concurrency: int, baseline: str | None,
-             latency: float) -> int:
+             latency: float, rounds: int = 1) -> int:
     """Two replicas on one PostgreSQL journal beside one on SQLite, the same load on each side; with
     ``baseline``, also two replicas of the webhook at that revision, on a database of their own."""
     import psycopg  # the postgres extra
@@ -286,35 +300,87 @@ def replicas(workdir: Path, notifications: int, concurrency: int, baseline: str 
             _load([url for url, _ in servers], [_notification(1) for _ in range(200)], concurrency)  # warm-up
         assert pg.process is not None and pg.process.proc is not None
         database_server = psutil.Process(pg.process.proc.pid)
-        print(f"{'intake, worker idle':<34} {_HEADER} {'db us':>8} {'load':>5}")
-        for size in (1, 10):
+        print(f"{'intake, worker idle':<34} {_HEADER} {'db us':>8} {'/commit':>8} {'load':>5}{_CEILING}")
+        cases: dict[tuple[str, int, int], tuple[float, float, float]] = {}  # alerts/s, p99, ceiling
+        # each round drives the sides in turn, every other round in reverse: the side measured second
+        # does not always find the database and the page cache warmed by the first
+        for round_, size in itertools.product(range(rounds), (1, 10)):
             count = notifications // size
-            for name, database, servers in sides:
+            for name, database, servers in (sides if round_ % 2 == 0 else sides[::-1]):
                 bodies = [_notification(size) for _ in range(count)]
                 load = os.getloadavg()[0]
                 cpu, sender = sum(_cpu(p) for _, p in servers), time.process_time()
-                db = _tree_cpu(database_server)
+                db, since = _tree_cpu(database_server), _last_notification(database)
                 wall, latencies = _load([url for url, _ in servers], bodies, concurrency)
-                _report(f"{name}, {count} x {size}", count * size, wall, latencies,
-                        sum(_cpu(p) for _, p in servers) - cpu, time.process_time() - sender,
-                        None if database is None else _tree_cpu(database_server) - db, load)
+                ceiling = _report(
+                    f"{name}, {count} x {size}", count * size, wall, latencies,
+                    sum(_cpu(p) for _, p in servers) - cpu, time.process_time() - sender,
+                    None if database is None else _tree_cpu(database_server) - db, load,
+                    _per_commit(database, since))
+                cases[name, size, round_] = (count * size / wall, _p(latencies, 0.99), ceiling)
         failed = 0
+        whole: dict[str, bool] = {}
         for name, database, _ in sides:
             if database is None:
                 continue
             with psycopg.connect(database) as conn:
                 row = conn.execute("SELECT COUNT(*), COUNT(DISTINCT fingerprint) FROM actions").fetchone()
             total, distinct = row if row is not None else (0, 0)
-            sent = 200 + notifications // 1 + notifications // 10 * 10
-            whole = total == distinct == sent
-            failed |= not whole
+            sent = 200 + (notifications // 1 + notifications // 10 * 10) * rounds
+            whole[name] = total == distinct == sent
+            failed |= not whole[name]
             print(f"{name}: {total} actions for {sent} alerts sent to the pair "
-                  f"({'no loss, no double' if whole else 'MISMATCH'})")
+                  f"({'no loss, no double' if whole[name] else 'MISMATCH'})")
+        _verdicts(cases, whole)
         for number, (name, database, _) in enumerate(sides):
             if database is not None:
                 failed |= not _acting_pair(workdir / f"acting-{number}", name, database,
                                            code if number == 0 else None, latency)
         return 1 if failed else 0
+
+
+TARGET_RATE, TARGET_P99 = 1000.0, 0.050  # alerts/s in total, seconds: the pair's intake targets
+
+
+def _last_notification(database: str | None) -> int:
+    """The newest notification's id in ``database`` (0 when none, or on SQLite)."""
+    if database is None:
+        return 0
+    import psycopg
+
+    with psycopg.connect(database, autocommit=True) as conn:
+        row = conn.execute("SELECT COALESCE(MAX(id), 0) FROM notifications").fetchone()
+    return int(row[0]) if row is not None else 0
+
+
+def _per_commit(database: str | None, since: int) -> float | None:
+    """Notifications per group commit among those journaled after ``since``: the notifications of one
+    group commit share its time of receipt, so each distinct one is a commit (a round trip)."""
+    if database is None:
+        return None
+    import psycopg
+
+    with psycopg.connect(database, autocommit=True) as conn:
+        row = conn.execute("SELECT COUNT(*), COUNT(DISTINCT received_at) FROM notifications WHERE id > %s",
+                           (since,)).fetchone()
+    return row[0] / row[1] if row is not None and row[1] else None
+
+
+def _verdicts(cases: dict[tuple[str, int, int], tuple[float, float, float]], whole: dict[str, bool]) -> None:
+    """Each pair on PostgreSQL against the targets, per notification size: the wall clock (what the
+    machine allowed this run), and the CPU ceiling (what the same CPU costs allow on this machine's
+    CPUs with nothing else running)."""
+    print(f"targets: >= {TARGET_RATE:,.0f} alerts/s in total, p99 < {TARGET_P99 * 1000:.0f} ms, no loss "
+          f"({os.cpu_count()} CPUs)")
+    for (name, size, round_), (rate, p99, ceiling) in sorted(cases.items(), key=lambda case: case[0][2]):
+        if name not in whole:
+            continue
+        loss = "no loss" if whole[name] else "LOSS or double"
+        print(f"  {name}, {size}-alert notifications, round {round_ + 1}: {rate:,.0f} alerts/s "
+              f"{'met' if rate >= TARGET_RATE else 'NOT met'}; p99 {p99 * 1000:.1f} ms "
+              f"{'met' if p99 < TARGET_P99 else 'NOT met'}; {loss}; "
+              f"CPU ceiling {ceiling:,.0f} alerts/s ({'above' if ceiling >= TARGET_RATE else 'BELOW'} the "
+              f"target)", flush=True)
 
 
 ACTING_ALERTS = 500
@@ -383,19 +449,24 @@ def main() -> int:
     parser.add_argument("--baseline", metavar="REV",
                         help="with --journal postgres: also two replicas of the webhook at git revision REV "
                              "(e.g. main), driven in turn with the others")
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help="with --journal postgres: drive the intake cases N times, every other time with "
+                             "the sides in reverse order (default 1)")
     parser.add_argument("--cluster-latency", type=float, default=0.02, metavar="SECONDS",
                         help="with --journal postgres: how long each call to the simulated cluster takes in "
                              "the acting case (default 0.02)")
     args = parser.parse_args()
     if args.baseline is not None and args.journal != "postgres":
         parser.error("--baseline needs --journal postgres")
+    if args.rounds < 1 or (args.rounds != 1 and args.journal != "postgres"):
+        parser.error("--rounds needs --journal postgres and at least 1")
     signal.signal(signal.SIGTERM, _terminated)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
     try:
         with tempfile.TemporaryDirectory(prefix="gpuhealth-bench-") as tmp:
             if args.journal == "postgres":
                 return replicas(Path(tmp) / "replicas", args.notifications, args.concurrency, args.baseline,
-                                args.cluster_latency)
+                                args.cluster_latency, args.rounds)
             return run(Path(tmp), args.notifications, args.concurrency)
     except KeyboardInterrupt:
         print("interrupted: every server it started is stopped", file=sys.stderr)

@@ -496,10 +496,16 @@ class AsyncPostgresJournal(AsyncJournal):
         return await asyncio.shield(done)
 
     async def _commit_firing(self) -> None:
-        """Commit what waits, in one statement per batch; what arrives meanwhile is the next batch."""
+        """Commit what waits, in one statement per batch; what arrives meanwhile is the next batch.
+
+        Before each batch the event loop runs once what is ready: requests already received, whose
+        handlers will journal next, join this batch instead of waiting for the next round trip. Each
+        commit costs PostgreSQL and the replica a fixed share (the statement, the WAL flush) whatever
+        it carries, so on busy CPUs fuller batches are what lets intake keep up."""
         waiting: list[tuple[Notification, dict[tuple[str, str], Decision], asyncio.Future[RecordResult]]] = []
         try:
             while self._firing:
+                await asyncio.sleep(0)
                 waiting = [self._firing.popleft() for _ in range(len(self._firing))]
                 batch = [(notification, decisions) for notification, decisions, _ in waiting]
                 results: list[RecordResult | Exception]

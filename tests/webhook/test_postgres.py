@@ -390,6 +390,28 @@ async def test_the_webhook_store_group_commits_firing_intake_isolating_what_the_
         await store.close()
 
 
+async def test_a_request_still_on_its_way_to_the_journal_joins_the_group_commit_about_to_go(database):
+    """The group commit lets the event loop run once before it goes: a handler that was ready to journal
+    (here, one step behind the first caller) rides in the same commit instead of the next round trip."""
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    store = AsyncPostgresJournal(database, resolve, "a", LEASE)
+    first, second = (parse_notification(notification(alert(node, action="drain"))) for node in NODES[:2])
+
+    async def one_step_behind() -> Any:
+        await asyncio.sleep(0)  # still parsing when the first caller hands its notification over
+        return await store.record(second, decide(second, config))
+
+    try:
+        answers = await asyncio.gather(store.record(first, decide(first, config)), one_step_behind())
+        assert [len(answer.new_actions) for answer in answers] == [1, 1]
+        with psycopg.connect(database) as conn:
+            commits = conn.execute("SELECT COUNT(DISTINCT received_at), COUNT(*) FROM notifications"
+                                   ).fetchone()
+        assert commits == (1, 2)  # a group commit's notifications share its time of receipt
+    finally:
+        await store.close()
+
+
 async def test_admission_holds_the_fleet_lock_on_one_session_kept_open_and_opened_again_once_cut(database):
     a, b = (AsyncPostgresJournal(database, resolve, name, LEASE) for name in ("a", "b"))
     watch = await psycopg.AsyncConnection.connect(database, autocommit=True)
