@@ -16,7 +16,7 @@ from typing import Any
 import prometheus_client
 from aiohttp import web
 from gpuhealth.webhook import stores
-from gpuhealth.webhook.app import METRICS, create_app
+from gpuhealth.webhook.app import METRICS, SECURITY_HEADERS, create_app
 from gpuhealth.webhook.auth import Authenticator, AuthSetupError
 from gpuhealth.webhook.backends import Backend, create_backend
 from gpuhealth.webhook.config import Config, ConfigError, TLSConfig, load_config, parse_listen
@@ -134,7 +134,7 @@ async def _serve(app: web.Application, config: Config, context: ssl.SSLContext |
     """``web.run_app`` with a ``LimitedRunner``: serve until SIGTERM or SIGINT, then shut down cleanly."""
     refused = app[METRICS].connections_refused
     runner = LimitedRunner(app, limit=limit, on_refused=lambda which: refused.labels(which).inc(),
-                           handle_signals=True, access_log=None,
+                           security_headers=SECURITY_HEADERS, handle_signals=True, access_log=None,
                            keepalive_timeout=config.connection_idle_timeout_seconds)
     await runner.setup()
     try:
