@@ -207,9 +207,9 @@ class UndrainConfig(Model):
 
 
 def _database_url(value: str) -> str:
-    if not re.fullmatch(r"postgres(ql)?://\S*", value):
-        raise PydanticCustomError("database_url", "expected a postgresql:// URL, got {value}",
-                                  {"value": repr(value[:80])})
+    if not re.fullmatch(r"postgres(ql)?://\S*", value):  # never echoed: a password may be in it
+        raise PydanticCustomError("database_url", "expected a postgresql:// URL without spaces (the value "
+                                  "is not shown: it may hold a password)")
     return value
 
 
