@@ -165,7 +165,7 @@ def read_ports(sysfs: Path, errors: ReadErrors) -> list[Port]:
     dozen series, and a tree with thousands (SR-IOV functions, or a crafted ``--path.sysfs``) must not
     multiply them without bound. Ports past the cap are counted, as ``("", "over_limit")``."""
     root = sysfs / "class" / "infiniband"
-    found = []
+    found: list[Port] = []
     for device in _listing(root, "", errors):
         for port in _listing(root / device / "ports", device, errors):
             if len(found) == MAX_PORTS:
