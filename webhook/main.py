@@ -92,8 +92,9 @@ def load(args: argparse.Namespace) -> tuple[Config, Backend]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prometheus_client.disable_created_metrics()  # *_created series only double the exposition
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
-                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(OneLineFormatter(LOG_FORMAT))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
     # The format names no thread or process: not gathering them makes every line (one per
     # notification) cheaper, as the logging HOWTO's "Optimization" advises.
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
@@ -124,6 +125,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpuhealth-webhook: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+LOG_FORMAT = "ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
+
+
+def _escaped(text: str) -> str:
+    """Control, format and escape characters as Python writes them in a string literal."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+class OneLineFormatter(logging.Formatter):
+    """Whatever a message holds (a value logged with %s, an exception's text from a backend or a
+    library), it stays one line without terminal escapes; a traceback's lines are indented under it.
+    So no value can forge a log line or rewrite an operator's terminal."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return _escaped(super().formatMessage(record))
+
+    def formatException(self, ei: Any) -> str:
+        return "  " + "\n  ".join(_escaped(line) for line in super().formatException(ei).splitlines())
+
+    def formatStack(self, stack_info: str) -> str:
+        return "  " + "\n  ".join(_escaped(line) for line in stack_info.splitlines())
 
 
 class CannotListen(Exception):
