@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from gpuhealth.contract.files import read_text
+from gpuhealth.contract.files import parse_yaml, read_text
 from gpuhealth.contract.validation import Location, Model, problems
 from gpuhealth.webhook.actions import ALERT_ACTIONS as ACTIONS
 from gpuhealth.webhook.backends.command import NODE, template_errors
@@ -392,7 +392,7 @@ def parse_config(data: Any, base: Path = Path("."),
 def load_config(path: Path, check_backend: Callable[[dict[str, Any]], list[str]] | None = None) -> Config:
     """Read and validate ``path``; ``ConfigError`` for a missing file, bad YAML or bad values."""
     try:
-        data = yaml.safe_load(read_text(path))
+        data = parse_yaml(read_text(path))
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read: {exc.strerror}"]) from None
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
