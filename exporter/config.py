@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from gpuhealth.contract.files import read_text
+from gpuhealth.contract.files import parse_yaml, read_text
 from gpuhealth.contract.validation import Location, Model
 from gpuhealth.contract.validation import problems as listed
 from gpuhealth.exporter.fabric_settings import FabricSettings
@@ -72,7 +72,7 @@ def read_yaml(path: Path, problems: list[str]) -> dict[str, Any]:
     """The YAML file as Settings field names: the ``web`` block's keys are lifted to the top (any
     other key stays under ``web``, to be reported there)."""
     try:
-        data = yaml.safe_load(read_text(path)) or {}
+        data = parse_yaml(read_text(path)) or {}
     except OSError as exc:
         problems.append(f"{path}: cannot read: {exc.strerror}")
         return {}
@@ -97,6 +97,9 @@ def read_yaml(path: Path, problems: list[str]) -> dict[str, Any]:
 def _path(value: Any) -> Any:
     if value == "":
         raise PydanticCustomError("path", "expected a path, got ''")
+    if isinstance(value, str) and "\0" in value:  # no file has one: open() would raise ValueError later
+        raise PydanticCustomError("path", "a path cannot hold a NUL byte, got {value}",
+                                  {"value": ascii(value)})
     return value
 
 
@@ -284,7 +287,7 @@ class ToolkitWebConfig(Model):
 def _web_config(path: Path, problems: list[str]) -> dict[str, Any]:
     """Settings fields from an exporter-toolkit file; its problems are named ``web_config_file...``."""
     try:
-        data = yaml.safe_load(read_text(path)) or {}
+        data = parse_yaml(read_text(path)) or {}
     except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
         problems.append(f"web_config_file: {path}: cannot read: {exc}")
         return {}

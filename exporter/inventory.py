@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuhealth.exporter.sysfs_attribute import read_attribute
+
 
 @dataclass(frozen=True)
 class GpuIdentity:
@@ -62,8 +64,8 @@ def nvidia_gpus_on_pci(sysfs: Path) -> int | None:
     count = 0
     for device in devices:
         try:
-            vendor = (device / "vendor").read_text().strip().lower()
-            pci_class = (device / "class").read_text().strip().lower()
+            vendor = read_attribute(device / "vendor").lower()
+            pci_class = read_attribute(device / "class").lower()
         except OSError:
             continue
         count += vendor == NVIDIA_VENDOR and pci_class.startswith(GPU_CLASSES)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import collections
 import errno
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuhealth.contract.metrics import NIC_HW_ERRORS, NIC_PORT_ERRORS
 from gpuhealth.exporter.fabric_settings import GBPS
+from gpuhealth.exporter.sysfs_attribute import read_attribute
 
 PORT_STATE_ACTIVE = 4      # IB PortState: 1 DOWN, 2 INIT, 3 ARMED, 4 ACTIVE, 5 ACTIVE_DEFER
 PHYS_STATE_LINK_UP = 5     # IB PortPhysicalState: 2 Polling, 3 Disabled, 5 LinkUp, 6 LinkErrorRecovery
@@ -23,27 +25,24 @@ ROCE = "Ethernet"
 
 ReadErrors = collections.Counter[tuple[str, str]]  # (device, error) -> failed reads
 StrPath = str | os.PathLike[str]
-ATTRIBUTE_BYTES = 4096  # a sysfs attribute is at most one page, returned by one read
+MAX_PORTS = 256  # HCA ports read per run: far above a node's NICs, bounding the series they make
+NETDEV_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@-]{0,14}")  # IFNAMSIZ; never "/", "..", white space
 
 
 def read_text(path: StrPath, device: str, errors: ReadErrors) -> str | None:
     """The stripped contents of a sysfs file, or None with the failure counted for ``device``.
 
-    One ``open``/``read``/``close`` on a plain path: a node has dozens of these files per port, read
-    every few seconds, and pathlib's objects and buffered file cost more than the reads themselves.
+    One ``open``/``read``/``close`` on a plain path (``read_attribute``): a node has dozens of these
+    files per port, read every few seconds, and pathlib's objects and buffered file cost more than the
+    reads themselves.
     """
     try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            data = os.read(fd, ATTRIBUTE_BYTES)
-        finally:
-            os.close(fd)
-        return data.decode(errors="surrogateescape").strip()
+        return read_attribute(path)
     except FileNotFoundError:
         errors[device, "missing"] += 1
     except PermissionError:
         errors[device, "permission"] += 1
-    except OSError as exc:  # EINVAL, EOPNOTSUPP: a counter the port cannot give now
+    except OSError as exc:  # EINVAL, EOPNOTSUPP: a counter the port cannot give now; ELOOP, EAGAIN
         errors[device, "missing" if exc.errno == errno.ENOTDIR else "io"] += 1
     return None
 
@@ -125,15 +124,17 @@ def _state(path: StrPath, device: str, errors: ReadErrors) -> int | None:
 
 
 def _roce_netdev(hca: Path, port: str, device: str, errors: ReadErrors) -> str:
-    """The Ethernet interface of a RoCE port: its first GID's netdev, else the PCI function's one."""
-    try:
-        name = (hca / "ports" / port / "gid_attrs" / "ndevs" / "0").read_text().strip()
-    except OSError:  # an empty GID entry answers EINVAL; older kernels have no gid_attrs
-        name = ""
-    if name:
-        return name
-    names = _listing(hca / "device" / "net", device, errors)
-    return names[0] if names else ""
+    """The Ethernet interface of a RoCE port: its first GID's netdev, else the PCI function's one.
+    Only a name the kernel could give an interface: it becomes a label and a path under class/net."""
+    # an empty GID entry answers EINVAL, older kernels have no gid_attrs: neither is an error
+    name = read_text(hca / "ports" / port / "gid_attrs" / "ndevs" / "0", device, ReadErrors()) or ""
+    if not name:
+        names = _listing(hca / "device" / "net", device, errors)
+        name = names[0] if names else ""
+    if name and not NETDEV_NAME.fullmatch(name):
+        errors[device, "malformed"] += 1
+        return ""
+    return name
 
 
 def read_port(hca: Path, port: str, errors: ReadErrors) -> Port:
@@ -160,11 +161,18 @@ def read_port(hca: Path, port: str, errors: ReadErrors) -> Port:
 
 
 def read_ports(sysfs: Path, errors: ReadErrors) -> list[Port]:
-    """Every port of every HCA under ``class/infiniband``, in name order."""
+    """Every port of every HCA under ``class/infiniband``, in name order, up to ``MAX_PORTS``: each is a
+    dozen series, and a tree with thousands (SR-IOV functions, or a crafted ``--path.sysfs``) must not
+    multiply them without bound. Ports past the cap are counted, as ``("", "over_limit")``."""
     root = sysfs / "class" / "infiniband"
-    return [read_port(root / device, port, errors)
-            for device in _listing(root, "", errors)
-            for port in _listing(root / device / "ports", device, errors)]
+    found: list[Port] = []
+    for device in _listing(root, "", errors):
+        for port in _listing(root / device / "ports", device, errors):
+            if len(found) == MAX_PORTS:
+                errors["", "over_limit"] += 1
+                continue
+            found.append(read_port(root / device, port, errors))
+    return found
 
 
 def read_netdev(sysfs: Path, name: str, errors: ReadErrors) -> Netdev:

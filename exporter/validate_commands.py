@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import selectors
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,8 @@ from gpuhealth.exporter.validate_checks import Check
 log = logging.getLogger(__name__)
 
 OUTPUT_TAIL_CHARS = 400
+OUTPUT_KEPT_BYTES = 64 * 1024  # of a command's output: a diagnostic that prints without end costs no more
+EXIT_POLL_SECONDS = 0.2
 # dcgmi diag levels: 1 quick (seconds), 2 medium (about 2 min), 3 long (about 30 min), 4 extended
 DCGM_DEFAULT_TIMEOUT = {1: 120.0, 2: 600.0, 3: 3600.0, 4: 7200.0}
 
@@ -36,29 +39,57 @@ class Outcome:
 
     @property
     def tail(self) -> str:
-        """The last non-empty output line, shortened: enough to say why it failed."""
+        """The last non-empty output line, shortened and with control and escape characters written
+        out: enough to say why it failed, and nothing a terminal would act on."""
         lines = [line.strip() for line in self.output.splitlines() if line.strip()]
-        return lines[-1][-OUTPUT_TAIL_CHARS:] if lines else ""
+        last = lines[-1][-OUTPUT_TAIL_CHARS:] if lines else ""
+        return last if last.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in last)
 
 
 def run_command(argv: Sequence[str], timeout: float) -> Outcome:
-    """Run ``argv`` with a deadline; its whole process group is killed when the deadline passes."""
+    """Run ``argv`` with a deadline; its whole process group is killed when the deadline passes.
+
+    Only the last ``OUTPUT_KEPT_BYTES`` of its output are kept, and the result comes when the command
+    exits, even if something it started (in a session of its own) still holds its output open."""
     started = time.monotonic()
     try:
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     except OSError as exc:
         return Outcome(None, "", 0.0, f"cannot run {argv[0]}: {exc.strerror or exc}")
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    assert proc.stdout is not None
+    with proc.stdout:
+        kept, exited = _read_until_exit(proc, proc.stdout.fileno(), started + timeout)
+    output = kept.decode(errors="replace")
+    if not exited:
         with contextlib.suppress(ProcessLookupError):  # the group already ended
             os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        proc.wait()
         log.warning("command killed at its deadline argv0=%s timeout=%gs", argv[0], timeout)
-        return Outcome(None, out.decode(errors="replace"), time.monotonic() - started,
-                       f"no result within {timeout:g} s (killed)", timed_out=True)
-    return Outcome(proc.returncode, out.decode(errors="replace"), time.monotonic() - started)
+        return Outcome(None, output, time.monotonic() - started, f"no result within {timeout:g} s (killed)",
+                       timed_out=True)
+    return Outcome(proc.returncode, output, time.monotonic() - started)
+
+
+def _read_until_exit(proc: subprocess.Popen[bytes], fd: int, deadline: float) -> tuple[bytes, bool]:
+    """The output's last ``OUTPUT_KEPT_BYTES`` until the output ends or the process has exited and
+    left nothing more to read; whether it exited before ``deadline``."""
+    kept = bytearray()
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while (left := deadline - time.monotonic()) > 0:
+            if not selector.select(min(left, EXIT_POLL_SECONDS)):
+                if proc.poll() is not None:
+                    return bytes(kept), True  # exited; a descendant of its own holds the output open
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(max(deadline - time.monotonic(), 0))
+                return bytes(kept), proc.returncode is not None
+            kept += chunk
+            del kept[:-OUTPUT_KEPT_BYTES]
+    return bytes(kept), proc.poll() is not None
 
 
 def _judge(name: str, what: str, outcome: Outcome, value: dict[str, object]) -> Check:

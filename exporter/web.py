@@ -17,6 +17,7 @@ import base64
 import binascii
 import collections
 import concurrent.futures
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -40,6 +41,7 @@ HASH_ITERATIONS = 200_000
 MIN_ITERATIONS = 1000
 _BCRYPT = re.compile(r"^\$2[aby]\$(0[4-9]|[12]\d|3[01])\$[./A-Za-z0-9]{53}$")
 MAX_HEAD_BYTES = 8192
+LINGER_SECONDS = 1.0  # reading and dropping what a refused client still sends
 MAX_VERIFIED = 64
 BCRYPT_MAX_BYTES = 72
 _QVALUE = re.compile(r"(?:0(?:\.[0-9]{0,3})?|1(?:\.0{0,3})?)")  # RFC 9110 section 12.4.2
@@ -221,8 +223,12 @@ class ExporterServer:
         timeout = self.limits.head_timeout
         try:
             while True:
-                async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
-                    head = await reader.readuntil(b"\r\n\r\n")
+                try:
+                    async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
+                        head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.LimitOverrunError:
+                    await self._refuse_oversized(reader, writer)
+                    break
                 connection = self._connections.get(key)
                 if connection is None:
                     break
@@ -234,12 +240,30 @@ class ExporterServer:
                     break
                 connection.waiting = True
                 timeout = self.limits.idle_timeout
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
-                ssl.SSLError, OSError):
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ssl.SSLError, OSError):
             pass  # a slow, silent, oversized or vanished client: closed below, nothing to report
         finally:
             self._connections.pop(key, None)
             writer.close()
+
+    async def _refuse_oversized(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A head over ``MAX_HEAD_BYTES``: 414 when its request line alone is that long, else 431. The
+        rest of what the client sends is read and dropped for a moment, so that closing with unread
+        input (a TCP reset) does not destroy the answer before the client reads it."""
+        start = await reader.read(MAX_HEAD_BYTES)  # buffered already: the overrun left it there
+        if b"\r\n" in start:
+            status, body = HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, b"request headers too large\n"
+        else:
+            status, body = HTTPStatus.REQUEST_URI_TOO_LONG, b"request line too long\n"
+        self._write(writer, status, body, "text/plain", {}, False)
+        async with asyncio.timeout(self.limits.write_timeout):
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(LINGER_SECONDS):
+                while await reader.read(65536):
+                    pass
 
     async def _respond(self, head: bytes, writer: asyncio.StreamWriter) -> bool:
         try:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from gpuhealth.contract.files import read_text
+from gpuhealth.contract.files import parse_yaml, read_text
 from gpuhealth.contract.validation import Location, Model, problems
 from gpuhealth.webhook.actions import ALERT_ACTIONS as ACTIONS
 from gpuhealth.webhook.backends.command import NODE, template_errors
@@ -207,9 +207,9 @@ class UndrainConfig(Model):
 
 
 def _database_url(value: str) -> str:
-    if not re.fullmatch(r"postgres(ql)?://\S*", value):
-        raise PydanticCustomError("database_url", "expected a postgresql:// URL, got {value}",
-                                  {"value": repr(value[:80])})
+    if not re.fullmatch(r"postgres(ql)?://\S*", value):  # never echoed: a password may be in it
+        raise PydanticCustomError("database_url", "expected a postgresql:// URL without spaces (the value "
+                                  "is not shown: it may hold a password)")
     return value
 
 
@@ -392,7 +392,7 @@ def parse_config(data: Any, base: Path = Path("."),
 def load_config(path: Path, check_backend: Callable[[dict[str, Any]], list[str]] | None = None) -> Config:
     """Read and validate ``path``; ``ConfigError`` for a missing file, bad YAML or bad values."""
     try:
-        data = yaml.safe_load(read_text(path))
+        data = parse_yaml(read_text(path))
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read: {exc.strerror}"]) from None
     except (yaml.YAMLError, UnicodeDecodeError) as exc:

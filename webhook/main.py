@@ -16,7 +16,7 @@ from typing import Any
 import prometheus_client
 from aiohttp import web
 from gpuhealth.webhook import stores
-from gpuhealth.webhook.app import METRICS, create_app
+from gpuhealth.webhook.app import METRICS, SECURITY_HEADERS, create_app
 from gpuhealth.webhook.auth import Authenticator, AuthSetupError
 from gpuhealth.webhook.backends import Backend, create_backend
 from gpuhealth.webhook.config import Config, ConfigError, TLSConfig, load_config, parse_listen
@@ -92,8 +92,9 @@ def load(args: argparse.Namespace) -> tuple[Config, Backend]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prometheus_client.disable_created_metrics()  # *_created series only double the exposition
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
-                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(OneLineFormatter(LOG_FORMAT))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
     # The format names no thread or process: not gathering them makes every line (one per
     # notification) cheaper, as the logging HOWTO's "Optimization" advises.
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
@@ -126,6 +127,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+LOG_FORMAT = "ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
+
+
+def _escaped(text: str) -> str:
+    """Control, format and escape characters as Python writes them in a string literal."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+class OneLineFormatter(logging.Formatter):
+    """Whatever a message holds (a value logged with %s, an exception's text from a backend or a
+    library), it stays one line without terminal escapes; a traceback's lines are indented under it.
+    So no value can forge a log line or rewrite an operator's terminal."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return _escaped(super().formatMessage(record))
+
+    def formatException(self, ei: Any) -> str:
+        return "  " + "\n  ".join(_escaped(line) for line in super().formatException(ei).splitlines())
+
+    def formatStack(self, stack_info: str) -> str:
+        return "  " + "\n  ".join(_escaped(line) for line in stack_info.splitlines())
+
+
 class CannotListen(Exception):
     """The listening socket could not be opened; the message says where and why."""
 
@@ -134,7 +158,7 @@ async def _serve(app: web.Application, config: Config, context: ssl.SSLContext |
     """``web.run_app`` with a ``LimitedRunner``: serve until SIGTERM or SIGINT, then shut down cleanly."""
     refused = app[METRICS].connections_refused
     runner = LimitedRunner(app, limit=limit, on_refused=lambda which: refused.labels(which).inc(),
-                           handle_signals=True, access_log=None,
+                           security_headers=SECURITY_HEADERS, handle_signals=True, access_log=None,
                            keepalive_timeout=config.connection_idle_timeout_seconds)
     await runner.setup()
     try:

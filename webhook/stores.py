@@ -22,7 +22,21 @@ def describe(config: Config) -> str:
     """The journal's location for logs, without a password."""
     if config.journal.url is None:
         return str(config.journal_path)
-    return re.sub(r"//([^:/@]*):[^@/]*@", r"//\1:***@", config.journal.url)
+    return redacted_url(config.journal.url)
+
+
+def redacted_url(url: str) -> str:
+    """A libpq URL as a log may show it: scheme, hosts, ports and database. The user information (up to
+    the last ``@``: a password may hold ``@``, ``/`` or ``?``) and the parameters (``?password=``) are
+    ``***``; a user name is kept when it is a plain name, the rest only when it is plainly a location."""
+    scheme, _, rest = url.partition("://")
+    userinfo, at, location = rest.rpartition("@")
+    location, query, _ = location.partition("?")
+    if not re.fullmatch(r"[A-Za-z0-9._:,\[\]-]*(/[A-Za-z0-9._-]*)?", location):
+        location = "***"  # the last "@" was inside the parameters: nothing after it is sure to be a location
+    user, colon, _ = userinfo.partition(":")
+    shown_user = (user if re.fullmatch(r"[A-Za-z0-9._-]+", user) else "***") + (":***" if colon else "")
+    return f"{scheme}://{shown_user + '@' if at else ''}{location}{'?***' if query else ''}"
 
 
 def _postgres() -> ModuleType:

@@ -114,3 +114,20 @@ def test_preflight_refuses_single_tier_rules(tmp_path, ansible_env):
     run = run_playbook(ansible_env, inventory)
     assert run.rc != 0
     assert "gpuhealth rules generate --tier global --out DIR" in run.failures()
+
+
+@pytest.mark.parametrize("overrides", [
+    {"gpuhealth_global_storage_dir": "/var/lib/vm data -retentionPeriod=1h"},
+    {"gpuhealth_global_vm_listen_address": '127.0.0.1" -x="'}],
+                         ids=["space-in-storage-dir", "quote-in-listen-address"])
+def test_preflight_refuses_values_that_would_split_the_arguments_file(tmp_path, ansible_env, overrides):
+    """Debian's unit passes ``$ARGS`` split at spaces: a storage path with a space became more flags."""
+    rules = tmp_path / "rules-global"
+    for name, text in render_all(catalogue.load(), ("gpuhealth",), "global").items():
+        (rules / name).parent.mkdir(parents=True, exist_ok=True)
+        (rules / name).write_text(text)
+    inventory = _inventory(tmp_path / "root", rules, free_port(), free_port(), **overrides)
+    run = run_playbook(ansible_env, inventory)
+    assert run.rc != 0
+    assert "must hold no space, quote, backslash, $ or backtick" in " ".join(run.failures().split())
+    assert not (tmp_path / "root" / "etc").exists(), "preflight must fail before anything is written"

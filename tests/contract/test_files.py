@@ -6,7 +6,10 @@ import os
 from pathlib import Path
 
 import pytest
-from gpuhealth.contract.files import read_text
+import yaml
+from gpuhealth.contract.files import parse_yaml, read_text
+from gpuhealth.exporter.config import read_yaml
+from gpuhealth.webhook.config import ConfigError, load_config
 
 
 def test_a_small_file_is_read_and_a_fifo_without_a_writer_does_not_hang(tmp_path: Path) -> None:
@@ -30,3 +33,24 @@ def test_what_is_not_a_small_text_file_is_a_clear_oserror(tmp_path: Path, name: 
     with pytest.raises(OSError) as caught:
         read_text(path, limit=1024)
     assert message in (caught.value.strerror or "")
+
+
+def test_a_key_given_twice_is_refused_and_nothing_else_changes() -> None:
+    """YAML keeps the last of two equal keys silently: a second ``token_file:`` pasted below the first
+    quietly replaced it."""
+    with pytest.raises(yaml.YAMLError, match="key 'token_file' is given twice"):
+        parse_yaml("auth:\n  token_file: a\n  token_file: b\n")
+    base = "defaults: &d {a: 1}\nnode: {<<: *d, a: 2}\n"  # a merge key that overrides stays allowed
+    assert parse_yaml(base) == yaml.safe_load(base)
+    with pytest.raises(yaml.YAMLError):
+        parse_yaml('x: !!python/object/apply:os.system ["true"]')
+
+
+def test_the_webhook_and_exporter_configurations_refuse_a_key_given_twice(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("backend: {type: simulated, nodes: [n1]}\ndry_run: false\ndry_run: true\n")
+    with pytest.raises(ConfigError, match="'dry_run' is given twice"):
+        load_config(path)
+    path.write_text("gpus_expected: 8\ngpus_expected: 4\n")
+    problems: list[str] = []
+    assert read_yaml(path, problems) == {} and "'gpus_expected' is given twice" in problems[0]

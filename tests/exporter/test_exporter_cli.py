@@ -207,3 +207,10 @@ def test_a_config_path_that_is_no_file_is_one_clear_problem_not_a_hang(path: str
     problems: list[str] = []
     assert read_yaml(Path(path), problems) == {} and len(problems) == 1
     assert problems[0].startswith(f"{path}: cannot read: ") and message in problems[0]
+
+
+@pytest.mark.parametrize("key", ["kmsg_path", "state_dir", "sim_scenario", "procfs", "sysfs"])
+def test_a_path_with_a_nul_byte_is_a_configuration_error(key: str) -> None:
+    """``kmsg_path: "/dev/kmsg\\0x"`` passed validation and failed every sampling run with ValueError."""
+    with pytest.raises(ConfigError, match="cannot hold a NUL byte"):
+        build_settings({key: "/dev/kmsg\0x"}, {}, ["gpu"])

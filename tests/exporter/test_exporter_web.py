@@ -172,7 +172,12 @@ def test_a_silent_connection_is_closed_after_the_head_deadline(sampler: Sampler)
 
 def test_oversized_or_garbled_requests_are_refused_and_serving_goes_on(sampler: Sampler) -> None:
     for address in serve(make_server("127.0.0.1", free_port(), sampler)):
-        assert _raw(address, b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n") == b""
+        assert _raw(address, b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n").startswith(
+            b"HTTP/1.1 431 ")
+        long_line = b"GET /metrics?" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n"
+        assert _raw(address, long_line).startswith(b"HTTP/1.1 414 ")
+        many = b"".join(b"X-%d: 1\r\n" % i for i in range(2000))
+        assert _raw(address, b"GET /metrics HTTP/1.1\r\n" + many + b"\r\n").startswith(b"HTTP/1.1 431 ")
         assert _raw(address, b"\x16\x03\x01garbage\r\n\r\n").startswith(b"HTTP/1.1 400")
         assert _raw(address, b"POST /metrics HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.1 405")
         assert get(f"http://{address}/metrics")[0] == 200

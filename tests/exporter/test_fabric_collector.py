@@ -9,6 +9,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,8 +19,8 @@ from gpuhealth.exporter.collector import Context
 from gpuhealth.exporter.collectors.fabric import READ_EVERY_SECONDS
 from gpuhealth.exporter.fabric_manager import FabricManagerProbe
 from gpuhealth.exporter.fabric_settings import FabricSettings
-from gpuhealth.exporter.inventory import GpuIdentity
-from gpuhealth.exporter.sysfs_fabric import parse_rate, parse_state
+from gpuhealth.exporter.inventory import GpuIdentity, nvidia_gpus_on_pci
+from gpuhealth.exporter.sysfs_fabric import MAX_PORTS, parse_rate, parse_state
 
 SYSFS = HERE / "fixtures" / "sysfs-fabric"
 QUIET = FabricSettings(systemctl=(), manager_pid_file=None)  # no fabric manager on this host
@@ -231,3 +232,58 @@ def test_a_hung_systemctl_is_cut_at_the_deadline_and_counted(tmp_path: Path) -> 
     probe = FabricManagerProbe(settings, Path("/proc"), FakeClock(), deadline=0.2)
     assert probe.probe() is None  # the last answer, none yet
     assert probe.errors[("", "timeout")] == 1
+
+
+def _plant_hostile_files(port: Path) -> None:
+    """A FIFO no one writes, a 1 GiB sparse file and a loop of links where attributes should be."""
+    os.mkfifo(port / "fifo")
+    (port / "state").unlink()
+    (port / "state").symlink_to(port / "fifo")
+    with open(port / "rate", "r+b") as f:
+        f.truncate(1 << 30)
+    (port / "counters" / "symbol_error").unlink()
+    (port / "counters" / "symbol_error").symlink_to("symbol_error")
+
+
+def test_fifos_huge_files_and_link_loops_in_the_tree_are_bounded_reads(tmp_path: Path) -> None:
+    """A FIFO blocked the collector for good (and every read after it); the RoCE port's netdev file and
+    the PCI bus's vendor and class files were read whole."""
+    tree = _copy(tmp_path)
+    _plant_hostile_files(tree / "class/infiniband/mlx5_0/ports/1")
+    roce = tree / "class/infiniband/mlx4_0/ports/2"
+    (roce / "link_layer").write_text("Ethernet\n")
+    (roce / "gid_attrs/ndevs").mkdir(parents=True)
+    (roce / "gid_attrs/ndevs/0").write_text("../../../../etc" + " " * (1 << 20))  # a path, then 1 MiB
+    pci = tree / "bus/pci/devices/0000:99:00.0"
+    pci.mkdir(parents=True)
+    os.mkfifo(pci / "vendor")
+    with open(pci / "class", "wb") as f:
+        f.truncate(1 << 30)
+    done: list[str] = []
+    collector = make_collector("fabric", fabric_context(tree))
+    reader = threading.Thread(target=lambda: done.append(scrape(collector)), daemon=True)
+    reader.start()
+    reader.join(30)
+    assert done, "the collector blocked on a FIFO"
+    text = done[0]
+    promtool_check(text)
+    key = {"device": "mlx5_0", "port": "1"}
+    assert value(text, "gpuhealth_nic_port_state", **key) is None
+    assert value(text, "gpuhealth_nic_port_physical_state", **key) == 5
+    assert value(text, "gpuhealth_nic_port_info", device="mlx4_0", port="2", link_layer="Ethernet", netdev="",
+                 switch="") == 1
+    assert "etc" not in text
+    assert nvidia_gpus_on_pci(tree) is not None
+
+
+def test_thousands_of_ports_make_a_bounded_number_of_series(tmp_path: Path) -> None:
+    root = tmp_path / "class/infiniband"
+    for device in range(300):
+        for port in (1, 2):
+            path = root / f"mlx5_{device}/ports/{port}"
+            (path / "counters").mkdir(parents=True)
+            (path / "state").write_text("4: ACTIVE\n")
+    text = scrape(make_collector("fabric", fabric_context(tmp_path)))
+    states = [line for line in text.splitlines() if line.startswith("gpuhealth_nic_port_state{")]
+    assert len(states) == MAX_PORTS
+    assert value(text, "gpuhealth_fabric_read_errors_total", device="", error="over_limit") == 600 - MAX_PORTS

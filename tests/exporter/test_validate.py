@@ -4,8 +4,10 @@ every NVML error class gives a verdict (never a traceback), and the exit code sa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ from gpuhealth.exporter.sim.nvml import SimulatedNvml
 from gpuhealth.exporter.sim.scenario import parse_scenario
 from gpuhealth.exporter.validate import APPLICATION_XIDS, Options, main, seconds_after_boot, validate
 from gpuhealth.exporter.validate_checks import MAX_LOG_RECORDS, Check, KernelLog, NicPorts
+from gpuhealth.exporter.validate_commands import OUTPUT_KEPT_BYTES, run_command
 from test_nvml_errors import ERRORS, GPU_DOWN, NVML_DOWN
 
 PASSED, FAILED, CANNOT = 0, 1, 2
@@ -476,3 +479,25 @@ def test_console_script_help_and_a_verdict_in_a_fresh_process() -> None:
     assert json.loads(result.stdout)["failed"] == ["gpus_visible"]
     assert "level=WARNING" in result.stderr
     assert "check failed name=gpus_visible detail=8 of 9 GPUs answer NVML" in result.stderr
+
+
+def test_a_site_command_whose_daemon_holds_its_output_still_gives_its_verdict(tmp_path: Path) -> None:
+    """The verdict waited for the output to close: a helper started in a session of its own (outside
+    the group killed at the deadline) held it, and the command that had passed was reported killed."""
+    pid = tmp_path / "pid"
+    script = f"setsid sh -c 'echo $$ > {pid}; exec sleep 600' & echo started; exit 0"
+    try:
+        code, checks = run(sim({"gpus": 1}), site_command=("sh", "-c", script), site_timeout=120.0)
+        site = checks["site_command"]
+        assert (code, site.ok, site.value["exit_code"]) == (PASSED, True, 0)
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(pid.read_text()), signal.SIGKILL)
+
+
+def test_a_site_command_printing_without_end_keeps_a_bounded_clean_tail(tmp_path: Path) -> None:
+    """Its whole output was held in memory, and its last line (terminal escapes included) was logged."""
+    script = "head -c 50000000 /dev/zero | tr '\\0' x; printf '\\n\\033]0;owned\\007bad\\n'; exit 4"
+    outcome = run_command(["sh", "-c", script], 120.0)
+    assert outcome.exit_code == 4 and len(outcome.output) <= OUTPUT_KEPT_BYTES
+    assert outcome.tail == "\\x1b]0;owned\\x07bad"

@@ -215,3 +215,22 @@ async def test_the_environment_is_inherited(tmp_path, recorder, monkeypatch):
     backend = make(tmp_path, recorder, {"resume": ["{node}"]})
     await backend.resume("gpu01")
     assert calls(tmp_path)[0]["env"]["SITE_FROM_PARENT"] == "yes"
+
+
+@pytest.mark.parametrize("printed", ["123 -rf", "123 $(touch${IFS}pwned)", "123 ;id", "123 `id`", "123 *"])
+async def test_a_job_id_that_is_not_one_job_goes_into_no_command(tmp_path, recorder, printed):
+    """Job ids come from the site's jobs_on_node output and went unchecked into {job_id} of the
+    requeue, signal and state commands (an ssh template hands them to a remote shell)."""
+    backend = make(tmp_path, recorder, {op: ["{job_id}"] for op in ("requeue", "signal_job", "job_state")}
+                   | {"jobs_on_node": ["{node}"]}, env={"SITE_STDOUT": printed})
+    with pytest.raises(BackendError, match="is not one job id") as err:
+        await backend.jobs_on_node("gpu01")
+    assert not err.value.retryable
+    bad = printed.split(" ", 1)[1]
+    for act in (lambda: backend.requeue(bad, ["gpu01"]), lambda: backend.signal_job(bad, "USR1", "batch"),
+                lambda: backend.job_state(bad)):
+        with pytest.raises(BackendError, match="is not one job id"):
+            await act()
+    assert [c["argv"] for c in calls(tmp_path)] == [["gpu01"]]  # jobs_on_node only
+    await backend.requeue("123_4", ["gpu01"])
+    assert calls(tmp_path)[-1]["argv"] == ["123_4"]

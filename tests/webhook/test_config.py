@@ -15,6 +15,7 @@ import yaml
 from fake_kube import make_pki
 from gpuhealth.webhook.config import ConfigError, load_config, parse_config
 from gpuhealth.webhook.main import main
+from gpuhealth.webhook.stores import describe
 from webhook_helpers import alert, notification
 
 from gpuhealth.local.process import ManagedProcess, free_port, http_ok
@@ -248,3 +249,22 @@ def test_undrain_health_check_defaults_to_validation_over_ssh_and_can_be_turned_
     assert check(health_check=[]) == ()
     assert check(health_check=["pdsh", "-w", "{node}", "gpuhealth-validate --gpus-expected 8"]) == (
         "pdsh", "-w", "{node}", "gpuhealth-validate --gpus-expected 8")
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("postgresql://gpuhealth:p@ss/w?rd@db.example:5432/gpuhealth", "postgresql://gpuhealth:***@db.example:5432/gpuhealth"),
+    ("postgresql://db.example/gpuhealth?sslmode=require&password=secret", "postgresql://db.example/gpuhealth?***"),
+    ("postgresql://db.example/gpuhealth?application_name=a@b&password=secret", "postgresql://***@***"),
+    ("postgresql://gpu%40health:secret@h1:5432,h2:5433/gpuhealth", "postgresql://***:***@h1:5432,h2:5433/gpuhealth"),
+])
+def test_a_journal_url_is_logged_without_its_password_wherever_the_password_is(url, shown):
+    """The password was cut at its first "@" or "/" (the rest shown) and ?password= was shown whole."""
+    config = parse_config({"backend": {"type": "simulated", "nodes": ["n1"]}, "journal": {"url": url}})
+    assert describe(config) == shown
+
+
+@pytest.mark.parametrize("url", ["postgresql://gpuhealth:se cret@h/db", "mysql://gpuhealth:secret@h/db"])
+def test_a_refused_journal_url_is_not_echoed(url):
+    with pytest.raises(ConfigError) as refused:
+        parse_config({"backend": {"type": "simulated", "nodes": ["n1"]}, "journal": {"url": url}})
+    assert "journal.url" in str(refused.value) and "secret" not in str(refused.value)

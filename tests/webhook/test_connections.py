@@ -114,3 +114,42 @@ def test_idle_connections_with_a_low_file_limit_do_not_starve_healthz(tmp_path: 
         proc.stop()
     lines = (tmp_path / "webhook.log").read_text().splitlines()
     assert len(lines) < 50, f"{len(lines)} log lines"
+
+
+def raw_exchange(port: int, request: bytes) -> bytes:
+    """Send ``request`` as it is and read the answer until the server closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+OVERSIZED = {
+    "request-line": (b"GET /actions?node=" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
+    "header": (b"GET / HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + b"a" * 20_000 + b"\r\n\r\n", 431),
+    "header-count": (b"POST /alerts HTTP/1.1\r\nHost: x\r\n"
+                     + b"".join(b"X-%d: 1\r\n" % i for i in range(300)) + b"\r\n", 431),
+    "not-http": (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 GET / HTTP/1.1\r\n\r\n", 400),
+}
+
+
+@pytest.mark.slow
+def test_over_long_request_lines_and_headers_are_refused_with_414_and_431(tmp_path: Path):
+    """aiohttp answered all of these with a plain-text 400 that echoed the request, without the
+    security headers, and logged a traceback for each (any client could flood the log)."""
+    proc, port = start_webhook(tmp_path)
+    try:
+        proc.wait_ready(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=30)
+        for name, (request, status) in OVERSIZED.items():
+            head, _, body = raw_exchange(port, request).partition(b"\r\n\r\n")
+            assert head.split(b"\r\n")[0].split(b" ")[1] == str(status).encode(), (name, head)
+            assert b"X-Content-Type-Options: nosniff" in head and b"application/json" in head, (name, head)
+            assert b"aaaa" not in body and "error" in json.loads(body), (name, body)
+        assert intake_accepted(port)
+    finally:
+        proc.stop()
+    log = (tmp_path / "webhook.log").read_text()
+    assert "Traceback" not in log and "aaaa" not in log, log[-2000:]
+    assert len(re.findall(r"event=bad_request status=(\d+)", log)) == len(OVERSIZED)

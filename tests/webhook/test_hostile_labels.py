@@ -18,6 +18,7 @@ from gpuhealth.webhook.backends.base import BackendError
 from gpuhealth.webhook.backends.command import CommandBackend, alert_fields, check_gpu
 from gpuhealth.webhook.config import ACTIONS
 from gpuhealth.webhook.labels import ALERT_NAME, clean_text, label_problem, valid_node
+from gpuhealth.webhook.main import LOG_FORMAT, OneLineFormatter
 from gpuhealth.webhook.policy import drain_reason
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -259,3 +260,22 @@ async def test_the_quoted_form_of_the_same_template_passes_free_text_as_one_argu
     await backend.drain("gpu01", reason)
     assert remote.calls() == [["--", reason]]
     assert list(remote.home.iterdir()) == []
+
+
+def test_no_logged_value_or_exception_text_can_forge_a_line_or_send_a_terminal_escape():
+    """Values logged with %s and exception text (a backend's stderr, a library's message) reached the
+    log as they were: a newline started a line that looked like the webhook's own."""
+    forged = ("gpu01\nts=2026-01-01 level=INFO logger=gpuhealth.webhook.engine event=action_done "
+              "\x1b]0;x\x07\x1b[2J")
+    formatter = OneLineFormatter(LOG_FORMAT)
+    record = logging.LogRecord("gpuhealth.webhook.engine", logging.ERROR, __file__, 1, "event=x node=%s",
+                               (forged,), None)
+    try:
+        raise BackendError(f"scontrol: exit 1: {forged}")
+    except BackendError:
+        record.exc_info = sys.exc_info()
+    text = formatter.format(record)
+    lines = text.split("\n")
+    assert lines[0].startswith("ts=") and "event=x node=gpu01\\nts=2026" in lines[0]
+    assert all(line.startswith("  ") for line in lines[1:]), lines
+    assert "\x1b" not in text and "\x07" not in text and "\\x1b]0;x\\x07" in text

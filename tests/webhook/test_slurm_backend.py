@@ -675,3 +675,18 @@ async def test_escalation_on_slurm_closes_the_chain_when_the_reset_verifies(on_s
     assert [a["kind"] for a in actions] == ["restart_job", "drain_reset_gpu", "undrain"]
     assert slurm.reboot_requests() == site.reboots and files["resets"].read_text().split() == [bad, "0"]
     assert slurm.job(job).state == "RUNNING" and bad not in slurm.job(job).nodes
+
+
+@pytest.mark.parametrize("node", ["asap", "ASAP"])
+async def test_a_node_named_like_a_reboot_keyword_is_never_handed_to_scontrol_reboot(tmp_path, node):
+    """``scontrol reboot ASAP nextstate=DOWN reason=... asap`` has no node list left once the last word
+    is read as the ASAP keyword."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "scontrol"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho "NodeName={node} State=IDLE+DRAIN Reason=x"\n')
+    fake.chmod(0o755)
+    backend = SlurmBackend.from_config({"scontrol": str(fake)})
+    with pytest.raises(BackendError, match="its own keyword") as refused:
+        await backend.reboot(node, "gpuhealth: GPUHealthXidRebootNode: x")
+    assert not refused.value.retryable
+    assert not calls.exists() or "reboot" not in calls.read_text()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shlex
 import string
 from collections.abc import Mapping, Sequence
@@ -180,6 +181,19 @@ def check_alertname(alertname: str) -> str:
     return alertname
 
 
+# A job as a scheduler names it (Slurm 123 or 123_4, PBS 123.server, a namespace/name): never an option,
+# a list, white space or anything a shell would parse, when it goes into {job_id}.
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,252}")
+
+
+def check_job_id(job_id: str) -> str:
+    """``job_id`` if it names one job; a non-retryable ``BackendError`` otherwise. Job ids come from the
+    site's ``jobs_on_node`` command, and go on into other commands' arguments."""
+    if not JOB_ID.fullmatch(job_id):
+        raise BackendError(f"{shown(job_id)} is not one job id", retryable=False)
+    return job_id
+
+
 def alert_fields(node: str, reason: str, gpu: str | None = None, *, alertname: str = "") -> dict[str, str]:
     """The fields of an alert-driven operation, each as the engine passed it.
 
@@ -301,17 +315,18 @@ class CommandBackend(TracksHelpers):
     async def jobs_on_node(self, node: str) -> list[str]:
         if self.settings.commands.jobs_on_node is None:
             return []
-        return (await self._run("jobs_on_node", {"node": check_node(node)})).split()
+        out = await self._run("jobs_on_node", {"node": check_node(node)})
+        return [check_job_id(job) for job in out.split()]
 
     async def requeue(self, job_id: str, exclude_nodes: list[str]) -> None:
         excluded = ",".join(check_node(n) for n in exclude_nodes)
-        await self._run("requeue", {"job_id": job_id, "exclude_nodes": excluded})
+        await self._run("requeue", {"job_id": check_job_id(job_id), "exclude_nodes": excluded})
 
     async def signal_job(self, job_id: str, signal: str, target: str) -> None:
-        await self._run("signal_job", {"job_id": job_id, "signal": signal, "target": target})
+        await self._run("signal_job", {"job_id": check_job_id(job_id), "signal": signal, "target": target})
 
     async def job_state(self, job_id: str) -> JobState:
-        out = await self._run("job_state", {"job_id": job_id})
+        out = await self._run("job_state", {"job_id": check_job_id(job_id)})
         try:
             data = json.loads(out)
             return JobState(active=bool(data["active"]), comment=str(data.get("comment") or ""))

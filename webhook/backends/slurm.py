@@ -48,6 +48,8 @@ MAX_REASON_CHARS = 200
 # it, our reason kept, until the undrain's health check passes and resumes it).
 DRAIN_FLAGS = {"DRAIN", "DRAINING", "DRAINED", "FAIL", "FAILING", "DOWN"}
 REBOOT_FLAGS = {"REBOOT_REQUESTED", "REBOOT_ISSUED"}
+# "scontrol reboot [ASAP] [nextstate=...] [reason=...] {ALL|NodeList}": a node list "ASAP" is the keyword
+REBOOT_WORDS = frozenset({"ASAP"})
 ACTIVE_STATES = "RUNNING,CONFIGURING"
 RESTARTABLE = {"RUNNING", "CONFIGURING", "SUSPENDED", "FAILED", "NODE_FAIL", "PREEMPTED"}
 COMPLETING_POLL_SECONDS = 0.2
@@ -293,6 +295,9 @@ class SlurmBackend(TracksHelpers):
         return match[1] if match else ""
 
     async def reboot(self, node: str, reason: str, *, alertname: str = "") -> None:
+        if node.upper() in REBOOT_WORDS:
+            raise BackendError(f"node {node} cannot be named to scontrol reboot, which reads {node!r} as "
+                               "its own keyword (the node list would be missing)", retryable=False)
         line = await self._show_node(node)
         if line is None:
             raise BackendError(f"node {node} not found", retryable=False)
