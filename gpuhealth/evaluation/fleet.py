@@ -24,7 +24,7 @@ from gpuhealth.evaluation.blocks import BlockWriter
 from gpuhealth.evaluation.expand import Expander
 from gpuhealth.evaluation.openmetrics import Thinning
 from gpuhealth.evaluation.progress import Progress
-from gpuhealth.evaluation.ranges import PARALLEL, QueryPool, grid, label_text
+from gpuhealth.evaluation.ranges import PARALLEL, Matrix, QueryPool, grid, label_text
 from gpuhealth.evaluation.rulefiles import RuleSet, load_rules, selectors, subqueries
 from gpuhealth.evaluation.scenario import Scenario, load_scenario
 from gpuhealth.evaluation.selection import Selection
@@ -206,8 +206,20 @@ def _recorded(
                 _step(times) or 0,
                 query.seconds,
             )
-            families.append(Family(name, "gauge", [(label_text(k), v) for k, v in matrix.series.items()]))
+            families.append(Family(name, "gauge", recorded_series(matrix)))
     return families
+
+
+def recorded_series(matrix: Matrix) -> list[tuple[str, np.ndarray]]:
+    """The series a rule records from ``matrix``, its expression's values, by their labels less
+    ``__name__`` (the rule names them). A range query can answer one of them under two names: a
+    branch that passes a stored record through keeps the record's name (``... or gpuhealth:gpu_set:zero``
+    read from the TSDB), the other has none, and at each instant one of them has the value."""
+    merged: dict[str, np.ndarray] = {}
+    for labels, values in matrix.series.items():
+        text = label_text(labels)
+        merged[text] = np.where(np.isnan(merged[text]), values, merged[text]) if text in merged else values
+    return list(merged.items())
 
 
 def _step(times: np.ndarray) -> float | None:

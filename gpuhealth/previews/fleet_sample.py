@@ -32,8 +32,10 @@ def dashboard_inputs(queries: list[str]) -> str:
 
 @contextlib.contextmanager
 def backfilled_fleet(scenario: Path, workdir: Path, queries: list[str], *, rules_dir: Path = RULES_DIR,
-                     seed: int | None = None, interval: str | None = None) -> Iterator[Any]:
-    """``gpuhealth.evaluation.fleet.backfilled_prometheus`` with the rules plus what ``queries`` read.
+                     seed: int | None = None, interval: str | None = None,
+                     record: bool = True) -> Iterator[Any]:
+    """``gpuhealth.evaluation.fleet.backfilled_prometheus`` with the rules plus what ``queries`` read;
+    ``record`` as there.
 
     ``interval`` (a Prometheus duration) replaces the rule groups' evaluation interval: the recording
     rules are backfilled at that resolution, and most of the time goes there, so tests use a coarser
@@ -54,5 +56,6 @@ def backfilled_fleet(scenario: Path, workdir: Path, queries: list[str], *, rules
                 group["interval"] = interval
             text = yaml.safe_dump(groups, sort_keys=False)
         (rules / name).write_text(text)
-    with backfilled_prometheus(scenario, workdir / "fleet", rules_dir=rules, seed=seed) as fleet:
+    with backfilled_prometheus(scenario, workdir / "fleet", rules_dir=rules, seed=seed,
+                               record=record) as fleet:
         yield fleet

@@ -53,9 +53,14 @@ def start_playbook(env: dict[str, str], inventory: Path, *args: str) -> subproce
     )
 
 
+# In whole-suite runs on 2 cores one site.yml run took about 4.5 minutes, and once over 5 (killed: rc -9
+# midway through its output) while the other worker backfilled a fleet into Prometheus.
+PLAYBOOK_SECONDS = 600
+
+
 def finish_playbook(proc: subprocess.Popen[str]) -> PlaybookRun:
     try:
-        output, _ = proc.communicate(timeout=300)
+        output, _ = proc.communicate(timeout=PLAYBOOK_SECONDS)
     except subprocess.TimeoutExpired:
         proc.kill()
         output, _ = proc.communicate()

@@ -1,8 +1,8 @@
 """Every panel's query against a real Prometheus holding the evaluation benchmark's small fleet.
 
-The fleet is simulated from ``bench/scenarios/small.yaml``, backfilled with the generated rules'
-recording rules, and served by a real Prometheus; the queries are expanded exactly as Grafana would
-expand them for a user looking at the whole fleet and drilling into its riskiest GPU.
+The fleet is simulated from ``bench/scenarios/small.yaml``, backfilled with every generated recording
+rule, and served by a real Prometheus; the queries are expanded exactly as Grafana would expand them
+for a user looking at the whole fleet and drilling into its riskiest GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from gpuhealth.dashboards.queries import (
     variable_values,
 )
 
+from gpuhealth.evaluation.expand import Expander
+from gpuhealth.evaluation.fleet import store_records
 from gpuhealth.previews.draw import Previewer
 from gpuhealth.previews.fleet_sample import backfilled_fleet
 from gpuhealth.previews.webhook_sample import SCRAPE_SECONDS, webhook_session
@@ -30,6 +32,7 @@ from gpuhealth.previews.webhook_sample import SCRAPE_SECONDS, webhook_session
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SCENARIO = Path(__file__).resolve().parents[2] / "bench" / "scenarios" / "small.yaml"
+STEP = 240.0  # the rule groups' interval in the backfill (under Prometheus's 5-minute lookback)
 
 
 # Counters that exist only once their event has happened; the small fleet has no PCIe fault, so
@@ -47,11 +50,27 @@ def models() -> dict[str, dict]:
     return {name: json.loads(text) for name, text in render().items()}
 
 
+def store_every_record(fleet) -> None:
+    """Record every shipped recording rule over the fleet's period, each computed once, level by level
+    from the records stored before it. Backfilled by its folded expression (the benchmark's way), the
+    risk score and its contributions each recompute every evidence record below them, per GPU shard:
+    most of an hour on 2 cores. The dashboards read the records, not how they were computed; that the
+    two ways agree is tests/evaluation/test_stored_records.py's claim."""
+    expander = Expander(fleet.rules)
+    every = " or ".join(dict.fromkeys(rule.name for rule in fleet.rules.records))
+    # each name read twice: records_to_store keeps every record, not only those read more than once
+    stored = store_records(fleet.server, fleet.blocks, expander, f"{every} or {every}", fleet.data_start,
+                           fleet.end, STEP, progress=False)
+    assert sorted(stored) == sorted(expander.records_used(every)), "every record stored, none broken"
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, models):
     queries = [q.expr for model in models.values() for q in panel_queries(model)]
     # Recording rules every 4 minutes instead of every minute: a quarter of the backfill time.
-    with backfilled_fleet(SCENARIO, tmp_path_factory.mktemp("fleet"), queries, interval="4m") as backfilled:
+    with backfilled_fleet(SCENARIO, tmp_path_factory.mktemp("fleet"), queries, interval=f"{STEP:.0f}s",
+                          record=False) as backfilled:
+        store_every_record(backfilled)
         yield backfilled
 
 

@@ -15,8 +15,14 @@ import pytest
 
 from gpuhealth.evaluation.alerts import AlertEvaluator
 from gpuhealth.evaluation.expand import Expander
-from gpuhealth.evaluation.fleet import backfilled_prometheus, record_levels, records_to_store, store_records
-from gpuhealth.evaluation.ranges import grid, range_matrix
+from gpuhealth.evaluation.fleet import (
+    backfilled_prometheus,
+    record_levels,
+    recorded_series,
+    records_to_store,
+    store_records,
+)
+from gpuhealth.evaluation.ranges import Matrix, grid, range_matrix
 from gpuhealth.evaluation.rulefiles import load_rules, selectors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,6 +91,24 @@ def test_records_read_once_are_folded_into_their_reader() -> None:
     assert RISK not in stored and "gpuhealth:gpu_failure_risk:contribution" not in stored
     assert RISK in records_to_store(expander, f"{RISK} > 0.6 or {RISK} < 0")
     assert RISK in records_to_store(expander, f"max_over_time(({RISK} > 0.6)[1h:5m])")  # read 12 times
+
+
+def test_a_record_passing_a_stored_record_through_is_one_series() -> None:
+    """``score = ... or gpuhealth:gpu_set:zero`` with the zero read from the TSDB: over a range, a GPU's
+    score comes back under the zero's name while it has no evidence and under none after; it is
+    recorded as one series (the block writer refuses a series written twice)."""
+    nan = np.nan
+    zero = (("__name__", "gpuhealth:gpu_set:zero"), ("gpu", "0"), ("node", "n1"))
+    matrix = Matrix(np.arange(4.0), {
+        zero: np.array([0.0, 0.0, nan, nan]),
+        (("gpu", "0"), ("node", "n1")): np.array([nan, nan, 0.4, 0.7]),
+        (("gpu", "1"), ("node", "n1")): np.array([0.1, 0.2, 0.3, 0.4]),
+    })
+    recorded = recorded_series(matrix)
+    series = dict(recorded)
+    assert len(recorded) == 2 and sorted(series) == ['gpu="0",node="n1"', 'gpu="1",node="n1"']
+    np.testing.assert_array_equal(series['gpu="0",node="n1"'], [0.0, 0.0, 0.4, 0.7])
+    np.testing.assert_array_equal(series['gpu="1",node="n1"'], [0.1, 0.2, 0.3, 0.4])
 
 
 @pytest.mark.slow

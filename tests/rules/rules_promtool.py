@@ -16,6 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
+from gpuhealth.evaluation.expand import Expander
+from gpuhealth.evaluation.rulefiles import Rule, RuleSet
+
 GENERATED = Path(__file__).resolve().parents[2] / "rules" / "generated"
 SOURCES = ("gpuhealth", "dcgm")
 MODEL = "NVIDIA H100 80GB HBM3"
@@ -242,14 +245,44 @@ def alert(name: str, labels: dict[str, str], summary: str, description: str, sev
     }
 
 
+def needed_groups(files: list[Path], tests: list[dict[str, Any]], out: Path) -> list[Path]:
+    """Copies of the rule ``files`` in ``out`` keeping only the groups the ``tests`` can observe: those
+    of the alerts they assert on and of the records those alerts (and their PromQL checks) read,
+    directly or through other records. The others cannot change what the tests compare, yet promtool
+    evaluates every group at every step, and the sharded per-GPU groups make that most of its time.
+    The groups keep their order, so a `for:` starts at the same step. A rule reading ``ALERTS`` (or
+    an assertion on it) depends on alerts by their labels, which this does not follow: then every
+    group is kept."""
+    texts = [yaml.safe_load(path.read_text()) for path in files]
+    rules = [Rule("record" if "record" in rule else "alert", rule.get("record") or rule["alert"],
+                  str(rule["expr"]), group["name"], 60.0)
+             for text in texts for group in text["groups"] for rule in group["rules"]]
+    alerts = {check["alertname"] for test in tests for check in test.get("alert_rule_test", [])}
+    exprs = [check["expr"] for test in tests for check in test.get("promql_expr_test", [])]
+    read = [r.expr for r in rules if r.kind == "alert" and r.name in alerts] + exprs
+    names = alerts | set(Expander(RuleSet(rules)).records_used(" or ".join(read) or "vector(0)"))
+    if any("ALERTS" in r.expr for r in rules if r.name in names) or any("ALERTS" in e for e in exprs):
+        return files
+    out.mkdir(parents=True, exist_ok=True)
+    kept = []
+    for path, text in zip(files, texts, strict=True):
+        groups = [g for g in text["groups"] if any((r.get("record") or r.get("alert")) in names
+                                                    for r in g["rules"])]
+        (out / path.name).write_text(yaml.safe_dump({"groups": groups}, sort_keys=False, width=1000))
+        kept.append(out / path.name)
+    return kept
+
+
 def run_promtool(tmp_path: Path, source: str, groups: list[str], tests: list[dict[str, Any]],
                  evaluation_interval: str = "1m", rules_dir: Path = GENERATED) -> None:
-    """Write a promtool unit-test file for ``groups`` of ``source`` and run it; fail with its output."""
+    """Write a promtool unit-test file for ``groups`` of ``source`` (only their groups the tests can
+    observe, see ``needed_groups``) and run it; fail with its output."""
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.fail("promtool not found: install the Debian package 'prometheus' (scripts/bootstrap.sh)")
+    files = [rules_dir / source / f"{group}.yml" for group in groups]
     spec = {
-        "rule_files": [str(rules_dir / source / f"{group}.yml") for group in groups],
+        "rule_files": [str(f) for f in needed_groups(files, tests, tmp_path / f"{source}-rules")],
         "evaluation_interval": evaluation_interval,
         "tests": tests,
     }

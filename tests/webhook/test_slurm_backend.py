@@ -24,6 +24,10 @@ from gpuhealth.local.training_job import newest_checkpoint
 pytestmark = pytest.mark.slow
 
 REASON = "gpuhealth: GPUHealthXidResetGpu: XID 48 on gpu01 GPU 3: reset the GPU"
+# A node returns to IDLE once slurmctld's ping reaches its slurmd; on a loaded 2-core machine (the
+# suite's other worker backfilling a fleet) a ping can time out and the node shows NOT_RESPONDING for
+# a while: the waits for a node's return poll this long (they end as soon as it is back).
+RETURN_SECONDS = 90
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,7 @@ def cluster():
 @pytest.fixture
 def slurm(cluster):
     """A clean cluster for every test: no jobs, every node IDLE with no reason."""
-    cluster.reset()
+    cluster.reset(timeout=RETURN_SECONDS)
     return cluster
 
 
@@ -117,7 +121,8 @@ async def test_resume_only_acts_on_a_drained_node(slurm, backend):
     await backend.drain("gpu04", REASON)
     await backend.resume("gpu04")
     assert "Reason=" not in show_node(slurm, "gpu04")
-    slurm.wait_node("gpu04", lambda n: n.state == "IDLE", what="gpu04 to answer its first ping")
+    slurm.wait_node("gpu04", lambda n: n.state == "IDLE", RETURN_SECONDS,
+                    what="gpu04 to answer its first ping")
     await backend.resume("gpu04")  # already in service: nothing to do, no error
     with pytest.raises(BackendError) as err:
         await backend.resume("gpu99")
@@ -230,7 +235,7 @@ async def test_reboot_is_requested_and_the_node_stays_out_until_resumed(slurm, b
     state = await backend.node_state("gpu03")
     assert state.drained and state.reason.startswith(reason), "down after the reboot, our reason kept"
     await backend.resume("gpu03")
-    slurm.wait_node("gpu03", lambda n: n.state == "IDLE", what="gpu03 back in service")
+    slurm.wait_node("gpu03", lambda n: n.state == "IDLE", RETURN_SECONDS, what="gpu03 back in service")
     assert await backend.node_state("gpu03") == NodeState("gpu03", exists=True, drained=False)
 
 
@@ -257,7 +262,7 @@ async def test_a_reboot_with_nextstate_resume_returns_the_node_unchecked(slurm):
     await backend.reboot("gpu04", "gpuhealth: GPUHealthGpusMissing: x")
     assert "NextState=RESUME" in show_node(slurm, "gpu04")
     slurm.complete_reboot("gpu04")
-    slurm.wait_node("gpu04", lambda n: n.state == "IDLE", what="gpu04 back in service")
+    slurm.wait_node("gpu04", lambda n: n.state == "IDLE", RETURN_SECONDS, what="gpu04 back in service")
 
 
 async def test_reset_gpu_without_a_command(slurm, backend):
@@ -382,7 +387,7 @@ async def test_a_drain_notification_drains_the_node_and_requeues_its_job(on_slur
     await deliver(hook, "resolved_node_group")
     await hook.settle(timeout=60)
     assert "Reason=" not in slurm.scontrol("show", "node", "gpu02", "-o")
-    slurm.wait_node("gpu02", lambda n: n.state == "IDLE", what="gpu02 back in service")
+    slurm.wait_node("gpu02", lambda n: n.state == "IDLE", RETURN_SECONDS, what="gpu02 back in service")
     assert slurm.job(job).excluded == ["gpu02"], "the requeued job still avoids the node"
 
 
@@ -460,7 +465,8 @@ async def test_a_rebooted_node_returns_only_once_its_health_check_passed(on_slur
 
     async def state() -> str:  # polled without blocking the loop the webhook's health check runs on
         return slurm.node("gpu03").state
-    await eventually(state, lambda now: now == "IDLE", timeout=30, what="gpu03 resumed once it passed")
+    await eventually(state, lambda now: now == "IDLE", timeout=RETURN_SECONDS,
+                     what="gpu03 resumed once it passed")
     assert (await checks())[-1] == "gpu03"
 
 
@@ -670,7 +676,8 @@ async def test_escalation_on_slurm_closes_the_chain_when_the_reset_verifies(on_s
     chain = await eventually(lambda: chain_of(hook), lambda c: c.get("state") == "succeeded", timeout=60,
                              what="the chain closed")
     assert chain["step"] == "drain_reset_gpu" and "health check passed" in chain["detail"]
-    await asyncio.to_thread(slurm.wait_node, bad, lambda n: n.state == "IDLE", 60, "the node resumed")
+    await asyncio.to_thread(slurm.wait_node, bad, lambda n: n.state == "IDLE", RETURN_SECONDS,
+                            "the node resumed")
     actions = await hook.settle(timeout=30)
     assert [a["kind"] for a in actions] == ["restart_job", "drain_reset_gpu", "undrain"]
     assert slurm.reboot_requests() == site.reboots and files["resets"].read_text().split() == [bad, "0"]
