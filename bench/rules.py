@@ -46,13 +46,8 @@ def _value(api, expr: str, empty: float = float("nan"), at: float | None = None)
 def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="gpuhealth-bench-rules-") as tmp:
         workdir = Path(tmp)
-        rule_files = []
-        for name, text in render_all(load(), ("gpuhealth",)).items():
-            if name.endswith(".yml") and name.startswith("gpuhealth/"):
-                path = workdir / "rules" / name
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(text)
-                rule_files.append(str(path))
+        rule_files = (sorted(str(path) for path in args.rules.glob("*.yml")) if args.rules
+                      else _render(workdir / "rules"))
         fleet = SyntheticFleet(args.nodes, gpus=args.gpus, nvlinks=args.nvlinks, nics=args.nics).start()
         port = free_port()
         config = {
@@ -87,6 +82,18 @@ def run(args: argparse.Namespace) -> int:
         finally:
             prometheus.stop()
             fleet.stop()
+
+
+def _render(directory: Path) -> list[str]:
+    """The built-in catalogue's gpuhealth rule files, written under ``directory``."""
+    rule_files = []
+    for name, text in render_all(load(), ("gpuhealth",)).items():
+        if name.endswith(".yml") and name.startswith("gpuhealth/"):
+            path = directory / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            rule_files.append(str(path))
+    return rule_files
 
 
 def _wait_for_targets(api, nodes: int, timeout: float) -> bool:
@@ -228,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=8, help="slowest rules to list (default 8)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="evaluations per group for the CPU figure (default 5)")
+    parser.add_argument("--rules", type=Path, metavar="DIR",
+                        help="rule files to evaluate instead of the rendered catalogue (e.g. an earlier "
+                             "version's rules/generated/gpuhealth, for a side-by-side run)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     return run(args)

@@ -24,7 +24,7 @@ GROUPS = ("xid", "definitive", "fabric", "evidence", "fusion", "lemon", "fleet",
 XID_CLASSES = ("restart_job", "drain", "drain_reset_gpu", "drain_reboot")  # what an XID alone can ask
 NVLINK_CLASS = "nvlink"  # the first restarts the job, a repeat or a link that stays down drains
 RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
-GPU_SHARDS = (1, 2, 5, 10)  # divisors of 10: shards by the last digit of the GPU index
+GPU_SHARDS = (1, 2, 5, 10)  # divisors of 10: shards by the last digit of the GPU index or HCA name
 LABEL = "^[a-zA-Z_][a-zA-Z0-9_]*$"
 
 DURATION = {"type": "string", "pattern": PATTERN, "description": f"A Prometheus duration: {HINT}."}
@@ -41,6 +41,7 @@ BOUNDS: dict[str, dict[str, Any]] = {
                         "contains": {"const": "node"}, "not": {"contains": {"const": "gpu"}},
                         "description": "must name node (the webhook drains by it), not gpu, each once"},
     "gpu_shards": {"enum": list(GPU_SHARDS)},
+    "fabric.hca_shards": {"enum": list(GPU_SHARDS)},
     "busy_utilization": {"type": "number", "minimum": 0, "maximum": 1},
     "xid.buckets.*": {"enum": [*XID_CLASSES, NVLINK_CLASS, "none"]},
     "xid.overrides": {"propertyNames": {"enum": [*XID_CLASSES, "none"]}},

@@ -174,13 +174,34 @@ def test_gpu_shards_cover_every_gpu_once(shards):
         assert sum(bool(p.fullmatch(str(index))) for p in patterns) == 1, index
 
 
+@pytest.mark.parametrize("shards", [1, 2, 5, 10])
+def test_hca_shards_cover_every_port_once(shards):
+    """The rate alert and the ports' link-error evidence are split into `hca_shards` groups by HCA name:
+    any name, with a last digit or none, is in exactly one of each, or a port would be read twice or
+    never."""
+    rendered = render_all(catalogue.resolve({"defaults": {"fabric": {"hca_shards": shards}}}))
+    groups = [group for name in ("gpuhealth/fabric.yml", "gpuhealth/evidence.yml")
+              for group in yaml.safe_load(rendered[name])["groups"]]
+    for name, first_read in (("GPUHealthNicRateDegraded", "gpuhealth_nic_port_rate_bytes_per_second"),
+                             ("gpuhealth:nic_port_evidence:link_errors", "gpuhealth_nic_port_errors_total")):
+        rules = [(group["name"], rule) for group in groups for rule in group["rules"]
+                 if name in (rule.get("alert"), rule.get("record"))]
+        assert len({group for group, _ in rules}) == len(rules) == shards
+        selectors = [re.search(first_read + r"\{([^}]*)\}", rule["expr"]) for _, rule in rules]
+        matchers = [re.search(r'device(=~|!~)"([^"]+)"', s.group(1)) if s else None for s in selectors]
+        for device in [f"mlx5_{index}" for index in range(24)] + ["mlx5_bond_0", "ibp12s0f1", "rxe_eth"]:
+            chosen = sum(1 for m in matchers if m is None
+                         or (re.fullmatch(m.group(2), device) is not None) == (m.group(1) == "=~"))
+            assert chosen == 1, (name, device)
+
+
 def _changed(value: Any, key: str) -> Any:
     """A different, still valid value for a knob."""
     if isinstance(value, list):
         if not value:
             return [1]
         return value[:-1] if len(value) > 1 else ([value[0] + 1] if isinstance(value[0], int) else [])
-    if key == "gpu_shards":
+    if key in ("gpu_shards", "hca_shards"):
         return 2 if value != 2 else 5
     if isinstance(value, int):
         return value - 1 if key == "low" else value + 1
