@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 from gpuhealth.rules import catalogue
 from gpuhealth.rules.render import render_all
 from rules_promtool import INPUTS, SOURCES, Fleet, alert, run_promtool
@@ -263,6 +264,64 @@ def test_nvlink_error_rate_needs_errors_between_most_scrapes(tmp_path, source):
     run_promtool(tmp_path, source, ["definitive", "evidence"],
                  [{"interval": "1m", "input_series": fleet.input_series(), "alert_rule_test": checks,
                    "promql_expr_test": exprs}], rules_dir=rules_dir)
+
+
+def _slow_ramp(steps: int, step_minutes: int, ramp_steps: int, top_per_minute: float) -> str:
+    """A counter idle, then erring at a rate that rises linearly to ``top_per_minute`` over the last
+    ``ramp_steps`` samples (promtool values, one sample per step)."""
+    count, points = 0.0, []
+    for i in range(steps + 1):
+        ramp = i - (steps - ramp_steps)
+        count += max(ramp, 0) / ramp_steps * top_per_minute * step_minutes
+        points.append(f"{count:.1f}")
+    return " ".join(points)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_nvlink_error_rate_over_days(tmp_path, source):
+    """The default baseline over nine days, sampled every 5 minutes (one shard, the NVLink groups only).
+    A link whose error rate rises steadily for 52 hours fires at its 28th and its 50th hour, where twice
+    its own last-day average (t / (t - 12 h): 1.75 and 1.3) would have spared it. A link erring 3 times a
+    minute all along is chronic: quiet for the nine days, also after its GPU is reset on day 5 (the
+    counter starts again from 0; a growth from two lookups would have been negative). A link that errs
+    heavily on day 8 fires and, healed by a GPU reset two hours later, stays quiet after. A node that
+    appears on day 8 with a link erring from its first scrape has no history: quiet. A link that starts
+    erring 6 times a minute on day 8 after a week without errors fills the window's scrapes 10 minutes
+    later and fires 5 minutes after that."""
+    rules_dir = _render(tmp_path, source, {}, gpu_shards=1)
+    groups = yaml.safe_load((rules_dir / source / "definitive.yml").read_text())["groups"]
+    nvlink = [g for g in groups if "-nvlink-" in g["name"]]
+    (rules_dir / source / "nvlink.yml").write_text(yaml.safe_dump({"groups": nvlink}, sort_keys=False))
+    step, days = 5, 9
+    steps, day = days * 24 * 60 // step, 24 * 60 // step
+    fleet = Fleet(source)
+    fleet.add("nvlink_crc", "n1", 0, (0, 15, 5 * day), (0, 15, steps - 5 * day - 1))    # chronic, reset
+    fleet.add("nvlink_crc", "n1", 1, _slow_ramp(steps, step, 52 * 60 // step, 60))      # 52 h ramp
+    fleet.add("nvlink_crc", "n1", 2, (0, 0, 8 * day), (150, 150, 23), (0, 0, steps - 8 * day - 24))
+    fleet.add("nvlink_crc", "n1", 3, f"_x{8 * day}", (0, 15, steps - 8 * day - 1))      # a new node
+    fleet.add("nvlink_crc", "n1", 4, (0, 0, 8 * day - 1), (30, 30, steps - 8 * day))    # from day 8
+    name = "GPUHealthNvlinkErrorRate"
+
+    def firing(gpu: int, at: str) -> dict:
+        labels = (f'ALERTS{{action="checkpoint_drain_reset_gpu", alertname="{name}", alertstate="firing", '
+                  f'gpu="{gpu}", node="n1", severity="warning"}}')
+        return {"expr": f'ALERTS{{alertname="{name}", gpu="{gpu}"}}', "eval_time": at,
+                "exp_samples": [{"labels": labels, "value": 1}]}
+
+    def never(gpu: int, within: str) -> dict:
+        return {"expr": f'count_over_time(ALERTS{{alertname="{name}", gpu="{gpu}"}}[{within}])',
+                "eval_time": f"{days}d", "exp_samples": []}
+
+    ramp_start = days * 24 - 52
+    exprs = [firing(1, f"{ramp_start + 28}h"), firing(1, f"{ramp_start + 50}h"), never(0, f"{days}d"),
+             firing(2, f"{8 * 24 + 1}h"), never(2, "21h"), never(3, f"{days}d"),
+             {"expr": f'ALERTS{{alertname="{name}", gpu="4"}}', "eval_time": "8d10m", "exp_samples": [
+                 {"labels": f'ALERTS{{action="checkpoint_drain_reset_gpu", alertname="{name}", '
+                            f'alertstate="pending", gpu="4", node="n1", severity="warning"}}', "value": 1}]},
+             firing(4, "8d15m")]
+    run_promtool(tmp_path, source, ["nvlink"],
+                 [{"interval": f"{step}m", "input_series": fleet.input_series(), "promql_expr_test": exprs}],
+                 evaluation_interval=f"{step}m", rules_dir=rules_dir)
 
 
 @pytest.mark.parametrize("source", SOURCES)
