@@ -185,7 +185,7 @@ def _check_windows(d: dict[str, Any], scrape: float, errors: list[str]) -> None:
     for section in ("xid", "definitive", "fabric", "evidence", "lemon", "storage"):
         for path, value in _leaves(d.get(section, {}), f"defaults.{section}"):
             key = path.rsplit(".", 1)[1]
-            if not (key.endswith("window") or key == "step"):
+            if not key.endswith(("window", "step")):
                 continue
             length = _seconds(value)
             if length is not None and length < minimum:

@@ -70,7 +70,7 @@ BOUNDS: dict[str, dict[str, Any]] = {
 
 def is_duration(path: str) -> bool:
     key = path.rsplit(".", 1)[-1]
-    return (path.startswith("for.") or key.endswith("window") or key in (
+    return (path.startswith("for.") or key.endswith(("window", "_step", "_age")) or key in (
         "scrape_interval", "evaluation_interval", "step", "group_wait", "group_interval", "repeat_interval"))
 
 

@@ -3,7 +3,10 @@ to each (an SBE burst, a slow HBM degradation, a pending remap, a few non-fatal 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 from gpuhealth.rules import catalogue
 from gpuhealth.rules.render import render_all
 from rules_promtool import INPUTS, SOURCES, Fleet, alert, run_promtool
@@ -212,28 +215,36 @@ def _nvlink_alert(gpu: int, per_minute: str) -> dict:
         "GPUHealthNvlinkErrorRate", "n1", gpu, per_minute, "warning", "checkpoint_drain_reset_gpu",
         f"NVLink of n1 GPU {gpu} errs without pause ({per_minute}/min)",
         f"The NVLink error counters of GPU {gpu} on n1 grew between nearly every two scrapes of the last "
-        f"window ({per_minute} errors a minute), at least twice the GPU's own rate over the last day: a "
-        "link whose bit error rate rose, not a flap that healed. Let the jobs checkpoint, drain the node, "
-        "reset the GPU and check the link (nvidia-smi nvlink -e, the NVLink cable or tray) before it fails "
-        "with XID 74.")
+        f"window ({per_minute} errors a minute), at least twice the GPU's own average rate in the week "
+        "before the last day: a link whose bit error rate rose, not a flap that healed nor a link that has "
+        "always erred a little. Let the jobs checkpoint, drain the node, reset the GPU and check the link "
+        "(nvidia-smi nvlink -e, the NVLink cable or tray) before it fails with XID 74.")
+
+
+def _render(tmp_path, source: str, nvlink_error_rate: dict, **defaults) -> Path:
+    """The rules of ``source`` with the NVLink error-rate settings overridden, in a directory of their own."""
+    rules_dir = tmp_path / "rules"
+    overlay = {"defaults": {"definitive": {"nvlink_error_rate": nvlink_error_rate}, **defaults}}
+    for path, text in render_all(catalogue.resolve(overlay), (source,)).items():
+        (rules_dir / path).parent.mkdir(parents=True, exist_ok=True)
+        (rules_dir / path).write_text(text)
+    return rules_dir
 
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_nvlink_error_rate_needs_errors_between_most_scrapes(tmp_path, source):
-    """A link erring 3 times every minute from minute 70 fires 20 minutes later (a baseline of 1 h here,
-    so that a chronic link has its history within the test); so does one whose GPU is reset at minute 100
-    while it degrades (the counter starts again from 0 and keeps growing). A flap erring heavily in one
-    minute of three, a job's burst at start (four minutes of thousands) and a link erring at the same
-    rate since minute 0 (chronic: its normal) stay quiet. A link with no history yet is judged on its
-    errors alone: the chronic one fires within its first baseline, then stops; so does a link that has
-    erred at one rate for more than half its baseline (by then the alert has drained the node). The fused
-    NVLink evidence is the same share of scrapes, so a flap's bursts add nothing to the risk score."""
-    rules_dir = tmp_path / "rules"
-    overlay = {"defaults": {"definitive": {"nvlink_error_rate": {"baseline_window": "1h"}}}}
-    for path, text in render_all(catalogue.resolve(overlay), (source,)).items():
-        (rules_dir / path).parent.mkdir(parents=True, exist_ok=True)
-        (rules_dir / path).write_text(text)
-    minutes = 130
+    """Every setting of the baseline scaled from hours and days to minutes (a sample every 5 minutes, a
+    baseline of the hour that ended 30 minutes ago), so that a chronic link has its history within the
+    test. A link erring 3 times every minute from minute 70 fires 20 minutes later; so does one whose GPU
+    is reset at minute 100 while it degrades (the counter starts again from 0 and keeps growing). Both
+    stop once the baseline holds half their rate. A flap erring heavily in one minute of three, a job's
+    burst at start (four minutes of thousands) and a link erring at the same rate since minute 0 (chronic:
+    its normal) stay quiet; the chronic one is quiet too before it has any history, which is no baseline,
+    not a baseline of 0. The fused NVLink evidence is the same share of scrapes, so a flap's bursts add
+    nothing to the risk score."""
+    scaled = {"baseline_step": "5m", "baseline_age": "30m", "baseline_window": "1h"}
+    rules_dir = _render(tmp_path, source, scaled)
+    minutes = 160
     fleet = Fleet(source).node("n1", minutes)
     fleet.add("nvlink_crc", "n1", 0, (0, 0, 70), (3, 3, minutes - 71))             # degrading from 70
     flap = " ".join(str(300 * ((m - 68) // 3)) if m >= 70 else "0" for m in range(minutes + 1))
@@ -243,8 +254,7 @@ def test_nvlink_error_rate_needs_errors_between_most_scrapes(tmp_path, source):
     fleet.add("nvlink_crc", "n1", 4, (0, 0, 70), (3, 3, 29), (0, 3, minutes - 100))  # reset at 100
     both = [_nvlink_alert(0, "3.0"), _nvlink_alert(4, "3.0")]
     # GPU 0's counter grew between 15 of the 20 scrape intervals at minute 85, then 5 minutes of `for`.
-    expected = {"40m": [_nvlink_alert(3, "3.0")], "89m": [], "90m": both, "99m": both,
-                "125m": [_nvlink_alert(4, "3.0")]}
+    expected = {"20m": [], "40m": [], "89m": [], "90m": both, "99m": both, "125m": both, "150m": []}
     checks = [{"eval_time": at, "alertname": "GPUHealthNvlinkErrorRate", "exp_alerts": alerts}
               for at, alerts in expected.items()]
     # The fused evidence reads the same share, without the history: the flap and the burst add nothing.
@@ -254,6 +264,64 @@ def test_nvlink_error_rate_needs_errors_between_most_scrapes(tmp_path, source):
     run_promtool(tmp_path, source, ["definitive", "evidence"],
                  [{"interval": "1m", "input_series": fleet.input_series(), "alert_rule_test": checks,
                    "promql_expr_test": exprs}], rules_dir=rules_dir)
+
+
+def _slow_ramp(steps: int, step_minutes: int, ramp_steps: int, top_per_minute: float) -> str:
+    """A counter idle, then erring at a rate that rises linearly to ``top_per_minute`` over the last
+    ``ramp_steps`` samples (promtool values, one sample per step)."""
+    count, points = 0.0, []
+    for i in range(steps + 1):
+        ramp = i - (steps - ramp_steps)
+        count += max(ramp, 0) / ramp_steps * top_per_minute * step_minutes
+        points.append(f"{count:.1f}")
+    return " ".join(points)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_nvlink_error_rate_over_days(tmp_path, source):
+    """The default baseline over nine days, sampled every 5 minutes (one shard, the NVLink groups only).
+    A link whose error rate rises steadily for 52 hours fires at its 28th and its 50th hour, where twice
+    its own last-day average (t / (t - 12 h): 1.75 and 1.3) would have spared it. A link erring 3 times a
+    minute all along is chronic: quiet for the nine days, also after its GPU is reset on day 5 (the
+    counter starts again from 0; a growth from two lookups would have been negative). A link that errs
+    heavily on day 8 fires and, healed by a GPU reset two hours later, stays quiet after. A node that
+    appears on day 8 with a link erring from its first scrape has no history: quiet. A link that starts
+    erring 6 times a minute on day 8 after a week without errors fills the window's scrapes 10 minutes
+    later and fires 5 minutes after that."""
+    rules_dir = _render(tmp_path, source, {}, gpu_shards=1)
+    groups = yaml.safe_load((rules_dir / source / "definitive.yml").read_text())["groups"]
+    nvlink = [g for g in groups if "-nvlink-" in g["name"]]
+    (rules_dir / source / "nvlink.yml").write_text(yaml.safe_dump({"groups": nvlink}, sort_keys=False))
+    step, days = 5, 9
+    steps, day = days * 24 * 60 // step, 24 * 60 // step
+    fleet = Fleet(source)
+    fleet.add("nvlink_crc", "n1", 0, (0, 15, 5 * day), (0, 15, steps - 5 * day - 1))    # chronic, reset
+    fleet.add("nvlink_crc", "n1", 1, _slow_ramp(steps, step, 52 * 60 // step, 60))      # 52 h ramp
+    fleet.add("nvlink_crc", "n1", 2, (0, 0, 8 * day), (150, 150, 23), (0, 0, steps - 8 * day - 24))
+    fleet.add("nvlink_crc", "n1", 3, f"_x{8 * day}", (0, 15, steps - 8 * day - 1))      # a new node
+    fleet.add("nvlink_crc", "n1", 4, (0, 0, 8 * day - 1), (30, 30, steps - 8 * day))    # from day 8
+    name = "GPUHealthNvlinkErrorRate"
+
+    def firing(gpu: int, at: str) -> dict:
+        labels = (f'ALERTS{{action="checkpoint_drain_reset_gpu", alertname="{name}", alertstate="firing", '
+                  f'gpu="{gpu}", node="n1", severity="warning"}}')
+        return {"expr": f'ALERTS{{alertname="{name}", gpu="{gpu}"}}', "eval_time": at,
+                "exp_samples": [{"labels": labels, "value": 1}]}
+
+    def never(gpu: int, within: str) -> dict:
+        return {"expr": f'count_over_time(ALERTS{{alertname="{name}", gpu="{gpu}"}}[{within}])',
+                "eval_time": f"{days}d", "exp_samples": []}
+
+    ramp_start = days * 24 - 52
+    exprs = [firing(1, f"{ramp_start + 28}h"), firing(1, f"{ramp_start + 50}h"), never(0, f"{days}d"),
+             firing(2, f"{8 * 24 + 1}h"), never(2, "21h"), never(3, f"{days}d"),
+             {"expr": f'ALERTS{{alertname="{name}", gpu="4"}}', "eval_time": "8d10m", "exp_samples": [
+                 {"labels": f'ALERTS{{action="checkpoint_drain_reset_gpu", alertname="{name}", '
+                            f'alertstate="pending", gpu="4", node="n1", severity="warning"}}', "value": 1}]},
+             firing(4, "8d15m")]
+    run_promtool(tmp_path, source, ["nvlink"],
+                 [{"interval": f"{step}m", "input_series": fleet.input_series(), "promql_expr_test": exprs}],
+                 evaluation_interval=f"{step}m", rules_dir=rules_dir)
 
 
 @pytest.mark.parametrize("source", SOURCES)
