@@ -225,6 +225,7 @@ def _overlay(path: tuple[str, ...], value: Any) -> dict[str, Any]:
     return overlay
 
 
+@pytest.mark.timeout(1200)  # renders every rule once per knob (hundreds of knobs)
 def test_every_knob_takes_effect():
     """Changing any single value of `defaults` changes the rendered rules or routing: no knob is
     ignored and no window, threshold or weight is hard-coded in a template."""
