@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -31,7 +32,7 @@ import yaml
 from gpuhealth.rules.catalogue import load
 from gpuhealth.rules.render import render_all
 
-from gpuhealth.local.process import free_port
+from gpuhealth.local.process import ProcessError, free_port
 from gpuhealth.local.prometheus import PrometheusServer
 from gpuhealth.local.synthetic_fleet import SyntheticFleet
 
@@ -68,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
             if not _wait_for_targets(api, args.nodes, args.start_timeout):
                 return 2
             print(f"all {args.nodes} targets up after {time.monotonic() - started:.0f}s; "
-                  f"running {args.minutes} min", flush=True)
-            time.sleep(args.minutes * 60)
+                  f"running {args.minutes} min")
+            _run_for(api, args.minutes * 60)
             rules = _last_evaluations(api)
             # Everything after this instant reads the data as it stood: with ingest and evaluation
             # stopped, a machine too loaded to answer queries beside 2,048 scrapes answers them now.
@@ -77,8 +78,12 @@ def run(args: argparse.Namespace) -> int:
             at = time.time() - 1
             _stop_scraping(prometheus)
             status = report(api, args, fleet.gpus, at, rules)
-            cpu_per_group(prometheus, rule_files, at, args.repeats, args.top)
+            cpu_per_group(prometheus, rule_files, at, args)
             return status
+        except (ProcessError, TimeoutError, OSError, RuntimeError) as exc:
+            log_tail = "" if isinstance(exc, ProcessError) else f"\nPrometheus log:\n{prometheus.log_tail(5)}"
+            print(f"error: {exc}{log_tail}", file=sys.stderr)
+            return 2
         finally:
             prometheus.stop()
             fleet.stop()
@@ -112,13 +117,31 @@ def _wait_for_targets(api, nodes: int, timeout: float) -> bool:
             return False
         try:
             up = _value(api, scraped, empty=0.0)
-        except (TimeoutError, OSError):  # a Prometheus busy creating series answers late: ask again
+        except (TimeoutError, OSError) as exc:  # a Prometheus busy creating series answers late: ask again
+            print(f"{up:.0f} of {nodes} targets scraped after {now - started:.0f}s; Prometheus did not "
+                  f"answer ({exc}): busy creating series, asking again")
+            printed = now
             continue
         if now - printed >= 15:
             print(f"{up:.0f} of {nodes} targets scraped after {now - started:.0f}s", flush=True)
             printed = now
         time.sleep(2)
     return True
+
+
+def _run_for(api, seconds: float) -> None:
+    """Let Prometheus scrape and evaluate for ``seconds``, saying each minute how far it is and how long
+    its slowest group took last (a Prometheus too loaded to answer is said so, and waited for)."""
+    started = time.monotonic()
+    while (left := seconds - (time.monotonic() - started)) > 0:
+        time.sleep(min(60.0, left))
+        elapsed = time.monotonic() - started
+        try:
+            slowest = _value(api, "max(prometheus_rule_group_last_duration_seconds)")
+            state = f"slowest group's last evaluation {slowest:.2f} s (wall)"
+        except (TimeoutError, OSError) as exc:
+            state = f"Prometheus did not answer ({exc})"
+        print(f"{elapsed / 60:.1f} of {seconds / 60:g} min: {state}")
 
 
 def _stop_scraping(prometheus: PrometheusServer, tries: int = 5) -> None:
@@ -145,40 +168,62 @@ def _last_evaluations(api) -> list[tuple[float, str, str]]:
             for g in groups for r in g["rules"]]
 
 
-def cpu_per_group(prometheus: PrometheusServer, rule_files: list[str], at: float, repeats: int,
-                  top: int) -> None:
+def cpu_per_group(prometheus: PrometheusServer, rule_files: list[str], at: float,
+                  args: argparse.Namespace) -> None:
     """Prometheus CPU seconds to evaluate each group once, with scraping and rule evaluation stopped:
     every rule's expression runs as an instant query at ``at`` over the data just collected, once to
-    warm up and then ``repeats`` times; the median of the group's evaluations is its figure, so that
-    a background pass of the TSDB (garbage collection after ingest stopped) lands on no one group."""
+    warm up and then ``args.repeats`` times; the median of the group's evaluations is its figure, so
+    that a background pass of the TSDB (garbage collection after ingest stopped) lands on no one group.
+    CPU time is the process's own, so other load on the machine barely moves it: the figure that
+    decides the target. A group whose query gets no answer within the API's timeout is said so."""
+    repeats = args.repeats
     before = prometheus.cpu_seconds()
     for _ in range(repeats * 20):
         prometheus.api.query("vector(1)")
     overhead = (prometheus.cpu_seconds() - before) / (repeats * 20)
+    groups = [group for path in rule_files for group in yaml.safe_load(Path(path).read_text())["groups"]
+              if re.search(args.groups, group["name"])]
     print(f"\nper-query overhead of the HTTP API (vector(1)): {overhead:.4f} CPU s, included below")
-    print("CPU s per evaluation (scraping and evaluation stopped): median, min and max of "
-          f"{repeats}\n{'rule group':<40}{'median':>12}{'min':>10}{'max':>10}")
+    print(f"CPU s per evaluation of {len(groups)} groups (scraping and evaluation stopped): median, min "
+          f"and max of {repeats}\n{'rule group':<44}{'median':>8}{'min':>10}{'max':>10}")
     costs: list[tuple[float, str]] = []
-    groups = [group for path in rule_files for group in yaml.safe_load(Path(path).read_text())["groups"]]
+    medians: list[tuple[float, str]] = []
     for group in groups:
-        for rule in group["rules"]:
-            prometheus.api.query(rule["expr"], time=at)
-        evaluations = []
-        per_rule: list[list[float]] = [[] for _ in group["rules"]]
-        for _ in range(repeats):
-            start = prometheus.cpu_seconds()
-            for index, rule in enumerate(group["rules"]):
-                before = prometheus.cpu_seconds()
-                prometheus.api.query(rule["expr"], time=at)
-                per_rule[index].append(prometheus.cpu_seconds() - before)
-            evaluations.append(prometheus.cpu_seconds() - start)
+        try:
+            evaluations, per_rule = _evaluate(prometheus, group["rules"], at, repeats)
+        except (TimeoutError, OSError) as exc:
+            print(f"{group['name']:<44}  no answer ({exc})")
+            medians.append((float("inf"), group["name"]))
+            continue
         costs += [(statistics.median(c), rule.get("record") or rule["alert"])
                   for c, rule in zip(per_rule, group["rules"], strict=True)]
-        print(f"{group['name']:<40}{statistics.median(evaluations):>12.3f}"
-              f"{min(evaluations):>10.3f}{max(evaluations):>10.3f}")
+        medians.append((statistics.median(evaluations), group["name"]))
+        print(f"{group['name']:<44}{medians[-1][0]:>8.3f}{min(evaluations):>10.3f}{max(evaluations):>10.3f}")
     print("costliest rules (CPU s per evaluation):")
-    for cost, name in sorted(costs, reverse=True)[:top]:
+    for cost, name in sorted(costs, reverse=True)[:args.top]:
         print(f"  {cost:8.3f}  {name}")
+    over = sorted((m for m in medians if m[0] >= 1), reverse=True)
+    total = sum(m for m, _ in medians)
+    print(f"\nCPU for one evaluation of every group measured: {total:.1f} s; groups at 1 s or more "
+          f"(target < 1 s each): {', '.join(f'{n} {m:.2f} s' for m, n in over) or 'none'}")
+
+
+def _evaluate(prometheus: PrometheusServer, rules: list[dict], at: float,
+              repeats: int) -> tuple[list[float], list[list[float]]]:
+    """CPU seconds of ``repeats`` evaluations of ``rules`` after one to warm up: per evaluation, and
+    per rule."""
+    for rule in rules:
+        prometheus.api.query(rule["expr"], time=at)
+    evaluations = []
+    per_rule: list[list[float]] = [[] for _ in rules]
+    for _ in range(repeats):
+        start = prometheus.cpu_seconds()
+        for index, rule in enumerate(rules):
+            before = prometheus.cpu_seconds()
+            prometheus.api.query(rule["expr"], time=at)
+            per_rule[index].append(prometheus.cpu_seconds() - before)
+        evaluations.append(prometheus.cpu_seconds() - start)
+    return evaluations, per_rule
 
 
 def _per_group(api, expr: str, at: float) -> dict[str, float]:
@@ -238,7 +283,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rules", type=Path, metavar="DIR",
                         help="rule files to evaluate instead of the rendered catalogue (e.g. an earlier "
                              "version's rules/generated/gpuhealth, for a side-by-side run)")
+    parser.add_argument("--groups", default="", metavar="REGEX",
+                        help="measure the CPU of the groups whose name matches REGEX only (default: all); "
+                             "every group is still loaded and evaluated")
     args = parser.parse_args(argv)
+    try:
+        re.compile(args.groups)
+    except re.error as exc:
+        parser.error(f"--groups: not a regular expression: {exc}")
+    sys.stdout.reconfigure(line_buffering=True)  # progress reaches a log file as it happens
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     return run(args)
 

@@ -195,6 +195,32 @@ def test_hca_shards_cover_every_port_once(shards):
             assert chosen == 1, (name, device)
 
 
+@pytest.mark.parametrize("shards", [1, 2, 5, 10])
+@pytest.mark.parametrize(("file", "name"), [
+    ("evidence.yml", "gpuhealth:gpu_temperature_celsius:peer_deviation_drift"),
+    ("evidence.yml", "gpuhealth:gpu_evidence:thermal_slowdown"),
+    ("definitive.yml", "GPUHealthPcieReplayRate"),
+])
+def test_rules_split_by_gpu_index_cover_every_gpu_once(shards, file, name):
+    """A rule split into `gpu_shards` groups by GPU index reads each GPU in exactly one of them (in
+    every selector of the rule), so no GPU loses its record or alert, or gets two. The temperature
+    drift is listed before the baseline that reads it (promtool evaluates groups in order)."""
+    groups = yaml.safe_load(render_all(catalogue.resolve({"defaults": {"gpu_shards": shards}}))
+                            [f"gpuhealth/{file}"])["groups"]
+    rules = [rule for group in groups for rule in group["rules"]
+             if name in (rule.get("record"), rule.get("alert"))]
+    assert len(rules) == shards
+    matchers = [set(re.findall(r'gpu=~"([^"]+)"', rule["expr"])) for rule in rules]
+    assert all(len(m) == (shards > 1) for m in matchers)
+    patterns = [re.compile(next(iter(m)) if m else ".*") for m in matchers]
+    for index in range(128):
+        assert sum(bool(p.fullmatch(str(index))) for p in patterns) == 1, index
+    if name.endswith("peer_deviation_drift"):
+        order = [g["name"] for g in groups]
+        drift = [i for i, g in enumerate(groups) if any(r.get("record") == name for r in g["rules"])]
+        assert max(drift) < order.index("gpuhealth-evidence-temperature-baseline")
+
+
 def _changed(value: Any, key: str) -> Any:
     """A different, still valid value for a knob."""
     if isinstance(value, list):

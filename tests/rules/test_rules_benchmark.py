@@ -1,0 +1,49 @@
+"""``bench/rules.py``, the scale benchmark of the rules, on a tiny fleet: it reports the CPU of the
+groups asked for, and says plainly, without a traceback, when the fleet's targets do not all come up."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from rules_promtool import GENERATED
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "rules.py"
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(BENCH), "--nodes", "2", *args], capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.slow
+def test_cpu_is_measured_for_the_groups_asked_for():
+    pattern = "temperature-drift|evidence-temperature-baseline"
+    run = _bench("--minutes", "0.2", "--repeats", "1", "--groups", pattern)
+    assert run.returncode == 0, run.stdout + run.stderr
+    evidence = yaml.safe_load((GENERATED / "gpuhealth" / "evidence.yml").read_text())
+    wanted = [g["name"] for g in evidence["groups"] if re.search(pattern, g["name"])]
+    cpu = run.stdout.split("CPU s per evaluation of", 1)[1]
+    measured = re.findall(r"^(gpuhealth-\S+)\s+\d+\.\d{3}\s", cpu, re.MULTILINE)
+    assert measured == wanted and len(wanted) > 1
+    assert "all 2 targets up" in run.stdout
+    assert re.search(r"recorded series: \d+ = [\d.]+ per GPU", run.stdout)
+    assert re.search(r"groups at 1 s or more \(target < 1 s each\): ", run.stdout)
+
+
+@pytest.mark.slow
+def test_targets_that_do_not_come_up_are_a_clear_error():
+    run = _bench("--start-timeout", "0")
+    assert run.returncode == 2
+    assert "error: only 0 of 2 synthetic nodes scraped within 0s" in run.stderr
+    assert "Traceback" not in run.stdout + run.stderr
+
+
+def test_a_bad_group_pattern_is_a_usage_error():
+    run = _bench("--groups", "(")
+    assert run.returncode == 2 and "--groups: not a regular expression" in run.stderr
+    assert "Traceback" not in run.stderr
