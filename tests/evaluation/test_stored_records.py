@@ -112,7 +112,7 @@ def test_a_record_passing_a_stored_record_through_is_one_series() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # every shipped rule folded and stored: grows with the rule groups
+@pytest.mark.timeout(3600)  # every shipped rule folded and stored: grows with the rule groups
 def test_stored_records_give_the_folded_episodes_and_values(tmp_path: Path) -> None:
     with backfilled_prometheus(SMALL, tmp_path, rules_dir=RULES, record=False) as fleet:
         rules = fleet.rules
