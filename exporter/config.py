@@ -15,6 +15,7 @@ from gpuhealth.contract.files import parse_yaml, read_text
 from gpuhealth.contract.validation import Location, Model
 from gpuhealth.contract.validation import problems as listed
 from gpuhealth.exporter.fabric_settings import FabricSettings
+from gpuhealth.exporter.inventory import GPUS_PER_NODE_MAX
 from gpuhealth.exporter.sim.profiles import PROFILES
 from gpuhealth.exporter.web import CLIENT_AUTH_TYPES, TLS_VERSIONS, hash_problem
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
@@ -232,7 +233,7 @@ class ExporterFile(Model):
     sampling_interval: Seconds = 1.0
     sampling_window: Seconds = 15.0
     nvml_timeout: Seconds = 2.0
-    gpus_expected: Annotated[int, Field(ge=0)] | None = None
+    gpus_expected: Annotated[int, Field(ge=0, le=GPUS_PER_NODE_MAX)] | None = None
     collectors: Annotated[dict[str, bool], AfterValidator(_collectors)] = Field(default_factory=dict)
     web_config_file: ReadableFile | None = None  # exporter-toolkit format; overrides the web block
     sim_profile: Literal[tuple(PROFILES)] | None = None  # type: ignore[valid-type]  # from a table

@@ -11,6 +11,10 @@ from pathlib import Path
 
 from gpuhealth.exporter.sysfs_attribute import read_attribute
 
+# far above any node built (4 to 16 GPUs): a larger count is a typo that would keep the missing-GPU
+# alert firing, and one past a float's range would break every scrape
+GPUS_PER_NODE_MAX = 64
+
 
 @dataclass(frozen=True)
 class GpuIdentity:

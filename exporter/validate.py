@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuhealth.exporter import __version__
-from gpuhealth.exporter.inventory import nvidia_gpus_on_pci
+from gpuhealth.exporter.inventory import GPUS_PER_NODE_MAX, nvidia_gpus_on_pci
 from gpuhealth.exporter.nvml_backend import BACKENDS, load_nvml
 from gpuhealth.exporter.sim.profiles import PROFILES
 from gpuhealth.exporter.sim.scenario import ScenarioError
@@ -136,9 +136,10 @@ def _positive(text: str) -> float:
     return value
 
 
-def _count(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+def _gpu_count(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) > GPUS_PER_NODE_MAX:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number from 0 to {GPUS_PER_NODE_MAX}, got {text!r}")
     return int(text)
 
 
@@ -231,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
              "are there from the first query (default: 8 healthy H100s)")
     add("--sim-profile", choices=sorted(PROFILES), help="simulated hardware (default h100-sxm)")
     add("--sim-mig", action="store_true", help="simulate MIG mode inside a container")
-    add("--gpus-expected", type=_count, metavar="N",
+    add("--gpus-expected", type=_gpu_count, metavar="N",
         help="GPUs this node must have (by default: NVIDIA GPUs on the PCI bus, else the count NVML sees)")
     add("--path.sysfs", dest="sysfs", type=Path, metavar="DIR",
         help="sysfs mount point where the expected GPUs are counted and the NIC ports read (default /sys; "

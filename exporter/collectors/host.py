@@ -14,6 +14,7 @@ from pathlib import Path
 
 from gpuhealth.exporter.collector import Context, register
 from gpuhealth.exporter.metrics import Families, Family
+from gpuhealth.exporter.procfs_file import read_procfs
 
 CPU_MODES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 SECTOR_BYTES = 512  # /proc/diskstats counts 512-byte sectors whatever the device's sector size
@@ -22,27 +23,12 @@ IGNORED_DISKS = re.compile(r"^(ram|loop|fd|(h|s|v|xv)d[a-z]+\d+|nvme\d+n\d+p\d+|
 IGNORED_INTERFACES = ("lo",)
 
 
-READ_BYTES = 1 << 16
-
-
-def _read(path: Path) -> str:
-    """A procfs file through plain ``os.read`` calls: read every second, where pathlib's buffered text
-    file costs more than the kernel's own work."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        chunks = []
-        while chunk := os.read(fd, READ_BYTES):
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
-    return b"".join(chunks).decode(errors="surrogateescape")
-
 
 def _fields(path: Path, wanted: dict[str, int]) -> dict[str, list[str]]:
     """Key (first word of a line) -> its first ``wanted[key]`` values, for the wanted keys only: on a
     large node ``/proc/stat`` has a line per CPU and an ``intr`` line of thousands of counters."""
     found = {}
-    for line in _read(path).splitlines():
+    for line in read_procfs(path).splitlines():
         key, _, rest = line.partition(" ")
         key = key.rstrip(":")
         if key in wanted:
@@ -65,20 +51,20 @@ class HostCollector:
         meminfo = _fields(self.procfs / "meminfo", {"MemTotal": 1, "MemAvailable": 1})
         f.add("gpuhealth_host_memory_total_bytes", int(meminfo["MemTotal"][0]) * 1024)
         f.add("gpuhealth_host_memory_available_bytes", int(meminfo["MemAvailable"][0]) * 1024)
-        f.add("gpuhealth_host_load1", float(_read(self.procfs / "loadavg").split()[0]))
+        f.add("gpuhealth_host_load1", float(read_procfs(self.procfs / "loadavg").split()[0]))
         f.add("gpuhealth_host_interrupts_total", int(stat["intr"][0]))
         f.add("gpuhealth_host_context_switches_total", int(stat["ctxt"][0]))
         f.add("gpuhealth_host_procs_running", int(stat["procs_running"][0]))
         vmstat = _fields(self.procfs / "vmstat", {"pgpgout": 1, "pswpout": 1})
         f.add("gpuhealth_host_page_outs_total", int(vmstat["pgpgout"][0]))
         f.add("gpuhealth_host_swap_outs_total", int(vmstat["pswpout"][0]))
-        for line in _read(self.procfs / "diskstats").splitlines():
+        for line in read_procfs(self.procfs / "diskstats").splitlines():
             parts = line.split()
             if len(parts) < 10 or IGNORED_DISKS.match(parts[2]):
                 continue
             f.add("gpuhealth_host_disk_read_bytes_total", int(parts[5]) * SECTOR_BYTES, [parts[2]])
             f.add("gpuhealth_host_disk_written_bytes_total", int(parts[9]) * SECTOR_BYTES, [parts[2]])
-        for line in _read(self.procfs / "net/dev").splitlines()[2:]:
+        for line in read_procfs(self.procfs / "net/dev").splitlines()[2:]:
             name, _, counters = line.partition(":")
             values = counters.split()
             if name.strip() in IGNORED_INTERFACES or len(values) < 9:

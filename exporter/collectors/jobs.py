@@ -12,29 +12,32 @@ from pathlib import Path
 
 from gpuhealth.exporter.collector import GPU_PROCESSES, Context, register
 from gpuhealth.exporter.metrics import Families, Family
+from gpuhealth.exporter.procfs_file import read_procfs
 
 _CGROUP_JOB = re.compile(r"/job_(\d+)(?:/|$)")
 # Slurm's job ids are decimal; the environment is the process owner's to set, so nothing else is read.
-_JOB_ID = re.compile(rb"[0-9]{1,12}")
+_JOB_ID = re.compile(r"[0-9]{1,12}")
+# exec takes 6 MiB of arguments and environment at most (3/4 of the kernel's _STK_LIM)
+PROCESS_FILE_BYTES = 8 << 20
 
 
 def slurm_job_of(procfs: Path, pid: int) -> str | None:
     """The Slurm job id of ``pid``: its cgroup path (``.../job_<id>/...``), else ``SLURM_JOB_ID``."""
     try:
         # a delegated cgroup may be named with any bytes by the process owner
-        cgroup = (procfs / str(pid) / "cgroup").read_text(errors="surrogateescape")
+        cgroup = read_procfs(procfs / str(pid) / "cgroup", PROCESS_FILE_BYTES)
     except OSError:  # the process ended, or it is in another pid namespace: try its environment
         cgroup = ""
     if match := _CGROUP_JOB.search(cgroup):
         return match.group(1)
     try:
-        environ = (procfs / str(pid) / "environ").read_bytes().split(b"\0")
+        environ = read_procfs(procfs / str(pid) / "environ", PROCESS_FILE_BYTES).split("\0")
     except OSError:
         return None
     for entry in environ:
-        if entry.startswith(b"SLURM_JOB_ID="):
-            value = entry.split(b"=", 1)[1]
-            return value.decode() if _JOB_ID.fullmatch(value) else None
+        if entry.startswith("SLURM_JOB_ID="):
+            value = entry.split("=", 1)[1]
+            return value if _JOB_ID.fullmatch(value) else None
     return None
 
 

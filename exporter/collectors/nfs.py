@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from gpuhealth.exporter.collector import Context, register
 from gpuhealth.exporter.metrics import Families, Family
+from gpuhealth.exporter.procfs_file import read_procfs
 
 # xprt line: index of "sends" and "backlog_u" after the protocol name, per transport
 _XPRT_FIELDS = {"tcp": (5, 9), "udp": (2, 6), "rdma": (5, 9)}
@@ -60,7 +61,7 @@ class NfsCollector:
 
     def collect(self) -> Iterator[Family]:
         f = Families()
-        for stats in parse_mountstats(self.path.read_text(errors="surrogateescape")):
+        for stats in parse_mountstats(read_procfs(self.path)):
             f.add("gpuhealth_nfs_transport_sends_total", stats.sends, [stats.mount])
             f.add("gpuhealth_nfs_transport_backlog_queue_total", stats.backlog, [stats.mount])
             for op, (ops, trans, _, _, _, queue_ms, rtt_ms, exec_ms) in stats.ops.items():

@@ -17,6 +17,7 @@ from gpuhealth.exporter.guard import DeadlineExceeded, GuardedWorker
 from gpuhealth.exporter.kmsg import Event, KmsgFollower, parse_line
 from gpuhealth.exporter.metrics import KMSG_RESULTS, Families, Family
 from gpuhealth.exporter.recovery import load_recovery, save_recovery
+from gpuhealth.exporter.sysfs_attribute import read_attribute
 from gpuhealth.exporter.xid_events import MAX_EVENTS_PER_RUN, NvmlXidEvents
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ MAX_EVENT_SERIES = 1024  # per event family from the kernel log: far above a rea
 
 def _boot_id(procfs: Path) -> str:
     try:
-        return (procfs / "sys/kernel/random/boot_id").read_text().strip()
+        return read_attribute(procfs / "sys/kernel/random/boot_id")
     except OSError:
         return ""
 

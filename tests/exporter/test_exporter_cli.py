@@ -137,7 +137,8 @@ def test_hash_password_round_trip() -> None:
 @pytest.mark.parametrize(("key", "value"), [
     ("sampling_interval", float("nan")), ("sampling_interval", float("inf")), ("sampling_interval", True),
     ("sampling_interval", "1"), ("nvml_timeout", 0), ("gpus_expected", 2.9), ("gpus_expected", "8"),
-    ("gpus_expected", True), ("gpus_expected", -1), ("no_kmsg", "false"), ("no_kmsg", 0),
+    ("gpus_expected", True), ("gpus_expected", -1), ("gpus_expected", 65), ("gpus_expected", 10**400),
+    ("no_kmsg", "false"), ("no_kmsg", 0),
     ("collectors", {"nfs": "false"}), ("procfs", 7),
 ])
 def test_config_types_are_strict(key: str, value: object) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from gpuhealth.exporter.collector import Context
 from gpuhealth.exporter.collectors.jobs import slurm_job_of
 from gpuhealth.exporter.collectors.nfs import parse_mountstats
 from gpuhealth.exporter.metrics import Families, render
+from gpuhealth.exporter.procfs_file import PROCFS_FILE_BYTES, read_procfs
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -133,3 +135,37 @@ def test_a_cgroup_named_with_bytes_that_are_not_utf8_does_not_stop_job_attributi
     assert slurm_job_of(tmp_path, 78) == "4711"
     (tmp_path / "78" / "cgroup").write_bytes(b"0::/system.slice/slurmstepd.scope/job_4712/\xff\n")
     assert slurm_job_of(tmp_path, 78) == "4712"
+
+
+@pytest.mark.parametrize("name", ["stat", "self/mountstats"])
+def test_a_procfs_file_past_its_bound_fails_the_collector(procfs: Path, tmp_path: Path, name: str) -> None:
+    """``--path.procfs`` may be a crafted tree: a file of any size is refused once past the bound."""
+    root = tmp_path / "proc"
+    shutil.copytree(procfs, root)
+    collector = make_collector("nfs" if "mountstats" in name else "host", Context(procfs=root))
+    scrape(collector)
+    with (root / name).open("a") as grown:
+        grown.write("x" * (PROCFS_FILE_BYTES + 1) + "\n")
+    with pytest.raises(OSError, match="more than"):
+        scrape(collector)
+
+
+def test_a_procfs_path_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "stat"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR)  # a writer that never writes: a blocking read would wait forever
+    try:
+        with pytest.raises(OSError, match="not a regular file"):
+            read_procfs(fifo)
+    finally:
+        os.close(writer)
+    with pytest.raises(OSError, match="not a regular file"):
+        read_procfs("/dev/zero")
+
+
+def test_an_environment_past_what_exec_allows_is_not_read(tmp_path: Path) -> None:
+    (tmp_path / "79").mkdir()
+    (tmp_path / "79" / "environ").write_bytes(b"PAD=" + b"x" * (8 << 20) + b"\0SLURM_JOB_ID=4711\0")
+    assert slurm_job_of(tmp_path, 79) is None
+    (tmp_path / "79" / "environ").write_bytes(b"PAD=" + b"x" * (1 << 20) + b"\0SLURM_JOB_ID=4711\0")
+    assert slurm_job_of(tmp_path, 79) == "4711"

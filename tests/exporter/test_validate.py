@@ -444,6 +444,8 @@ def test_cli_without_an_nvidia_driver_cannot_check(capsys: pytest.CaptureFixture
     (["--backend", "sim", "--site-command", "'unclosed"], "cannot split"),
     (["--backend", "sim", "--site-timeout", "0"], "expected a positive number"),
     (["--backend", "sim", "--gpus-expected", "2.5"], "expected a whole number"),
+    (["--backend", "sim", "--gpus-expected", "65"], "expected a whole number from 0 to 64"),
+    (["--backend", "sim", "--gpus-expected", "\u0661"], "expected a whole number"),
     (["--backend", "sim", "--xid-ignore", "79,x"], "expected XID numbers"),
     (["--backend", "sim", "--nic-ports", "mlx5_0:x"], "expected HCA[:PORT]"),
     (["--backend", "sim", "--nic-ports", "../etc"], "expected HCA[:PORT]"),
