@@ -22,6 +22,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -293,7 +294,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--groups: not a regular expression: {exc}")
     sys.stdout.reconfigure(line_buffering=True)  # progress reaches a log file as it happens
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    return run(args)
+    signal.signal(signal.SIGTERM, _terminated)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("interrupted: Prometheus and the synthetic fleet are stopped", file=sys.stderr)
+        return 130
+
+
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM unwinds like Ctrl-C, through the teardown of everything started."""
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -4,13 +4,17 @@ groups asked for, and says plainly, without a traceback, when the fleet's target
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 from rules_promtool import GENERATED
+
+from gpuhealth.local.process import wait_until
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "rules.py"
 
@@ -47,3 +51,28 @@ def test_a_bad_group_pattern_is_a_usage_error():
     run = _bench("--groups", "(")
     assert run.returncode == 2 and "--groups: not a regular expression" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_benchmark_says_so_in_one_line_and_stops_prometheus(tmp_path, signum):
+    output = tmp_path / "bench.out"
+    with output.open("wb") as sink:
+        bench = subprocess.Popen([sys.executable, str(BENCH), "--nodes", "2", "--minutes", "10"], stdout=sink,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_until(lambda: "all 2 targets up" in output.read_text() or bench.poll() is not None,
+                   timeout=240, interval=0.5, what="the benchmark running its fleet")
+        started = psutil.Process(bench.pid).children(recursive=True)
+        assert any(p.name() == "prometheus" for p in started), [p.cmdline() for p in started]
+        bench.send_signal(signum)
+        assert bench.wait(timeout=120) == 130
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started),
+               timeout=30, what="Prometheus stopped")
+    text = output.read_text()
+    assert "Traceback" not in text
+    assert text.rstrip().endswith("interrupted: Prometheus and the synthetic fleet are stopped")
