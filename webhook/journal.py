@@ -401,9 +401,10 @@ class Journal:
         return [dict(r) for r in rows]
 
     def list_actions(self, node: str | None = None, state: str | None = None, since: float | None = None,
-                     limit: int = 500) -> list[Action]:
+                     limit: int = 500, reason: str | None = None) -> list[Action]:
         where, args = [], []
-        for clause, value in (("node = ?", node), ("state = ?", state), ("updated_at >= ?", since)):
+        for clause, value in (("node = ?", node), ("state = ?", state), ("updated_at >= ?", since),
+                              ("reason = ?", reason)):
             if value is not None:
                 where.append(clause)
                 args.append(value)
@@ -808,8 +809,9 @@ class AsyncJournal:
         return await self._read(lambda db: db.transitions(action_id))
 
     async def list_actions(self, node: str | None = None, state: str | None = None,
-                           since: float | None = None, limit: int = 500) -> list[Action]:
-        return await self._read(lambda db: db.list_actions(node, state, since, limit))
+                           since: float | None = None, limit: int = 500,
+                           reason: str | None = None) -> list[Action]:
+        return await self._read(lambda db: db.list_actions(node, state, since, limit, reason))
 
     async def counts(self) -> dict[str, int]:
         return await self._read(lambda db: db.counts())

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 
-from webhook_helpers import alert
+from webhook_helpers import alert, notification
 
 
 def audit_events(tmp_path) -> list[tuple[int, str]]:
@@ -60,3 +61,18 @@ async def test_replayed_actions_pass_every_guardrail_again(webhook, tmp_path):
     assert sorted(again[i]["reason"] for i in held) == ["breaker_open", "breaker_open"]
     assert all((i, "replayed") in audit_events(tmp_path) for i in held)
     assert len(hook.drained) == 2
+
+
+async def test_a_flood_of_other_skipped_actions_neither_hides_the_held_ones_nor_loses_their_replay(webhook):
+    """10,001 alerts skipped for their node label after the breaker held two drains: the held drains
+    are still listed, and a replay still reaches them."""
+    hook = await webhook(guardrails={"breaker_max_nodes": 2})
+    await hook.post(*[alert(f"gpu{i:02d}", action="drain") for i in range(1, 5)])
+    held = sorted(a["id"] for a in await hook.settle() if a["reason"] == "breaker_open")
+    assert len(held) == 2
+    flood = json.dumps(notification(*[alert("not a node", action="drain") for _ in range(10_001)]))
+    resp = await hook.client.post("/alerts", data=io.BytesIO(flood.encode()), headers=hook.posting)
+    assert resp.status == 200, await resp.text()
+    assert sorted(h["id"] for h in (await hook.call("GET", "/status"))["held_by_breaker"]) == held
+    answer = await hook.call("POST", "/breaker/reset?held=replay")
+    assert sorted(answer["breaker"]["replayed"]) == held
