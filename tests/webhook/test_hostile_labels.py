@@ -246,11 +246,33 @@ async def test_fuzzed_alerts_through_the_app_never_give_a_backend_an_invalid_val
      "reset_gpu_command": ["ssh", "{node}", "nvidia-smi", "-r", "-i", "{gpu}", "--why={reason}"]},
     {"type": "kubernetes", "node_actions": "command",
      "node_commands": {"reboot": ["/usr/bin/pdsh", "-w", "{node}", "site-reboot", "{reason}"]}},
+    *[{"type": "command", "fleet_size": 4, "commands": {"node_state": ["false"], "drain": template}}
+      for template in (["/bin/tcsh", "-c", "site-drain {node} {reason}"],
+                       ["csh", "-c", "site-drain {node} {reason}"],
+                       ["fish", "-c", "site-drain {node} {reason}"],
+                       ["su", "slurm", "-c", "site-drain {node} {reason}"],
+                       ["runuser", "-u", "slurm", "--", "sh", "-c", "site-drain {reason}"],
+                       ["flock", "/run/lock/drain", "-c", "site-drain {node} {reason}"],
+                       ["/usr/bin/env", "-S", "sh -c 'site-drain {node} {reason}'"],
+                       ["dbclient", "{node}", "site-drain", "{reason}"])],
 ])
 def test_a_template_that_hands_unquoted_free_text_to_a_shell_is_refused_at_start(section):
     """A careless site template: ``ssh`` (or ``sh -c``) would let the remote shell parse the summary."""
     shell = r"\{reason\} is free text and .* hands it to a shell: write \{reason!q\}"
     with pytest.raises(ValueError, match=shell):
+        create_backend(section)
+
+
+@pytest.mark.parametrize("template", [
+    ["sh", "-c", "logger 'gpuhealth {reason!q}'"],
+    ["sh", "-c", 'logger "{reason!q}"'],
+    ["ssh", "{node}", "logger", "'gpuhealth", "{reason!q}'"],
+    ["/usr/bin/env", "-S", "sh -c 'site-drain {node} {reason!q}'"],
+])
+def test_a_quoted_value_inside_the_templates_own_quotes_is_refused_at_start(template):
+    """shlex's quotes inside the template's would end them: ``'a '$(id)''`` leaves the value bare."""
+    section = {"type": "command", "fleet_size": 4, "commands": {"node_state": ["false"], "drain": template}}
+    with pytest.raises(ValueError, match=r"\{reason!q\} stands inside the template's own"):
         create_backend(section)
 
 

@@ -83,8 +83,11 @@ _TEMPLATE = _Template()
 
 
 # Programs that hand (some of) their arguments to a shell as one line: remote shells join them, shells
-# run them. Free text reaches such a template only quoted (!q).
-SHELL_PROGRAMS = frozenset({"ssh", "rsh", "pdsh", "clush", "sh", "bash", "dash", "zsh", "ksh"})
+# run them, and su, runuser, flock, watch, script and GNU parallel run theirs through "sh -c". Free
+# text reaches such a template only quoted (!q).
+SHELL_PROGRAMS = frozenset({"ssh", "rsh", "pdsh", "clush", "dbclient", "mosh",
+                            "sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "csh", "tcsh", "fish",
+                            "su", "runuser", "flock", "watch", "script", "parallel"})
 FREE_TEXT = frozenset({"reason"})  # the one field no grammar bounds
 
 
@@ -94,7 +97,7 @@ def template_errors(template: Any, allowed: frozenset[str]) -> list[str]:
     if not isinstance(template, list) or not template or not all(isinstance(a, str) for a in template):
         return ["a non-empty list of strings (argv, no shell)"]
     errors = []
-    shell = next((a for a in template if os.path.basename(a) in SHELL_PROGRAMS), None)
+    shell = next((a for a in template if _runs_a_shell(a)), None)
     for arg in template:
         try:
             parsed = [(f, conv) for _, f, _, conv in _TEMPLATE.parse(arg) if f is not None]
@@ -112,7 +115,37 @@ def template_errors(template: Any, allowed: frozenset[str]) -> list[str]:
             known = ", ".join("{" + a + "}" for a in sorted(allowed)) or "none"
             errors.append(f"unknown placeholder(s) {', '.join('{' + u + '}' for u in unknown)} "
                           f"in {arg!r}; allowed: {known}")
+    return errors or _quoted_within_quotes(template)
+
+
+def _quoted_within_quotes(template: list[str]) -> list[str]:
+    """A ``{x!q}`` inside quotes the template opened: the value's own quotes would close them and leave
+    it bare to the shell (``sh -c "logger '{reason!q}'"``). Quotes are followed across the arguments as
+    ``ssh`` joins them, the way a POSIX shell reads them."""
+    errors, quote, escaped = [], "", False
+    for arg in template:
+        for literal, name, _, conv in _TEMPLATE.parse(arg):
+            for c in literal:
+                if escaped:
+                    escaped = False
+                elif quote == "'":
+                    quote = "" if c == "'" else quote
+                elif c == "\\":
+                    escaped = True
+                elif c == quote or (not quote and c in "'\""):
+                    quote = "" if quote else c
+            if name is not None and conv == "q" and quote:
+                errors.append(f"in {arg!r}, {{{name}!q}} stands inside the template's own {quote}...{quote}: "
+                              "its quoting would end them; put it outside any quotes")
+        escaped = False
     return errors
+
+
+def _runs_a_shell(arg: str) -> bool:
+    """``arg`` names a program of SHELL_PROGRAMS, alone or as the first word of a command line that a
+    wrapper splits (``env -S "sh -c ..."``)."""
+    words = arg.split()
+    return bool(words) and os.path.basename(words[0]) in SHELL_PROGRAMS
 
 
 @dataclass(frozen=True)
