@@ -15,6 +15,7 @@ from gpuhealth.webhook.backends.base import BackendError
 from gpuhealth.webhook.backends.kubernetes import (
     ACTION_ANNOTATION,
     ACTION_GPU_ANNOTATION,
+    PRIOR_TAINTS_ANNOTATION,
     REASON_ANNOTATION,
     TAINT_KEY,
     KubernetesBackend,
@@ -56,7 +57,8 @@ async def test_drain_cordons_taints_and_annotates_once(kube, tmp_path):
     assert node["spec"]["unschedulable"] is True
     ours = {"key": TAINT_KEY, "value": "true", "effect": "NoSchedule"}
     assert node["spec"]["taints"] == [FOREIGN_TAINT, ours]
-    assert node["metadata"]["annotations"] == {"team": "ml", REASON_ANNOTATION: REASON}
+    assert node["metadata"]["annotations"] == {"team": "ml", REASON_ANNOTATION: REASON,
+                                               PRIOR_TAINTS_ANNOTATION: FOREIGN_TAINT["key"]}
     assert _patches(kube) == ["application/strategic-merge-patch+json"]
     state = await backend.node_state("gpu01")
     assert (state.exists, state.drained, state.reason) == (True, True, REASON)
@@ -117,6 +119,24 @@ async def test_a_node_a_human_put_back_in_service_is_not_drained(kube, tmp_path)
     assert (await backend.node_state("gpu01")).reason == REASON, "our taint still keeps GPU pods away"
     kube.modify_node("gpu01", lambda node: node["spec"].update(taints=[]))
     assert not (await backend.node_state("gpu01")).drained
+
+
+async def test_a_blocking_taint_set_after_our_drain_makes_the_node_the_operators(kube, tmp_path):
+    """The operator's ``kubectl taint`` on a node we drained: it is theirs now, as a Slurm drain with
+    their reason would be; taints Kubernetes sets itself (a cordon's, a reboot's) change nothing."""
+    kube.add_node("gpu01", taints=[FOREIGN_TAINT])
+    backend = _backend(kube, tmp_path)
+    await backend.drain("gpu01", REASON)
+    system = [{"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"},
+              {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"},
+              {"key": "example.com/soft", "effect": "PreferNoSchedule"}]
+    kube.modify_node("gpu01", lambda node: node["spec"]["taints"].extend(system))
+    assert (await backend.node_state("gpu01")).reason == REASON
+    repair = {"key": "example.com/repair", "value": "ticket-77", "effect": "NoExecute"}
+    kube.modify_node("gpu01", lambda node: node["spec"]["taints"].append(repair))
+    state = await backend.node_state("gpu01")
+    assert state.drained
+    assert state.reason == "tainted outside gpuhealth after its drain (taints: example.com/repair)"
 
 
 async def test_merge_patch_is_available_too(kube, tmp_path):

@@ -60,3 +60,21 @@ async def test_alert_to_cordon_eviction_job_restart_and_back(webhook, kube, tmp_
     assert node["spec"]["unschedulable"] is False and not node["spec"]["taints"]
     assert node["metadata"]["annotations"] == {}
     assert kube.nodes["gpu04"]["spec"]["unschedulable"] is True
+
+
+async def test_an_operators_taint_after_our_drain_is_never_undone(webhook, kube, tmp_path):
+    kube.add_node("gpu01", labels={"nvidia.com/gpu.present": "true"})
+    config = kube.write_kubeconfig(tmp_path / "kubeconfig")
+    hook = await webhook(backend=KubernetesBackend.from_config({"kubeconfig": str(config)}))
+    firing = alert("gpu01", action="drain")
+    await hook.post(firing)
+    assert [a["reason"] for a in await hook.settle()] == ["ok"]
+    repair = {"key": "example.com/repair", "value": "psu", "effect": "NoSchedule"}
+    kube.modify_node("gpu01", lambda node: node["spec"]["taints"].append(repair))
+    await hook.post(resolved(firing))
+    undrain = (await hook.settle())[-1]
+    assert (undrain["kind"], undrain["state"], undrain["reason"]) == ("undrain", "skipped",
+                                                                      "drained_by_other")
+    node = kube.nodes["gpu01"]
+    assert node["spec"]["unschedulable"] is True and repair in node["spec"]["taints"]
+    assert [d["node"] for d in (await hook.call("GET", "/status"))["drained_by_us"]] == []

@@ -40,12 +40,19 @@ log = logging.getLogger(__name__)
 TAINT_KEY = "gpuhealth.io/unhealthy"
 REASON_ANNOTATION = "gpuhealth.io/drain-reason"
 PRIOR_CORDON_ANNOTATION = "gpuhealth.io/cordoned-before-drain"
+# The keys of the blocking taints others had set when we drained: one set later is an operator taking
+# the node over, and wins as a cordon set before us does.
+PRIOR_TAINTS_ANNOTATION = "gpuhealth.io/taints-before-drain"
 ACTION_ANNOTATION = "gpuhealth.io/requested-action"
 ACTION_GPU_ANNOTATION = "gpuhealth.io/requested-action-gpu"
 ACTION_REASON_ANNOTATION = "gpuhealth.io/requested-action-reason"
 ACTION_AT_ANNOTATION = "gpuhealth.io/requested-action-at"
-OUR_ANNOTATIONS = (REASON_ANNOTATION, PRIOR_CORDON_ANNOTATION, ACTION_ANNOTATION, ACTION_GPU_ANNOTATION,
-                   ACTION_REASON_ANNOTATION, ACTION_AT_ANNOTATION)
+OUR_ANNOTATIONS = (REASON_ANNOTATION, PRIOR_CORDON_ANNOTATION, PRIOR_TAINTS_ANNOTATION, ACTION_ANNOTATION,
+                   ACTION_GPU_ANNOTATION, ACTION_REASON_ANNOTATION, ACTION_AT_ANNOTATION)
+BLOCKING_EFFECTS = frozenset({"NoSchedule", "NoExecute"})
+# Taints Kubernetes sets itself (a cordon's node.kubernetes.io/unschedulable, not-ready while a node
+# reboots): never an operator's hold.
+SYSTEM_TAINT_PREFIXES = ("node.kubernetes.io/", "node.cloudprovider.kubernetes.io/")
 REASON_PREFIX = "gpuhealth:"
 CONFLICT_ATTEMPTS = 5
 MAX_EVICTION_BACKOFF_S = 30.0
@@ -144,6 +151,10 @@ class KubernetesBackend(TracksHelpers):
         if not (spec.get("unschedulable") is True or _has_our_taint(spec)):
             return NodeState(node, exists=True, drained=False)
         if REASON_ANNOTATION in annotations or _has_our_taint(spec):
+            late = _taints_set_since_our_drain(spec, annotations)
+            if late:
+                reason = f"tainted outside gpuhealth after its drain (taints: {','.join(late)})"
+                return NodeState(node, exists=True, drained=True, reason=reason)
             return NodeState(node, exists=True, drained=True, reason=_our_reason(annotations))
         taints = ",".join(str(t.get("key")) for t in spec.get("taints") or []) or "none"
         return NodeState(node, exists=True, drained=True,
@@ -161,6 +172,8 @@ class KubernetesBackend(TracksHelpers):
             new_annotations: dict[str, str] = {}
             if annotations.get(REASON_ANNOTATION) != reason:
                 new_annotations[REASON_ANNOTATION] = reason
+            if PRIOR_TAINTS_ANNOTATION not in annotations:
+                new_annotations[PRIOR_TAINTS_ANNOTATION] = ",".join(_others_blocking_taints(spec))
             if spec.get("unschedulable") is True:
                 if REASON_ANNOTATION not in annotations and PRIOR_CORDON_ANNOTATION not in annotations:
                     new_annotations[PRIOR_CORDON_ANNOTATION] = "true"
@@ -377,6 +390,21 @@ def _annotations(obj: Mapping[str, Any]) -> dict[str, str]:
 
 def _has_our_taint(spec: Mapping[str, Any]) -> bool:
     return any(t.get("key") == TAINT_KEY for t in spec.get("taints") or [])
+
+
+def _others_blocking_taints(spec: Mapping[str, Any]) -> list[str]:
+    """Keys of the NoSchedule/NoExecute taints on the node that neither we nor Kubernetes set."""
+    return sorted({str(t.get("key")) for t in spec.get("taints") or []
+                   if t.get("effect") in BLOCKING_EFFECTS and t.get("key") != TAINT_KEY
+                   and not str(t.get("key")).startswith(SYSTEM_TAINT_PREFIXES)})
+
+
+def _taints_set_since_our_drain(spec: Mapping[str, Any], annotations: Mapping[str, str]) -> list[str]:
+    """Blocking taints someone else set after our drain (none known for a drain that recorded nothing)."""
+    prior = annotations.get(PRIOR_TAINTS_ANNOTATION)
+    if prior is None:
+        return []
+    return [key for key in _others_blocking_taints(spec) if key not in prior.split(",")]
 
 
 def _our_reason(annotations: Mapping[str, str]) -> str:
