@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from gpuhealth.webhook.labels import label_problem
 from rules_promtool import GENERATED
 
 from gpuhealth.cli import main
@@ -19,9 +20,11 @@ from gpuhealth.local.synthetic_fleet import SyntheticFleet
 DEMO = GENERATED.parent / "overlays" / "demo.yaml"
 
 
-def _prometheus(tmp_path: Path, fleets: list[SyntheticFleet]) -> tuple[PrometheusServer, int]:
+def _prometheus(tmp_path: Path, fleets: list[SyntheticFleet],
+                relabel: tuple[dict, ...] = ()) -> tuple[PrometheusServer, int]:
     """A Prometheus loading the rules with the demo's windows, shortened again so that the rates have
-    their history within seconds, scraping ``fleets`` as one job; and the number of rule groups."""
+    their history within seconds, scraping ``fleets`` as one job (its targets relabelled by ``relabel``
+    too); and the number of rule groups."""
     overlay = yaml.safe_load(DEMO.read_text())
     overlay["defaults"].update(scrape_interval="2s", evaluation_interval="2s")
     for signal in ("thermal_slowdown", "temperature_peer"):
@@ -40,6 +43,7 @@ def _prometheus(tmp_path: Path, fleets: list[SyntheticFleet]) -> tuple[Prometheu
     rule_files = sorted((rules / "gpuhealth").glob("*.yml"))
     group_count = sum(len(yaml.safe_load(p.read_text())["groups"]) for p in rule_files)
     job = fleets[0].scrape_config("2s")
+    job["relabel_configs"] += relabel
     for fleet in fleets[1:]:
         job["static_configs"] += fleet.scrape_config("2s")["static_configs"]
     config = {
@@ -142,3 +146,33 @@ def test_two_clusters_with_the_same_node_names_keep_their_own_scores(tmp_path):
         prometheus.stop()
         for fleet in fleets:
             fleet.stop()
+
+
+@pytest.mark.slow
+def test_a_crafted_node_label_flows_through_the_records_and_is_refused_by_the_webhook(tmp_path):
+    """A target's ``node`` label is whatever the scrape configuration (a file_sd written from an
+    inventory) says: quotes, braces and a newline reach every record unchanged, the rules still
+    evaluate, and an alert carrying that label set names no node the webhook would act on."""
+    hostile = 'node0000"} 1\ngpuhealth_gpu_up{node="gpu01'
+    fleet = SyntheticFleet(nodes=2, sick_every=5).start()
+    crafted = {"source_labels": ["__param_node"], "regex": fleet.names[0], "target_label": "node",
+               "replacement": hostile}
+    prometheus, group_count = _prometheus(tmp_path, [fleet], relabel=(crafted,))
+    try:
+        prometheus.start()
+        api = prometheus.api
+
+        def scored() -> list[dict]:
+            return [r["metric"] for r in api.query("gpuhealth:gpu_failure_risk:score")
+                    if r["metric"]["node"] == hostile]
+
+        wait_until(lambda: _all_evaluated(api, group_count) and len(scored()) == 8, timeout=90, interval=1,
+                   what="the crafted node's GPUs scored")
+        assert not _problems(api)
+        for labels in scored():
+            problem = label_problem(labels["node"], labels["gpu"], "GPUHealthGpuFailureRisk")
+            assert problem is not None and problem[0] == "invalid_node", labels
+            assert "\n" not in problem[1]
+    finally:
+        prometheus.stop()
+        fleet.stop()
