@@ -221,9 +221,13 @@ async def get_actions(request: web.Request) -> web.Response:
     limit = query.get("limit", "500")
     if not re.fullmatch(r"[0-9]{1,5}", limit) or not 0 < int(limit) <= 10000:
         raise _json_error(web.HTTPBadRequest, "limit: an integer 1..10000")
+    before = query.get("before")
+    if before is not None and not ACTION_ID.fullmatch(before):
+        raise _json_error(web.HTTPBadRequest, "before: an action id (ASCII digits)")
     journal = request.app[JOURNAL]
     since = _since(query.get("since"))
-    actions = await journal.list_actions(query.get("node"), state, since, int(limit))
+    actions = await journal.list_actions(query.get("node"), state, since, int(limit),
+                                         before=None if before is None else int(before))
     chains = await journal.chains(query.get("node"), CHAINS_SHOWN)
     return web.json_response({"actions": [a.as_json() for a in actions],
                               "chains": [c.as_json() for c in chains]})

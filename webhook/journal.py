@@ -401,10 +401,11 @@ class Journal:
         return [dict(r) for r in rows]
 
     def list_actions(self, node: str | None = None, state: str | None = None, since: float | None = None,
-                     limit: int = 500, reason: str | None = None) -> list[Action]:
+                     limit: int = 500, reason: str | None = None, before: int | None = None) -> list[Action]:
+        """Newest first; ``before`` (an id) pages back through older ones."""
         where, args = [], []
         for clause, value in (("node = ?", node), ("state = ?", state), ("updated_at >= ?", since),
-                              ("reason = ?", reason)):
+                              ("reason = ?", reason), ("id < ?", before)):
             if value is not None:
                 where.append(clause)
                 args.append(value)
@@ -810,8 +811,8 @@ class AsyncJournal:
 
     async def list_actions(self, node: str | None = None, state: str | None = None,
                            since: float | None = None, limit: int = 500,
-                           reason: str | None = None) -> list[Action]:
-        return await self._read(lambda db: db.list_actions(node, state, since, limit, reason))
+                           reason: str | None = None, before: int | None = None) -> list[Action]:
+        return await self._read(lambda db: db.list_actions(node, state, since, limit, reason, before))
 
     async def counts(self) -> dict[str, int]:
         return await self._read(lambda db: db.counts())

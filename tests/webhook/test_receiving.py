@@ -252,12 +252,32 @@ def test_the_journal_isolates_each_notification_of_a_batch(tmp_path):
     ("/actions?limit=\u00b2", 400), ("/actions?limit=99999999999999999999", 400), ("/actions?limit=0", 400),
     ("/actions?since=nan", 400), ("/actions?since=1e999", 400), ("/actions?since=\u0663", 400),
     ("/actions?since=1700000000.5", 200), ("/actions?since=2026-11-30T05:00:00Z", 200),
+    ("/actions?before=\u00b2", 400), ("/actions?before=-1", 400), ("/actions?before=1e3", 400),
+    ("/actions?before=99999999999999999999999999", 400), ("/actions?before=12", 200),
 ])
 async def test_numeric_query_parameters_are_strict(webhook, path, status):
     hook = await webhook()
     resp = await hook.client.get(path)
     assert resp.status == status, await resp.text()
     assert resp.content_type == "application/json"
+
+
+async def test_actions_page_back_through_the_whole_journal_with_before(webhook):
+    """Newest first, ``limit`` at a time: ``before`` (the last id of a page) reaches every older row."""
+    hook = await webhook()
+    posted = []
+    for _ in range(3):
+        answer = await hook.post(*[alert(f"gpu{n:02d}", action="none") for n in range(1, 11)])
+        posted += answer["new_actions"]
+    pages, before = [], ""
+    while True:
+        page = [a["id"] for a in await hook.actions(limit="7", **({"before": before} if before else {}))]
+        if not page:
+            break
+        pages.append(page)
+        before = str(min(page))
+    seen = [i for page in pages for i in page]
+    assert sorted(seen) == sorted(posted) and len(seen) == 30 and len(pages) == 5
 
 
 async def test_gzip_bodies_are_read_and_a_broken_or_oversized_one_is_a_json_400_or_413(webhook):
