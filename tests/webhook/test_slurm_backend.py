@@ -517,6 +517,38 @@ async def test_no_reboot_for_a_node_the_operator_took_over_after_our_drain(on_sl
     assert not {"REBOOT_REQUESTED", "REBOOT_ISSUED"} & node.flags
 
 
+async def test_an_operators_drain_while_our_drain_awaits_approval_wins_over_the_approval(on_slurm, slurm):
+    hook = await on_slurm(guardrails={"require_approval": ["drain"]})
+    firing = alert("gpu01", action="drain")
+    [action_id] = (await hook.post(firing))["new_actions"]
+    await hook.wait_action(action_id, lambda a: a["state"] == "awaiting_approval")
+    slurm.scontrol("update", "NodeName=gpu01", "State=DRAIN", f"Reason={OPERATOR_REASON}")
+    await hook.call("POST", f"/actions/{action_id}/approve")
+    action = await hook.wait_action(action_id, lambda a: a["state"] not in ("pending", "running"), timeout=60)
+    assert (action["state"], action["reason"]) == ("skipped", "drained_by_other"), action
+    assert (await hook.post(resolved(firing)))["new_actions"] == []
+    await hook.settle(timeout=60)
+    node = slurm.node("gpu01")
+    assert "DRAIN" in node.flags and node.reason.startswith(OPERATOR_REASON), node
+
+
+async def test_an_operators_down_after_our_drain_survives_a_restart_and_the_resolution(on_slurm, slurm):
+    hook = await on_slurm()
+    firing = alert("gpu02", action="drain")
+    await hook.post(firing)
+    assert [a["reason"] for a in await hook.settle(timeout=60)] == ["ok"]
+    slurm.scontrol("update", "NodeName=gpu02", "State=DOWN", f"Reason={OPERATOR_REASON}")
+    await hook.client.close()
+    restarted = await on_slurm()  # the same journal
+    [undrain_id] = (await restarted.post(resolved(firing)))["new_actions"]
+    undrain = await restarted.wait_action(undrain_id, lambda a: a["state"] not in ("pending", "running"),
+                                          timeout=60)
+    assert (undrain["state"], undrain["reason"]) == ("skipped", "drained_by_other"), undrain
+    node = slurm.node("gpu02")
+    assert "DOWN" in node.flags and node.reason.startswith(OPERATOR_REASON), node
+    assert (await restarted.call("GET", "/status"))["drained_by_us"] == []
+
+
 async def test_hostile_labels_never_reach_scontrol(on_slurm, slurm):
     hook = await on_slurm()
     await hook.post(alert("ALL", action="drain"), alert("gpu[01-04]", action="drain"),
