@@ -17,6 +17,8 @@ CASES = {
                   "The NVIDIA driver is not loaded on no-driver"),
     "bad-port": ("gpu_nodes", {"gpuhealth_exporter_port": 70000},
                  "gpuhealth_exporter_port must be a TCP port 1..65535, got 70000"),
+    "too-many-gpus": ("gpu_nodes", {"gpuhealth_exporter_gpus_expected": 65},
+                      "gpuhealth_exporter_gpus_expected must be 0 (count at start-up) to 64, got 65"),
     "scenario-without-sim": ("gpu_nodes", {"gpuhealth_exporter_backend": "nvml",
                                            "gpuhealth_exporter_driver_version_file": "/",
                                            "gpuhealth_exporter_sim_scenario": "/"},
