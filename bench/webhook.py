@@ -271,9 +271,10 @@ def storm(workdir: Path) -> int:
 
 
 def replicas(workdir: Path, notifications: int, concurrency: int, baseline: str | None,
-             latency: float, rounds: int = 1) -> int:
+             latency: float, rounds: int = 1, commit_window: float | None = None) -> int:
     """Two replicas on one PostgreSQL journal beside one on SQLite, the same load on each side; with
-    ``baseline``, also two replicas of the webhook at that revision, on a database of their own."""
+    ``baseline``, also two replicas of the webhook at that revision, on a database of their own;
+    ``commit_window``: the pair's ``journal.commit_window_seconds`` (none: the webhook's default)."""
     import psycopg  # the postgres extra
 
     from gpuhealth.local.postgres import LocalPostgres
@@ -293,8 +294,9 @@ def replicas(workdir: Path, notifications: int, concurrency: int, baseline: str 
             sides.append((f"2 on PostgreSQL @{baseline}", url, [stack.enter_context(_webhook(
                 workdir / f"baseline-{name}", True, {"url": url, "replica": name}, code))
                 for name in ("a", "b")]))
+        window = {} if commit_window is None else {"commit_window_seconds": commit_window}
         sides.append(("2 on PostgreSQL", pg.url, [stack.enter_context(_webhook(
-            workdir / name, True, {"url": pg.url, "replica": name})) for name in ("a", "b")]))
+            workdir / name, True, {"url": pg.url, "replica": name, **window})) for name in ("a", "b")]))
         sides.append(("1 on SQLite", None, [stack.enter_context(_webhook(workdir / "sqlite", True))]))
         for _, _, servers in sides:
             _load([url for url, _ in servers], [_notification(1) for _ in range(200)], concurrency)  # warm-up
@@ -455,7 +457,12 @@ def main() -> int:
     parser.add_argument("--cluster-latency", type=float, default=0.02, metavar="SECONDS",
                         help="with --journal postgres: how long each call to the simulated cluster takes in "
                              "the acting case (default 0.02)")
+    parser.add_argument("--commit-window", type=float, metavar="SECONDS",
+                        help="with --journal postgres: the pair's journal.commit_window_seconds (default: the "
+                             "webhook's own default; the baseline pair keeps its revision's)")
     args = parser.parse_args()
+    if args.commit_window is not None and args.journal != "postgres":
+        parser.error("--commit-window needs --journal postgres")
     if args.baseline is not None and args.journal != "postgres":
         parser.error("--baseline needs --journal postgres")
     if args.rounds < 1 or (args.rounds != 1 and args.journal != "postgres"):
@@ -466,7 +473,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="gpuhealth-bench-") as tmp:
             if args.journal == "postgres":
                 return replicas(Path(tmp) / "replicas", args.notifications, args.concurrency, args.baseline,
-                                args.cluster_latency, args.rounds)
+                                args.cluster_latency, args.rounds, args.commit_window)
             return run(Path(tmp), args.notifications, args.concurrency)
     except KeyboardInterrupt:
         print("interrupted: every server it started is stopped", file=sys.stderr)

@@ -26,6 +26,7 @@ import contextvars
 import functools
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -468,6 +469,9 @@ class AsyncPostgresJournal(AsyncJournal):
         super().__init__(None, resolve, on_failure=on_failure, replica=replica)
         self._firing: collections.deque[_Waiting] = collections.deque()
         self._committer: asyncio.Task[None] | None = None
+        self._sizes: collections.deque[int] = collections.deque(maxlen=16)  # the latest batches' sizes
+        self._full: asyncio.Future[None] | None = None  # resolved once ``_enough`` wait
+        self._enough = math.inf  # the fullest of the latest batches (none yet: no early commit)
         self._loop_connections: dict[str, psycopg.AsyncConnection[Any]] = {}  # "intake", "admission"
         self._admission_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal-admission")
         self._admission_db = self._admission_executor.submit(self._open, False).result()
@@ -500,6 +504,8 @@ class AsyncPostgresJournal(AsyncJournal):
         loop = asyncio.get_running_loop()
         done: asyncio.Future[RecordResult] = loop.create_future()
         self._firing.append(_Waiting(notification, decisions, done, loop.time()))
+        if self._full is not None and not self._full.done() and len(self._firing) >= self._enough:
+            self._full.set_result(None)
         if self._committer is None:
             self._committer = asyncio.create_task(self._commit_firing(), name="journal-intake")
         return await asyncio.shield(done)
@@ -508,19 +514,26 @@ class AsyncPostgresJournal(AsyncJournal):
         """Commit what waits, in one statement per batch; what arrives meanwhile is the next batch.
 
         A batch goes once its oldest notification has waited the commit window (counted from its
-        arrival, so one that arrived during the previous commit waits only what is left of it), and
-        the event loop has run once more what is ready: requests received meanwhile join this batch
-        instead of paying a commit of their own. Each commit costs PostgreSQL and the replica a fixed
-        share (the statement, the WAL flush) whatever it carries, so on busy CPUs fuller batches are
-        what lets intake keep up; every caller is still answered only once its rows are committed."""
+        arrival, so one that arrived during the previous commit waits only what is left of it), or
+        sooner, once as many wait as the fullest of the latest batches held (senders that wait for
+        their answers, as Alertmanager's do, send no more until then); and the event loop runs once
+        more what is ready: requests received meanwhile join this batch instead of paying a commit of
+        their own. Each commit costs PostgreSQL and the replica a fixed share (the statement, the WAL
+        flush) whatever it carries, so on busy CPUs fuller batches are what lets intake keep up;
+        every caller is still answered only once its rows are committed."""
         loop = asyncio.get_running_loop()
         waiting: list[_Waiting] = []
         try:
             while self._firing:
-                if (left := self._firing[0].arrived + self._commit_window - loop.time()) > 0:
-                    await asyncio.sleep(left)
+                left = self._firing[0].arrived + self._commit_window - loop.time()
+                self._enough = max(self._sizes, default=math.inf)
+                if left > 0 and len(self._firing) < self._enough:
+                    self._full = loop.create_future()
+                    await asyncio.wait([self._full], timeout=left)
+                    self._full = None
                 await asyncio.sleep(0)
                 waiting = [self._firing.popleft() for _ in range(len(self._firing))]
+                self._sizes.append(len(waiting))
                 batch = [(each.notification, each.decisions) for each in waiting]
                 results: list[RecordResult | Exception]
                 try:

@@ -442,6 +442,31 @@ async def test_notifications_arriving_within_the_commit_window_share_one_commit(
         await store.close()
 
 
+async def test_the_commit_window_ends_once_as_many_wait_as_the_fullest_recent_batch(database):
+    """Senders that wait for their answers send no more meanwhile: once as many notifications wait as
+    the fullest of the latest batches held, the batch goes without waiting out the window, and one
+    arriving later (here well inside the window) goes in the next commit."""
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    store = AsyncPostgresJournal(database, resolve, "a", LEASE, commit_window=2.0)
+    parsed = [parse_notification(notification(alert(node, action="drain"))) for node in NODES[:5]]
+
+    def record(n: Any) -> Any:
+        return store.record(n, decide(n, config))
+
+    try:
+        await asyncio.gather(*map(record, parsed[:2]))  # no batch before: waits the window; then 2 is enough
+        pair = asyncio.gather(*map(record, parsed[2:4]))
+        await asyncio.sleep(0.1)
+        late = await record(parsed[4])
+        assert [len(answer.new_actions) for answer in (*await pair, late)] == [1, 1, 1]
+        with psycopg.connect(database) as conn:
+            commits = [count for (count,) in conn.execute(
+                "SELECT COUNT(*) FROM notifications GROUP BY received_at ORDER BY MIN(id)")]
+        assert commits == [2, 2, 1]  # a group commit's notifications share its time of receipt
+    finally:
+        await store.close()
+
+
 async def test_admission_holds_the_fleet_lock_on_one_session_kept_open_and_opened_again_once_cut(database):
     a, b = (AsyncPostgresJournal(database, resolve, name, LEASE) for name in ("a", "b"))
     watch = await psycopg.AsyncConnection.connect(database, autocommit=True)
