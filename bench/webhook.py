@@ -22,6 +22,10 @@ cases, every other round with the sides in reverse order. Each case also prints 
 notifications a group commit carried and its CPU ceiling (the alerts per second its measured CPU
 per alert, servers, database and sender together, would allow on this machine's CPUs), and the run
 ends with each pair judged against the targets, by the wall clock and by that ceiling.
+``--commit-window`` sets the pair's ``journal.commit_window_seconds`` (the baseline keeps its own).
+The sender stands in for Alertmanager and is measured with the rest: one notification per request,
+the same bodies, each sender waiting for its answer before it sends again, as Alertmanager's
+per-receiver delivery does; it was not made cheaper for the commit window.
 
 SIGINT (Ctrl-C) and SIGTERM stop every PostgreSQL and webhook the benchmark started, and remove its
 files.
@@ -295,6 +299,9 @@ def replicas(workdir: Path, notifications: int, concurrency: int, baseline: str 
                 workdir / f"baseline-{name}", True, {"url": url, "replica": name}, code))
                 for name in ("a", "b")]))
         window = {} if commit_window is None else {"commit_window_seconds": commit_window}
+        shown = "the default" if commit_window is None else f"{commit_window:g} s"
+        print(f"the pair's commit window: {shown}; {concurrency} senders, each alternating between the "
+              "replicas of a pair")
         sides.append(("2 on PostgreSQL", pg.url, [stack.enter_context(_webhook(
             workdir / name, True, {"url": pg.url, "replica": name, **window})) for name in ("a", "b")]))
         sides.append(("1 on SQLite", None, [stack.enter_context(_webhook(workdir / "sqlite", True))]))
@@ -458,8 +465,8 @@ def main() -> int:
                         help="with --journal postgres: how long each call to the simulated cluster takes in "
                              "the acting case (default 0.02)")
     parser.add_argument("--commit-window", type=float, metavar="SECONDS",
-                        help="with --journal postgres: the pair's journal.commit_window_seconds (default: the "
-                             "webhook's own default; the baseline pair keeps its revision's)")
+                        help="with --journal postgres: the pair's journal.commit_window_seconds (default: "
+                             "the webhook's own default; the baseline pair keeps its revision's)")
     args = parser.parse_args()
     if args.commit_window is not None and args.journal != "postgres":
         parser.error("--commit-window needs --journal postgres")
