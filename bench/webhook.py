@@ -468,8 +468,8 @@ def main() -> int:
                         help="with --journal postgres: the pair's journal.commit_window_seconds (default: "
                              "the webhook's own default; the baseline pair keeps its revision's)")
     args = parser.parse_args()
-    if args.commit_window is not None and args.journal != "postgres":
-        parser.error("--commit-window needs --journal postgres")
+    if args.commit_window is not None and (args.journal != "postgres" or not 0 <= args.commit_window <= 1):
+        parser.error("--commit-window needs --journal postgres and 0 to 1 seconds")
     if args.baseline is not None and args.journal != "postgres":
         parser.error("--baseline needs --journal postgres")
     if args.rounds < 1 or (args.rounds != 1 and args.journal != "postgres"):
