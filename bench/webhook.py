@@ -22,6 +22,10 @@ cases, every other round with the sides in reverse order. Each case also prints 
 notifications a group commit carried and its CPU ceiling (the alerts per second its measured CPU
 per alert, servers, database and sender together, would allow on this machine's CPUs), and the run
 ends with each pair judged against the targets, by the wall clock and by that ceiling.
+``--commit-window`` sets the pair's ``journal.commit_window_seconds`` (the baseline keeps its own).
+The sender stands in for Alertmanager and is measured with the rest: one notification per request,
+the same bodies, each sender waiting for its answer before it sends again, as Alertmanager's
+per-receiver delivery does; it was not made cheaper for the commit window.
 
 SIGINT (Ctrl-C) and SIGTERM stop every PostgreSQL and webhook the benchmark started, and remove its
 files.
@@ -271,9 +275,10 @@ def storm(workdir: Path) -> int:
 
 
 def replicas(workdir: Path, notifications: int, concurrency: int, baseline: str | None,
-             latency: float, rounds: int = 1) -> int:
+             latency: float, rounds: int = 1, commit_window: float | None = None) -> int:
     """Two replicas on one PostgreSQL journal beside one on SQLite, the same load on each side; with
-    ``baseline``, also two replicas of the webhook at that revision, on a database of their own."""
+    ``baseline``, also two replicas of the webhook at that revision, on a database of their own;
+    ``commit_window``: the pair's ``journal.commit_window_seconds`` (none: the webhook's default)."""
     import psycopg  # the postgres extra
 
     from gpuhealth.local.postgres import LocalPostgres
@@ -293,8 +298,12 @@ def replicas(workdir: Path, notifications: int, concurrency: int, baseline: str 
             sides.append((f"2 on PostgreSQL @{baseline}", url, [stack.enter_context(_webhook(
                 workdir / f"baseline-{name}", True, {"url": url, "replica": name}, code))
                 for name in ("a", "b")]))
+        window = {} if commit_window is None else {"commit_window_seconds": commit_window}
+        shown = "the default" if commit_window is None else f"{commit_window:g} s"
+        print(f"the pair's commit window: {shown}; {concurrency} senders, each alternating between the "
+              "replicas of a pair")
         sides.append(("2 on PostgreSQL", pg.url, [stack.enter_context(_webhook(
-            workdir / name, True, {"url": pg.url, "replica": name})) for name in ("a", "b")]))
+            workdir / name, True, {"url": pg.url, "replica": name, **window})) for name in ("a", "b")]))
         sides.append(("1 on SQLite", None, [stack.enter_context(_webhook(workdir / "sqlite", True))]))
         for _, _, servers in sides:
             _load([url for url, _ in servers], [_notification(1) for _ in range(200)], concurrency)  # warm-up
@@ -455,7 +464,12 @@ def main() -> int:
     parser.add_argument("--cluster-latency", type=float, default=0.02, metavar="SECONDS",
                         help="with --journal postgres: how long each call to the simulated cluster takes in "
                              "the acting case (default 0.02)")
+    parser.add_argument("--commit-window", type=float, metavar="SECONDS",
+                        help="with --journal postgres: the pair's journal.commit_window_seconds (default: "
+                             "the webhook's own default; the baseline pair keeps its revision's)")
     args = parser.parse_args()
+    if args.commit_window is not None and (args.journal != "postgres" or not 0 <= args.commit_window <= 1):
+        parser.error("--commit-window needs --journal postgres and 0 to 1 seconds")
     if args.baseline is not None and args.journal != "postgres":
         parser.error("--baseline needs --journal postgres")
     if args.rounds < 1 or (args.rounds != 1 and args.journal != "postgres"):
@@ -466,7 +480,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="gpuhealth-bench-") as tmp:
             if args.journal == "postgres":
                 return replicas(Path(tmp) / "replicas", args.notifications, args.concurrency, args.baseline,
-                                args.cluster_latency, args.rounds)
+                                args.cluster_latency, args.rounds, args.commit_window)
             return run(Path(tmp), args.notifications, args.concurrency)
     except KeyboardInterrupt:
         print("interrupted: every server it started is stopped", file=sys.stderr)

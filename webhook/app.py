@@ -29,7 +29,13 @@ from gpuhealth.webhook.engine import Engine
 from gpuhealth.webhook.intake import wakes_worker
 from gpuhealth.webhook.journal import JOURNAL_ERRORS
 from gpuhealth.webhook.metrics import Metrics
-from gpuhealth.webhook.models import PayloadError, decode_body, parse_notification, rfc3339
+from gpuhealth.webhook.models import (
+    PayloadError,
+    decode_body,
+    may_hold_surrogate,
+    parse_notification,
+    rfc3339,
+)
 from gpuhealth.webhook.outcomes import Outcome, Reason
 from gpuhealth.webhook.policy import decide
 from gpuhealth.webhook.store import (
@@ -153,7 +159,7 @@ async def post_alerts(request: web.Request) -> web.Response:
         answer.force_close()
         return answer
     try:
-        notification = parse_notification(decode_body(raw))
+        notification = parse_notification(decode_body(raw), surrogates=may_hold_surrogate(raw))
     except PayloadError as exc:
         metrics.notifications.labels("malformed").inc()
         message = str(exc)

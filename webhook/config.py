@@ -226,6 +226,9 @@ class JournalConfig(Model):
     url: Annotated[str, AfterValidator(_database_url)] | None = None  # libpq URL; none: SQLite
     replica: Annotated[str, AfterValidator(_replica)] | None = None  # this webhook's name; default hostname
     lease_seconds: Seconds = 30.0  # a replica silent this long loses its actions to another one
+    # PostgreSQL: a firing notification waits up to this long for others to share its commit (each
+    # commit costs the database a fixed share); 0: only those already waiting
+    commit_window_seconds: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.005
 
 
 class CheckpointConfig(Model):

@@ -26,11 +26,12 @@ import contextvars
 import functools
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import psycopg
 from gpuhealth.webhook.journal import (
@@ -437,6 +438,15 @@ class PostgresJournal(Journal):
         return [_chain(r) for r in due]
 
 
+class _Waiting(NamedTuple):
+    """A firing notification waiting for its group commit, and when it arrived (the loop's clock)."""
+
+    notification: Notification
+    decisions: dict[tuple[str, str], Decision]
+    done: asyncio.Future[RecordResult]
+    arrived: float
+
+
 class AsyncPostgresJournal(AsyncJournal):
     """The ``Store`` on PostgreSQL: the SQLite store's threads, one connection each, and two connections
     on the event loop, each kept open and opened again once broken.
@@ -454,12 +464,14 @@ class AsyncPostgresJournal(AsyncJournal):
     ERRORS = (psycopg.OperationalError, psycopg.InterfaceError, OSError)
 
     def __init__(self, url: str, resolve: Resolver, replica: str, lease_seconds: float = 30.0,
-                 on_failure: Callable[[], object] | None = None) -> None:
-        self._url, self._lease_seconds = url, lease_seconds
+                 on_failure: Callable[[], object] | None = None, *, commit_window: float = 0.0) -> None:
+        self._url, self._lease_seconds, self._commit_window = url, lease_seconds, commit_window
         super().__init__(None, resolve, on_failure=on_failure, replica=replica)
-        self._firing: collections.deque[tuple[Notification, dict[tuple[str, str], Decision],
-                                              asyncio.Future[RecordResult]]] = collections.deque()
+        self._firing: collections.deque[_Waiting] = collections.deque()
         self._committer: asyncio.Task[None] | None = None
+        self._sizes: collections.deque[int] = collections.deque(maxlen=16)  # the latest batches' sizes
+        self._full: asyncio.Future[None] | None = None  # resolved once ``_enough`` wait
+        self._enough = math.inf  # the fullest of the latest batches (none yet: no early commit)
         self._loop_connections: dict[str, psycopg.AsyncConnection[Any]] = {}  # "intake", "admission"
         self._admission_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal-admission")
         self._admission_db = self._admission_executor.submit(self._open, False).result()
@@ -489,8 +501,11 @@ class AsyncPostgresJournal(AsyncJournal):
         mid-way is journaled all the same (and deduplicated when Alertmanager retries)."""
         if not all_firing([(notification, decisions)]):
             return await super().record(notification, decisions)
-        done: asyncio.Future[RecordResult] = asyncio.get_running_loop().create_future()
-        self._firing.append((notification, decisions, done))
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[RecordResult] = loop.create_future()
+        self._firing.append(_Waiting(notification, decisions, done, loop.time()))
+        if self._full is not None and not self._full.done() and len(self._firing) >= self._enough:
+            self._full.set_result(None)
         if self._committer is None:
             self._committer = asyncio.create_task(self._commit_firing(), name="journal-intake")
         return await asyncio.shield(done)
@@ -498,32 +513,44 @@ class AsyncPostgresJournal(AsyncJournal):
     async def _commit_firing(self) -> None:
         """Commit what waits, in one statement per batch; what arrives meanwhile is the next batch.
 
-        Before each batch the event loop runs once what is ready: requests already received, whose
-        handlers will journal next, join this batch instead of waiting for the next round trip. Each
-        commit costs PostgreSQL and the replica a fixed share (the statement, the WAL flush) whatever
-        it carries, so on busy CPUs fuller batches are what lets intake keep up."""
-        waiting: list[tuple[Notification, dict[tuple[str, str], Decision], asyncio.Future[RecordResult]]] = []
+        A batch goes once its oldest notification has waited the commit window (counted from its
+        arrival, so one that arrived during the previous commit waits only what is left of it), or
+        sooner, once as many wait as the fullest of the latest batches held (senders that wait for
+        their answers, as Alertmanager's do, send no more until then); and the event loop runs once
+        more what is ready: requests received meanwhile join this batch instead of paying a commit of
+        their own. Each commit costs PostgreSQL and the replica a fixed share (the statement, the WAL
+        flush) whatever it carries, so on busy CPUs fuller batches are what lets intake keep up;
+        every caller is still answered only once its rows are committed."""
+        loop = asyncio.get_running_loop()
+        waiting: list[_Waiting] = []
         try:
             while self._firing:
+                left = self._firing[0].arrived + self._commit_window - loop.time()
+                self._enough = max(self._sizes, default=math.inf)
+                if left > 0 and len(self._firing) < self._enough:
+                    self._full = loop.create_future()
+                    await asyncio.wait([self._full], timeout=left)
+                    self._full = None
                 await asyncio.sleep(0)
                 waiting = [self._firing.popleft() for _ in range(len(self._firing))]
-                batch = [(notification, decisions) for notification, decisions, _ in waiting]
+                self._sizes.append(len(waiting))
+                batch = [(each.notification, each.decisions) for each in waiting]
                 results: list[RecordResult | Exception]
                 try:
                     results = await self._record_firing(batch)
                 except Exception as exc:  # a bug: these requests fail (500), the next batch is tried
                     log.exception("event=intake_failed notifications=%d", len(batch))
                     results = [exc] * len(batch)
-                for (_, _, done), result in zip(waiting, results, strict=True):
+                for each, result in zip(waiting, results, strict=True):
                     if isinstance(result, Exception):
-                        done.set_exception(result)
+                        each.done.set_exception(result)
                     else:
-                        done.set_result(result)
+                        each.done.set_result(result)
         finally:
             self._committer = None
-            for _, _, done in (*waiting, *self._firing):  # cancelled (shut down): nothing was answered
-                if not done.done():
-                    done.set_exception(JournalUnwritable("the webhook is shutting down"))
+            for each in (*waiting, *self._firing):  # cancelled (shut down): nothing was answered
+                if not each.done.done():
+                    each.done.set_exception(JournalUnwritable("the webhook is shutting down"))
 
     async def _record_firing(self, batch: Batch) -> list[RecordResult | Exception]:
         try:

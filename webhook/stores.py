@@ -68,6 +68,7 @@ def open_store(config: Config, on_failure: Callable[[], object]) -> AsyncJournal
     if config.journal.url is None:
         return AsyncJournal(config.journal_path, resolve, config.journal_busy_timeout_seconds, on_failure,
                             config.replica)
-    store: AsyncJournal = _postgres().AsyncPostgresJournal(config.journal.url, resolve, config.replica,
-                                                           config.journal.lease_seconds, on_failure)
+    store: AsyncJournal = _postgres().AsyncPostgresJournal(
+        config.journal.url, resolve, config.replica, config.journal.lease_seconds, on_failure,
+        commit_window=config.journal.commit_window_seconds)
     return store

@@ -268,3 +268,16 @@ def test_a_refused_journal_url_is_not_echoed(url):
     with pytest.raises(ConfigError) as refused:
         parse_config({"backend": {"type": "simulated", "nodes": ["n1"]}, "journal": {"url": url}})
     assert "journal.url" in str(refused.value) and "secret" not in str(refused.value)
+
+
+@pytest.mark.parametrize("window", [-0.001, 1.5, float("nan"), "soon"])
+def test_a_commit_window_out_of_range_is_refused(window):
+    with pytest.raises(ConfigError, match=r"journal\.commit_window_seconds"):
+        parse_config({"backend": {"type": "simulated", "nodes": ["n1"]},
+                      "journal": {"commit_window_seconds": window}})
+
+
+def test_the_commit_window_defaults_to_five_milliseconds_and_zero_turns_it_off():
+    base = {"backend": {"type": "simulated", "nodes": ["n1"]}}
+    assert parse_config(base).journal.commit_window_seconds == 0.005
+    assert parse_config(base | {"journal": {"commit_window_seconds": 0}}).journal.commit_window_seconds == 0

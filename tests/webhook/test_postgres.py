@@ -412,6 +412,61 @@ async def test_a_request_still_on_its_way_to_the_journal_joins_the_group_commit_
         await store.close()
 
 
+@pytest.mark.parametrize(("window", "commits"), [(2.0, 1), (0.0, 2)])
+async def test_notifications_arriving_within_the_commit_window_share_one_commit(database, window, commits):
+    """With a commit window, a notification arriving after the first one, while that one waits, rides in
+    its commit; neither caller is answered before the commit holds its rows. Without a window each
+    goes in a commit of its own."""
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    store = AsyncPostgresJournal(database, resolve, "a", LEASE, commit_window=window)
+    first, second = (parse_notification(notification(alert(node, action="drain"))) for node in NODES[:2])
+
+    def journaled() -> tuple[int, int]:
+        with psycopg.connect(database) as conn:
+            row = conn.execute("SELECT COUNT(DISTINCT received_at), COUNT(*) FROM notifications").fetchone()
+        assert row is not None
+        return row
+
+    try:
+        early = asyncio.create_task(store.record(first, decide(first, config)))
+        if window:
+            await asyncio.sleep(0.05)  # well inside the window
+            assert not early.done() and journaled() == (0, 0)  # held, and so not answered yet
+        else:
+            await eventually(lambda: asyncio.sleep(0, early.done()), bool, timeout=10,
+                             what="the first commit")
+        late = await store.record(second, decide(second, config))
+        assert [len(answer.new_actions) for answer in (await early, late)] == [1, 1]
+        assert journaled() == (commits, 2)  # a group commit's notifications share its time of receipt
+    finally:
+        await store.close()
+
+
+async def test_the_commit_window_ends_once_as_many_wait_as_the_fullest_recent_batch(database):
+    """Senders that wait for their answers send no more meanwhile: once as many notifications wait as
+    the fullest of the latest batches held, the batch goes without waiting out the window, and one
+    arriving later (here well inside the window) goes in the next commit."""
+    config = parse_config({"backend": {"type": "simulated", "nodes": NODES}})
+    store = AsyncPostgresJournal(database, resolve, "a", LEASE, commit_window=2.0)
+    parsed = [parse_notification(notification(alert(node, action="drain"))) for node in NODES[:5]]
+
+    def record(n: Any) -> Any:
+        return store.record(n, decide(n, config))
+
+    try:
+        await asyncio.gather(*map(record, parsed[:2]))  # no batch before: waits the window; then 2 is enough
+        pair = asyncio.gather(*map(record, parsed[2:4]))
+        await asyncio.sleep(0.1)
+        late = await record(parsed[4])
+        assert [len(answer.new_actions) for answer in (*await pair, late)] == [1, 1, 1]
+        with psycopg.connect(database) as conn:
+            commits = [count for (count,) in conn.execute(
+                "SELECT COUNT(*) FROM notifications GROUP BY received_at ORDER BY MIN(id)")]
+        assert commits == [2, 2, 1]  # a group commit's notifications share its time of receipt
+    finally:
+        await store.close()
+
+
 async def test_admission_holds_the_fleet_lock_on_one_session_kept_open_and_opened_again_once_cut(database):
     a, b = (AsyncPostgresJournal(database, resolve, name, LEASE) for name in ("a", "b"))
     watch = await psycopg.AsyncConnection.connect(database, autocommit=True)

@@ -13,7 +13,7 @@ import pytest
 from gpuhealth.webhook.config import parse_config
 from gpuhealth.webhook.intake import resolve
 from gpuhealth.webhook.journal import Journal
-from gpuhealth.webhook.models import PayloadError, parse_notification
+from gpuhealth.webhook.models import PayloadError, may_hold_surrogate, parse_notification
 from gpuhealth.webhook.policy import decide
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -75,6 +75,9 @@ async def test_reads_are_open_and_writes_need_credentials(webhook):
     (json.dumps({**notification(alert()), "alerts": {}}).encode(), "alerts: expected a non-empty list"),
     (json.dumps({**notification(alert()), "alerts": []}).encode(), "alerts: expected a non-empty list"),
     (json.dumps(notification(alert(summary="\ud800"))).encode(), "not valid Unicode"),
+    (json.dumps(notification(alert(summary="\ud83d\ude00\udfff"))).replace("udfff", "uDFFF").encode(),
+     "not valid Unicode"),
+    (json.dumps(notification({**alert(), "labels": {"\udc00": "x"}})).encode(), "not valid Unicode"),
     (json.dumps(notification({**alert(), "startsAt": "yesterday"})).encode(), "alerts[0].startsAt"),
     (json.dumps(notification({**alert(), "labels": {"node": 1}})).encode(), "alerts[0].labels"),
     (json.dumps(notification({**alert(), "fingerprint": ""})).encode(), "alerts[0].fingerprint"),
@@ -140,6 +143,36 @@ async def test_unwritable_journal_answers_503_so_alertmanager_retries(webhook, t
     await hook.post(alert())
     assert len(await hook.settle()) == 1
     assert await hook.metric("gpuhealth_webhook_notifications_total", outcome="journal_error") == 1
+
+
+def test_only_a_body_with_a_surrogate_escape_pays_the_unicode_check():
+    """The byte scan decides whether the parser encodes every string to find a lone surrogate: a body
+    with none of ``\\ud800``-``\\udfff`` skips it; one with such an escape (lone, paired, or text that
+    merely reads like one) pays it, and only a lone one is refused."""
+    plain = json.dumps(notification(alert(summary="caf\u00e9 \u2603 \ud7ff \ue000"))).encode()
+    raw_utf8 = json.dumps(notification(alert(summary="\U0001f600 \u00e9")), ensure_ascii=False).encode()
+    paired = json.dumps(notification(alert(summary="\U0001f600"))).encode()  # \ud83d\ude00
+    look_alike = json.dumps(notification(alert(summary="\\ud800 is text"))).encode()  # "\\ud800"
+    assert not may_hold_surrogate(plain) and not may_hold_surrogate(raw_utf8)
+    assert may_hold_surrogate(paired) and may_hold_surrogate(look_alike)
+    for body in (plain, raw_utf8, paired, look_alike):
+        parse_notification(json.loads(body), surrogates=may_hold_surrogate(body))
+    with pytest.raises(PayloadError, match="not valid Unicode"):
+        parse_notification(json.loads(b'{"summary": "\\uDBFF"}'), surrogates=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(st.characters(min_codepoint=0xd700, max_codepoint=0xe000, exclude_categories=())
+                    | st.characters(max_codepoint=0x1ffff)))
+def test_the_byte_scan_finds_every_lone_surrogate_and_passes_text_without_one(text):
+    body = json.dumps({"summary": text}).encode()
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        assert may_hold_surrogate(body)  # a lone one: never left unchecked
+        return
+    if "\\" not in text and all(ord(c) <= 0xffff for c in text):
+        assert not may_hold_surrogate(body)  # no surrogate escape: the check is skipped
 
 
 def test_parser_accepts_a_generator_url_of_any_scheme_from_tools_other_than_prometheus():
