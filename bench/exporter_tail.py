@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from exporter_profile import simulated_sampler  # beside this script
+from exporter_profile import simulated_sampler, switch_interval  # beside this script
 from gpuhealth.exporter.sim.profiles import PROFILES
 from gpuhealth.exporter.web import make_server
 
@@ -176,7 +176,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> None:
             handled.append([*before, *_thread_usage()])
 
     server._handle = timed_handle  # type: ignore[method-assign]  # the bench's own stopwatch
-    sys.setswitchinterval(0.0002)  # as gpuhealth-exporter runs
+    sys.setswitchinterval(switch_interval())  # as gpuhealth-exporter runs
     sampler.start()
     gc.freeze()
     gc.callbacks.append(on_gc)
