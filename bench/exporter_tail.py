@@ -6,7 +6,8 @@ switch interval and frozen heap of ``gpuhealth-exporter``) and scrapes it from a
 with a raw socket, timing each scrape's phases on the client: connect (the kernel's, no Python),
 first byte (the server took the connection, read the request and wrote the answer's start) and
 last byte (the rest of the body). The server side records each sampling run and each garbage
-collection; a scrape is classed by whether it overlapped one, so the tail's cause is counted, not
+collection (and whether a run read the GPUs' counters, health and links: every 5 s, most of the
+sampling CPU); a scrape is classed by whether it overlapped one, so the tail's cause is counted, not
 guessed. Both processes stamp ``time.monotonic`` (one clock for the machine).
 
     .venv/bin/python bench/exporter_tail.py --sim-profile h100-sxm --duration 60
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from exporter_profile import simulated_sampler  # beside this script
+from exporter_profile import simulated_sampler, switch_interval  # beside this script
 from gpuhealth.exporter.sim.profiles import PROFILES
 from gpuhealth.exporter.web import make_server
 
@@ -85,7 +86,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
 
 
-def report(scrapes: list[list[float]], runs: list[Interval], collections: list[Interval]) -> None:
+def report(scrapes: list[list[float]], runs: list[Interval], collections: list[Interval],
+           full: list[Interval], cpu: dict[Interval, float]) -> None:
     def line(label: str, group: list[list[float]]) -> None:
         if not group:
             print(f"  {label:<34}{0:>6}")
@@ -103,6 +105,8 @@ def report(scrapes: list[list[float]], runs: list[Interval], collections: list[I
           "mean connect / first byte / rest, ms")
     line("all", scrapes)
     line("overlapping a sampling run", during_run)
+    line("  one with full GPU readings", [s for s in during_run if overlaps(s, full)])
+    line("  one with fast readings only", [s for s in during_run if not overlaps(s, full)])
     line("overlapping a garbage collection", during_gc)
     line("overlapping neither", quiet)
     line("slowest 1 %", slowest)
@@ -114,6 +118,12 @@ def report(scrapes: list[list[float]], runs: list[Interval], collections: list[I
     print(f"  sampling runs: {len(runs)}, wall p50 {statistics.median(walls):.1f} ms, max {max(walls):.1f} "
           f"ms ({share:.1f} % of the time); garbage collections: {len(pauses)}, max "
           f"{max(pauses, default=0):.1f} ms; body {scrapes[-1][4] // 1024} KB")
+    for label, kind in (("with full GPU readings", [r for r in runs if r in full]),
+                        ("with fast readings only", [r for r in runs if r not in full])):
+        if kind:
+            wall = statistics.median((end - start) * 1000 for start, end in kind)
+            print(f"  runs {label}: {len(kind)}, wall p50 {wall:.1f} ms, process CPU p50 "
+                  f"{statistics.median(cpu[r] for r in kind) * 1000:.1f} ms")
 
 
 def report_server(scrapes: list[list[float]], handled: list[list[float]], runs: list[Interval]) -> None:
@@ -138,18 +148,26 @@ def report_server(scrapes: list[list[float]], handled: list[list[float]], runs: 
 def measure(args: argparse.Namespace, workdir: Path) -> None:
     sampler = simulated_sampler(args.sim_profile, workdir, [])
     runs: list[Interval] = []
+    full: list[Interval] = []  # the runs that read counters, health and links too (every 5 s)
+    run_cpu: dict[Interval, float] = {}  # the process's CPU seconds during each run, mostly sampling
+    gpu = sampler.collectors.get("gpu")
     sample_once = sampler.sample_once
     runs_read, runs_write = os.pipe()
     os.set_blocking(runs_write, False)
 
     def timed_run() -> bytes:
-        start = time.monotonic()
+        start, run_cpu_start = time.monotonic(), time.process_time()
+        full_due = getattr(gpu, "_full_due", None)
+        full_run = full_due is not None and full_due(0)
         with contextlib.suppress(BlockingIOError):  # a client that is not aiming leaves the pipe full
             os.write(runs_write, b"r")
         try:
             return sample_once()
         finally:
             runs.append((start, time.monotonic()))
+            run_cpu[runs[-1]] = time.process_time() - run_cpu_start
+            if full_run:
+                full.append(runs[-1])
 
     sampler.sample_once = timed_run  # type: ignore[method-assign]  # the bench's own stopwatch
     collections: list[Interval] = []
@@ -176,7 +194,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> None:
             handled.append([*before, *_thread_usage()])
 
     server._handle = timed_handle  # type: ignore[method-assign]  # the bench's own stopwatch
-    sys.setswitchinterval(0.0002)  # as gpuhealth-exporter runs
+    sys.setswitchinterval(switch_interval())  # as gpuhealth-exporter runs
     sampler.start()
     gc.freeze()
     gc.callbacks.append(on_gc)
@@ -205,7 +223,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> None:
           f"{', gzip' if args.gzip else ''}; load average {load_start:.1f} at the start, "
           f"{os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} CPUs); the exporter's CPU "
           f"{cpu * 100:.2f} % of one core, scrapes included")
-    report(scrapes, runs, collections)
+    report(scrapes, runs, collections, full, run_cpu)
     report_server(scrapes, handled, runs)
     print("  garbage collections by generation: " + ", ".join(
         f"{g}: {len(ms)}, max {max(ms):.2f} ms" for g, ms in sorted(generations.items())))

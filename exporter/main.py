@@ -24,7 +24,7 @@ from gpuhealth.exporter.config import DEFAULT_PORT, ConfigError, Settings, build
 from gpuhealth.exporter.fabric_settings import FabricSettings
 from gpuhealth.exporter.metrics import SPECS
 from gpuhealth.exporter.nvml_backend import load_nvml
-from gpuhealth.exporter.sampler import Sampler
+from gpuhealth.exporter.sampler import SWITCH_INTERVAL_SECONDS, Sampler
 from gpuhealth.exporter.sim.control import ControlServer
 from gpuhealth.exporter.sim.fabric import NIC_RATE_GBPS
 from gpuhealth.exporter.sim.profiles import PROFILES
@@ -205,10 +205,7 @@ def _serve(settings: Settings, tmpdir: Path | None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, reload)
     _raise_file_limit()
-    # A scrape arriving mid-sample waits for the GIL at each of its socket calls; a 0.2 ms switch
-    # interval (default 5 ms) bounds each wait. Threads only switch while another one waits, so the
-    # cost stays small (exporter README, benchmark).
-    sys.setswitchinterval(0.0002)
+    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)  # each GIL wait of a scrape that meets a run
     sampler.start()
     # What start-up and the first run built (modules, caches, identities) lives as long as the process;
     # frozen, a full collection no longer walks it while holding the GIL (35 ms of CPU on an 8-GPU B200
