@@ -27,13 +27,15 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.slow
 def test_cpu_is_measured_for_the_groups_asked_for():
     pattern = "temperature-drift|evidence-temperature-baseline"
-    run = _bench("--minutes", "0.2", "--repeats", "1", "--groups", pattern)
+    run = _bench("--minutes", "0.2", "--repeats", "2", "--idle-seconds", "1", "--groups", pattern)
     assert run.returncode == 0, run.stdout + run.stderr
     evidence = yaml.safe_load((GENERATED / "gpuhealth" / "evidence.yml").read_text())
     wanted = [g["name"] for g in evidence["groups"] if re.search(pattern, g["name"])]
     cpu = run.stdout.split("CPU s per evaluation of", 1)[1]
     measured = re.findall(r"^(gpuhealth-\S+)\s+\d+\.\d{3}\s", cpu, re.MULTILINE)
     assert measured == wanted and len(wanted) > 1
+    assert re.search(r"background CPU with nothing asked \(1 s\): \d+\.\d{3} CPU s per s", run.stdout)
+    assert "median, min and max of 2, interleaved" in run.stdout
     assert "all 2 targets up" in run.stdout
     assert re.search(r"recorded series: \d+ = [\d.]+ per GPU", run.stdout)
     assert re.search(r"groups at 1 s or more \(target < 1 s each\): ", run.stdout)

@@ -199,6 +199,11 @@ def test_hca_shards_cover_every_port_once(shards):
 @pytest.mark.parametrize(("file", "name"), [
     ("evidence.yml", "gpuhealth:gpu_temperature_celsius:peer_deviation_drift"),
     ("evidence.yml", "gpuhealth:gpu_evidence:thermal_slowdown"),
+    ("evidence.yml", "gpuhealth:gpu_evidence:remapped_rows_growth"),
+    ("evidence.yml", "gpuhealth:gpu_evidence:pcie_replay"),
+    ("evidence.yml", "gpuhealth:gpu_evidence:pcie_link_downgrade"),
+    ("evidence.yml", "gpuhealth:gpu_evidence:pcie_aer_errors"),
+    ("evidence.yml", "gpuhealth:gpu_set_node_evidence:zero"),
     ("definitive.yml", "GPUHealthPcieReplayRate"),
 ])
 def test_rules_split_by_gpu_index_cover_every_gpu_once(shards, file, name):
