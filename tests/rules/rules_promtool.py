@@ -274,9 +274,12 @@ def needed_groups(files: list[Path], tests: list[dict[str, Any]], out: Path) -> 
 
 
 def run_promtool(tmp_path: Path, source: str, groups: list[str], tests: list[dict[str, Any]],
-                 evaluation_interval: str = "1m", rules_dir: Path = GENERATED) -> None:
+                 evaluation_interval: str = "1m", rules_dir: Path = GENERATED,
+                 group_eval_order: list[str] | None = None) -> None:
     """Write a promtool unit-test file for ``groups`` of ``source`` (only their groups the tests can
-    observe, see ``needed_groups``) and run it; fail with its output."""
+    observe, see ``needed_groups``) and run it; fail with its output. ``group_eval_order``: the rule
+    groups promtool evaluates first at each step, in that order (Prometheus runs each group at an offset
+    of its own within the interval, promtool all at the same instant)."""
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.fail("promtool not found: install the Debian package 'prometheus' (scripts/bootstrap.sh)")
@@ -284,6 +287,7 @@ def run_promtool(tmp_path: Path, source: str, groups: list[str], tests: list[dic
     spec = {
         "rule_files": [str(f) for f in needed_groups(files, tests, tmp_path / f"{source}-rules")],
         "evaluation_interval": evaluation_interval,
+        **({"group_eval_order": group_eval_order} if group_eval_order else {}),
         "tests": tests,
     }
     path = tmp_path / f"{source}-{'-'.join(groups)}.test.yml"

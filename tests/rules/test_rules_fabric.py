@@ -4,10 +4,24 @@ whether the inventory names the switch or not; symbol errors are network evidenc
 
 from __future__ import annotations
 
-from rules_promtool import Fleet, alert, run_promtool
+import pytest
+import yaml
+from rules_promtool import GENERATED, Fleet, alert, run_promtool
 
 GROUPS = ["fabric", "evidence", "fusion"]
 MINUTES = 100
+FABRIC = yaml.safe_load((GENERATED / "gpuhealth" / "fabric.yml").read_text())
+LOSS_GROUPS = [group["name"] for group in FABRIC["groups"]
+               if group["name"].startswith("gpuhealth-fabric-losses")]
+# Where the groups recording the ports' link losses run within an evaluation interval, relative to the
+# group that reads them: Prometheus starts each group at a fixed offset of its own, so either can happen.
+PHASES = {"losses-before": [*LOSS_GROUPS, "gpuhealth-fabric"],
+          "losses-after": ["gpuhealth-fabric", *LOSS_GROUPS]}
+
+
+@pytest.fixture(params=sorted(PHASES))
+def phase(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 def _port(fleet: Fleet, node: str, device: str, *, up: str | None = None, downed: str | None = None,
@@ -45,11 +59,18 @@ def _flapping(node: str, device: str, losses: int) -> dict:
         "Drain the node and have the cable or transceiver replaced.")
 
 
-def _run(tmp_path, fleet: Fleet, alert_checks: list[dict], expr_checks: list[dict] | None = None) -> None:
+def _run(tmp_path, fleet: Fleet, alert_checks: list[dict], expr_checks: list[dict] | None = None,
+         phase: str | None = None) -> None:
     test = {"interval": "1m", "input_series": fleet.input_series(), "alert_rule_test": alert_checks}
     if expr_checks:
         test["promql_expr_test"] = expr_checks
-    run_promtool(tmp_path, "gpuhealth", GROUPS, [test])
+    run_promtool(tmp_path, "gpuhealth", GROUPS, [test], group_eval_order=PHASES[phase] if phase else None)
+
+
+def _late(phase: str) -> int:
+    """Evaluations after its scrape at which a loss is read: one more when its group runs after the
+    reading one."""
+    return 1 if phase == "losses-after" else 0
 
 
 def _quiet(minute: int, *names: str) -> list[dict]:
@@ -59,7 +80,7 @@ def _quiet(minute: int, *names: str) -> list[dict]:
 NODE_ALERTS = ("GPUHealthNicPortDown", "GPUHealthNicPortFlapping", "GPUHealthNicRateDegraded")
 
 
-def test_port_lost_in_service_drains_within_a_minute_boot_and_retrain_do_not(tmp_path):
+def test_port_lost_in_service_drains_within_a_minute_boot_and_retrain_do_not(tmp_path, phase):
     """A port that lost its link on a node in service drains once it stays down past the one-minute
     debounce; one that retrains within it, or comes up a few minutes after boot, drains nothing; one that
     never comes up after boot drains once the exporter has published it down for the boot grace (5 min),
@@ -94,10 +115,13 @@ def test_port_lost_in_service_drains_within_a_minute_boot_and_retrain_do_not(tmp
                "exp_alerts": [_down(node, device, near.get(node, ())) for node, device in ports]}
               for minute, ports in firing.items()]
     checks += _quiet(30, "GPUHealthNicPortFlapping")          # one loss each: no flapping
-    _run(tmp_path, fleet, checks)
+    _run(tmp_path, fleet, checks, phase=phase)
 
 
-def test_flapping_ib_link_downed_and_roce_carrier_changes(tmp_path):
+def test_flapping_ib_link_downed_and_roce_carrier_changes(tmp_path, phase):
+    """Two losses within the hour flap a port, counted once each in either phase of the loss groups: a
+    loss recorded just after the reading group ran is counted at its next evaluation."""
+    late = _late(phase)
     fleet = Fleet("gpuhealth")
     # Down for one sample at minutes 10, 20 and 30: link_downed counts each loss.
     up = " ".join("0" if minute in (10, 20, 30) else "1" for minute in range(MINUTES + 1))
@@ -108,19 +132,19 @@ def test_flapping_ib_link_downed_and_roce_carrier_changes(tmp_path):
     _port(fleet, "n3", "mlx5_2", netdev="eth2")
     fleet.add("carrier_changes", "n3", None, f"0x9 2x9 4x{MINUTES - 20}", netdev="eth2")
     checks = [
-        *_quiet(19, "GPUHealthNicPortFlapping"),               # one loss each so far
-        {"eval_time": "20m", "alertname": "GPUHealthNicPortFlapping",
+        *_quiet(19 + late, "GPUHealthNicPortFlapping"),        # one loss each so far
+        {"eval_time": f"{20 + late}m", "alertname": "GPUHealthNicPortFlapping",
          "exp_alerts": [_flapping("n1", "mlx5_0", 2), _flapping("n3", "mlx5_2", 2)]},
-        {"eval_time": "30m", "alertname": "GPUHealthNicPortFlapping",
+        {"eval_time": f"{30 + late}m", "alertname": "GPUHealthNicPortFlapping",
          "exp_alerts": [_flapping("n1", "mlx5_0", 3), _flapping("n3", "mlx5_2", 2)]},
         *_quiet(30, "GPUHealthNicPortDown"),                   # each loss lasted a minute
         # An hour after the second loss the window holds one: n3 quiet again, n1 (losses at 20, 30) too.
         *_quiet(MINUTES, "GPUHealthNicPortFlapping"),
     ]
-    _run(tmp_path, fleet, checks)
+    _run(tmp_path, fleet, checks, phase=phase)
 
 
-def test_exporter_start_counts_losses_from_its_second_scrape(tmp_path):
+def test_exporter_start_counts_losses_from_its_second_scrape(tmp_path, phase):
     """Where the exporters start (first deployed, or back after an outage), a counter's first value counts
     the losses since the HCA's driver loaded, at times nothing tells: three nodes whose ports lost their
     links before raise no flap and no switch event. A loss after the start is seen from the next
@@ -141,10 +165,10 @@ def test_exporter_start_counts_losses_from_its_second_scrape(tmp_path):
     checks += _quiet(12, "GPUHealthNicPortDown")        # n4 lost its port at 12: within the debounce
     checks += [{"eval_time": f"{minute}m", "alertname": "GPUHealthNicPortDown",
                 "exp_alerts": [_down("n4", "mlx5_0")]} for minute in (13, 30)]
-    _run(tmp_path, fleet, checks)
+    _run(tmp_path, fleet, checks, phase=phase)
 
 
-def test_port_retrained_below_expected_rate_drains_at_once(tmp_path):
+def test_port_retrained_below_expected_rate_drains_at_once(tmp_path, phase):
     """Width and speed are fixed when a link trains: an ACTIVE port below its expected rate drains at the
     first evaluation that sees it; a port that is down reports no trained rate and raises nothing here."""
     fleet = Fleet("gpuhealth")
@@ -179,7 +203,7 @@ def test_port_retrained_below_expected_rate_drains_at_once(tmp_path):
         {"eval_time": "41m", "alertname": "GPUHealthNicRateDegraded", "exp_alerts": degraded},
         {"eval_time": "11m", "alertname": "GPUHealthNicPortDown", "exp_alerts": [_down("n4", "mlx5_0")]},
     ]
-    _run(tmp_path, fleet, checks)
+    _run(tmp_path, fleet, checks, phase=phase)
 
 
 # A leaf switch rebooting: its ports go down at minute 10, return at 16 while it boots (more than the
@@ -201,7 +225,7 @@ def _switch_event(value: int, switch: str = "") -> dict:
                  "reboot ends by itself) and its uplinks.", "warning", "none")
 
 
-def test_named_switch_reboot_is_one_event_and_drains_no_node(tmp_path):
+def test_named_switch_reboot_is_one_event_and_drains_no_node(tmp_path, phase):
     fleet = Fleet("gpuhealth")
     for node in ("n1", "n2", "n3", "n4", "n5"):
         rebooting = node != "n5"
@@ -224,13 +248,15 @@ def test_named_switch_reboot_is_one_event_and_drains_no_node(tmp_path):
     checks += [check for minute in (12, 16, 21, 30, 60) for check in _quiet(minute, *NODE_ALERTS[1:])]
     checks += [{"eval_time": f"{minute}m", "alertname": "GPUHealthNicPortDown",
                 "exp_alerts": [_down("n5", "mlx5_1")]} for minute in (21, 30)]
-    _run(tmp_path, fleet, checks)
+    _run(tmp_path, fleet, checks, phase=phase)
 
 
-def test_unnamed_switch_reboot_by_simultaneity(tmp_path):
+def test_unnamed_switch_reboot_by_simultaneity(tmp_path, phase):
     """No switch in the inventory: ports of three nodes going down within two minutes are one event,
     held while they stay down (up to 30 minutes); a port that failed before it or goes down after it is
-    the node's fault."""
+    the node's fault. Where the loss groups run after the reading group the event forms one evaluation
+    later, still before the rebooted ports' one-minute debounce ends."""
+    late = _late(phase)
     fleet = Fleet("gpuhealth")
     # The reboot 30 minutes later than the named one: the hold reads 30 minutes of each port's counter.
     for node in ("n1", "n2", "n3"):
@@ -240,10 +266,11 @@ def test_unnamed_switch_reboot_by_simultaneity(tmp_path):
     # Failed on its own five minutes before the reboot: not part of it, it keeps alerting.
     _port(fleet, "n5", "mlx5_0", up=f"1x34 0x{MINUTES - 35}", downed=f"0x34 1x{MINUTES - 35}")
     checks = [
-        *_quiet(39, "GPUHealthFabricSwitchEvent"),
+        *_quiet(39 + late, "GPUHealthFabricSwitchEvent"),
         *[{"eval_time": f"{minute}m", "alertname": "GPUHealthNicPortDown",
-           "exp_alerts": [_down("n5", "mlx5_0")]} for minute in (36, 40, 42, 46, 51, 55)],
-        {"eval_time": "40m", "alertname": "GPUHealthFabricSwitchEvent", "exp_alerts": [_switch_event(3)]},
+           "exp_alerts": [_down("n5", "mlx5_0")]} for minute in (36, 40, 41, 42, 46, 51, 55)],
+        {"eval_time": f"{40 + late}m", "alertname": "GPUHealthFabricSwitchEvent",
+         "exp_alerts": [_switch_event(3)]},
         {"eval_time": "50m", "alertname": "GPUHealthFabricSwitchEvent", "exp_alerts": [_switch_event(3)]},
         *_quiet(80, "GPUHealthFabricSwitchEvent"),
         {"eval_time": "80m", "alertname": "GPUHealthNicPortDown", "exp_alerts": [_down("n5", "mlx5_0")]},
@@ -251,8 +278,8 @@ def test_unnamed_switch_reboot_by_simultaneity(tmp_path):
          "exp_alerts": [_down("n4", "mlx5_0"), _down("n5", "mlx5_0")]},
         *_quiet(85, "GPUHealthFabricSwitchEvent", "GPUHealthNicPortFlapping"),
     ]
-    checks += [check for minute in (42, 46, 51, 55) for check in _quiet(minute, *NODE_ALERTS[1:])]
-    _run(tmp_path, fleet, checks)
+    checks += [check for minute in (41, 42, 46, 51, 55) for check in _quiet(minute, *NODE_ALERTS[1:])]
+    _run(tmp_path, fleet, checks, phase=phase)
 
 
 def test_symbol_errors_are_network_evidence_one_cause(tmp_path):
