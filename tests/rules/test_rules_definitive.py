@@ -216,8 +216,9 @@ def _nvlink_alert(gpu: int, per_minute: str) -> dict:
         f"NVLink of n1 GPU {gpu} errs without pause ({per_minute}/min)",
         f"The NVLink error counters of GPU {gpu} on n1 grew between nearly every two scrapes of the last "
         f"window ({per_minute} errors a minute), at least twice the GPU's own average rate in the week "
-        "before the last day: a link whose bit error rate rose, not a flap that healed nor a link that has "
-        "always erred a little. Let the jobs checkpoint, drain the node, reset the GPU and check the link "
+        "before the last day (its quietest hour, for a GPU seen less than a day) and twice the fleet's "
+        "typical GPU: a link whose bit error rate rose, not a flap that healed nor a link that has always "
+        "erred a little. Let the jobs checkpoint, drain the node, reset the GPU and check the link "
         "(nvidia-smi nvlink -e, the NVLink cable or tray) before it fails with XID 74.")
 
 
