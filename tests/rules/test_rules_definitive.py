@@ -216,8 +216,9 @@ def _nvlink_alert(gpu: int, per_minute: str) -> dict:
         f"NVLink of n1 GPU {gpu} errs without pause ({per_minute}/min)",
         f"The NVLink error counters of GPU {gpu} on n1 grew between nearly every two scrapes of the last "
         f"window ({per_minute} errors a minute), at least twice the GPU's own average rate in the week "
-        "before the last day: a link whose bit error rate rose, not a flap that healed nor a link that has "
-        "always erred a little. Let the jobs checkpoint, drain the node, reset the GPU and check the link "
+        "before the last day (its quietest hour, for a GPU seen less than a day) and twice the fleet's "
+        "typical GPU: a link whose bit error rate rose, not a flap that healed nor a link that has always "
+        "erred a little. Let the jobs checkpoint, drain the node, reset the GPU and check the link "
         "(nvidia-smi nvlink -e, the NVLink cable or tray) before it fails with XID 74.")
 
 
@@ -239,9 +240,10 @@ def test_nvlink_error_rate_needs_errors_between_most_scrapes(tmp_path, source):
     is reset at minute 100 while it degrades (the counter starts again from 0 and keeps growing). Both
     stop once the baseline holds half their rate. A flap erring heavily in one minute of three, a job's
     burst at start (four minutes of thousands) and a link erring at the same rate since minute 0 (chronic:
-    its normal) stay quiet; the chronic one is quiet too before it has any history, which is no baseline,
-    not a baseline of 0. The fused NVLink evidence is the same share of scrapes, so a flap's bursts add
-    nothing to the risk score."""
+    its normal) stay quiet; the chronic one is quiet too before it has three slices of history, which is
+    no baseline, not a baseline of 0. The node's other three links and node n2's eight are clean, so the
+    fleet's typical link is (the median of sixteen): no floor from the fleet. The fused NVLink evidence
+    is the same share of scrapes, so a flap's bursts add nothing to the risk score."""
     scaled = {"baseline_step": "5m", "baseline_age": "30m", "baseline_window": "1h"}
     rules_dir = _render(tmp_path, source, scaled)
     minutes = 160
@@ -252,6 +254,8 @@ def test_nvlink_error_rate_needs_errors_between_most_scrapes(tmp_path, source):
     fleet.add("nvlink_crc", "n1", 2, (0, 0, 70), (2000, 2000, 3), (8000, 0, minutes - 74))   # burst
     fleet.add("nvlink_crc", "n1", 3, (0, 3, minutes))                               # chronic
     fleet.add("nvlink_crc", "n1", 4, (0, 0, 70), (3, 3, 29), (0, 3, minutes - 100))  # reset at 100
+    for node, gpu in [("n1", 5), ("n1", 6), ("n1", 7), *(("n2", gpu) for gpu in range(8))]:
+        fleet.add("nvlink_crc", node, gpu, (0, 0, minutes))                              # clean links
     both = [_nvlink_alert(0, "3.0"), _nvlink_alert(4, "3.0")]
     # GPU 0's counter grew between 15 of the 20 scrape intervals at minute 85, then 5 minutes of `for`.
     expected = {"20m": [], "40m": [], "89m": [], "90m": both, "99m": both, "125m": both, "150m": []}
@@ -266,15 +270,49 @@ def test_nvlink_error_rate_needs_errors_between_most_scrapes(tmp_path, source):
                    "promql_expr_test": exprs}], rules_dir=rules_dir)
 
 
-def _slow_ramp(steps: int, step_minutes: int, ramp_steps: int, top_per_minute: float) -> str:
-    """A counter idle, then erring at a rate that rises linearly to ``top_per_minute`` over the last
-    ``ramp_steps`` samples (promtool values, one sample per step)."""
+def _counter(rates: list[float | None], step_minutes: int) -> str:
+    """A counter erring at ``rates[i]`` a minute up to sample ``i`` (promtool values, one sample per step;
+    None: not scraped yet, as for a node that has not joined)."""
     count, points = 0.0, []
-    for i in range(steps + 1):
-        ramp = i - (steps - ramp_steps)
-        count += max(ramp, 0) / ramp_steps * top_per_minute * step_minutes
+    for rate in rates:
+        if rate is None:
+            points.append("_")
+            continue
+        count += rate * step_minutes
         points.append(f"{count:.1f}")
     return " ".join(points)
+
+
+def _slow_ramp(steps: int, step_minutes: int, ramp_steps: int, top_per_minute: float) -> str:
+    """A counter idle, then erring at a rate that rises linearly to ``top_per_minute`` over the last
+    ``ramp_steps`` samples."""
+    start = steps - ramp_steps
+    return _counter([max(i - start, 0) / ramp_steps * top_per_minute for i in range(steps + 1)], step_minutes)
+
+
+NVLINK_ALERT = "GPUHealthNvlinkErrorRate"
+
+
+def _nvlink_rules(tmp_path, source: str) -> Path:
+    """The default NVLink groups alone, in one shard (the history and the alert over days of samples)."""
+    rules_dir = _render(tmp_path, source, {}, gpu_shards=1)
+    groups = yaml.safe_load((rules_dir / source / "definitive.yml").read_text())["groups"]
+    nvlink = [g for g in groups if "-nvlink-" in g["name"]]
+    (rules_dir / source / "nvlink.yml").write_text(yaml.safe_dump({"groups": nvlink}, sort_keys=False))
+    return rules_dir
+
+
+def _nvlink_firing(gpu: int, at: str, node: str = "n1") -> dict:
+    labels = (f'ALERTS{{action="checkpoint_drain_reset_gpu", alertname="{NVLINK_ALERT}", '
+              f'alertstate="firing", gpu="{gpu}", node="{node}", severity="warning"}}')
+    return {"expr": f'ALERTS{{alertname="{NVLINK_ALERT}", gpu="{gpu}", node="{node}"}}', "eval_time": at,
+            "exp_samples": [{"labels": labels, "value": 1}]}
+
+
+def _nvlink_never(gpu: int, until: str, node: str = "n1") -> dict:
+    """No alert, not even pending, from the start until ``until``."""
+    selector = f'ALERTS{{alertname="{NVLINK_ALERT}", gpu="{gpu}", node="{node}"}}'
+    return {"expr": f"count_over_time({selector}[{until}])", "eval_time": until, "exp_samples": []}
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -285,13 +323,12 @@ def test_nvlink_error_rate_over_days(tmp_path, source):
     minute all along is chronic: quiet for the nine days, also after its GPU is reset on day 5 (the
     counter starts again from 0; a growth from two lookups would have been negative). A link that errs
     heavily on day 8 fires and, healed by a GPU reset two hours later, stays quiet after. A node that
-    appears on day 8 with a link erring from its first scrape has no history: quiet. A link that starts
+    appears on day 8 with a link erring from its first scrape at the chronic link's rate stays quiet: it
+    has no history of its own for three hours, then its own slices hold the rate. A link that starts
     erring 6 times a minute on day 8 after a week without errors fills the window's scrapes 10 minutes
-    later and fires 5 minutes after that."""
-    rules_dir = _render(tmp_path, source, {}, gpu_shards=1)
-    groups = yaml.safe_load((rules_dir / source / "definitive.yml").read_text())["groups"]
-    nvlink = [g for g in groups if "-nvlink-" in g["name"]]
-    (rules_dir / source / "nvlink.yml").write_text(yaml.safe_dump({"groups": nvlink}, sort_keys=False))
+    later and fires 5 minutes after that. Node n2's eight clean links make the fleet's typical link
+    clean, as most fleets' are: no floor from the fleet."""
+    rules_dir = _nvlink_rules(tmp_path, source)
     step, days = 5, 9
     steps, day = days * 24 * 60 // step, 24 * 60 // step
     fleet = Fleet(source)
@@ -300,25 +337,55 @@ def test_nvlink_error_rate_over_days(tmp_path, source):
     fleet.add("nvlink_crc", "n1", 2, (0, 0, 8 * day), (150, 150, 23), (0, 0, steps - 8 * day - 24))
     fleet.add("nvlink_crc", "n1", 3, f"_x{8 * day}", (0, 15, steps - 8 * day - 1))      # a new node
     fleet.add("nvlink_crc", "n1", 4, (0, 0, 8 * day - 1), (30, 30, steps - 8 * day))    # from day 8
-    name = "GPUHealthNvlinkErrorRate"
-
-    def firing(gpu: int, at: str) -> dict:
-        labels = (f'ALERTS{{action="checkpoint_drain_reset_gpu", alertname="{name}", alertstate="firing", '
-                  f'gpu="{gpu}", node="n1", severity="warning"}}')
-        return {"expr": f'ALERTS{{alertname="{name}", gpu="{gpu}"}}', "eval_time": at,
-                "exp_samples": [{"labels": labels, "value": 1}]}
-
-    def never(gpu: int, within: str) -> dict:
-        return {"expr": f'count_over_time(ALERTS{{alertname="{name}", gpu="{gpu}"}}[{within}])',
-                "eval_time": f"{days}d", "exp_samples": []}
-
+    for gpu in range(8):
+        fleet.add("nvlink_crc", "n2", gpu, (0, 0, steps))                                 # clean links
     ramp_start = days * 24 - 52
-    exprs = [firing(1, f"{ramp_start + 28}h"), firing(1, f"{ramp_start + 50}h"), never(0, f"{days}d"),
-             firing(2, f"{8 * 24 + 1}h"), never(2, "21h"), never(3, f"{days}d"),
-             {"expr": f'ALERTS{{alertname="{name}", gpu="4"}}', "eval_time": "8d10m", "exp_samples": [
-                 {"labels": f'ALERTS{{action="checkpoint_drain_reset_gpu", alertname="{name}", '
+    exprs = [_nvlink_firing(1, f"{ramp_start + 28}h"), _nvlink_firing(1, f"{ramp_start + 50}h"),
+             _nvlink_never(0, f"{days}d"), _nvlink_firing(2, f"{8 * 24 + 1}h"), _nvlink_never(2, "21h"),
+             _nvlink_never(3, f"{days}d"),
+             {"expr": f'ALERTS{{alertname="{NVLINK_ALERT}", gpu="4"}}', "eval_time": "8d10m", "exp_samples": [
+                 {"labels": f'ALERTS{{action="checkpoint_drain_reset_gpu", alertname="{NVLINK_ALERT}", '
                             f'alertstate="pending", gpu="4", node="n1", severity="warning"}}', "value": 1}]},
-             firing(4, "8d15m")]
+             _nvlink_firing(4, "8d15m")]
+    run_promtool(tmp_path, source, ["nvlink"],
+                 [{"interval": f"{step}m", "input_series": fleet.input_series(), "promql_expr_test": exprs}],
+                 evaluation_interval=f"{step}m", rules_dir=rules_dir)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_nvlink_error_rate_without_history(tmp_path, source):
+    """Two days from the first scrape: every GPU is young (no slice older than a day) on the first, as on
+    the day gpuhealth is installed. Node n0's seven links err 3 times a minute all along (a fleet whose
+    links err a little): the fleet's typical rate, and quiet. On n1: a link whose rate rises from the
+    first hour (one error a minute more each hour) fires once it is twice the fleet's typical rate, at
+    its sixth hour, and keeps firing on day 2 against its own first hours. A node that joins at hour 6
+    with a chronic link at the fleet's rate, one whose link is clean (idle) for its first 4 hours and then
+    errs at the fleet's rate, and a link erring 10 times a minute from the first scrape (more than the
+    fleet, but steady: no own slices to judge it by for 3 hours, then its own) stay quiet for the two
+    days. A node that joins at hour 6 with a link already degrading (4 a minute, half a minute more each
+    hour) fires once its rate doubled its first hour's, at its ninth hour, and on day 2 against its mean.
+    A GPU whose counter is reset at hour 8 as its link starts erring 9 a minute (the old errors gone)
+    fires within half an hour, and on day 2. A flap erring in one scrape in three stays quiet."""
+    rules_dir = _nvlink_rules(tmp_path, source)
+    step, hours = 5, 48
+    steps, hour = hours * 60 // step, 60 // step
+    fleet = Fleet(source)
+    for gpu in range(7):
+        fleet.add("nvlink_crc", "n0", gpu, (0, 15, steps))                                 # the fleet
+    fleet.add("nvlink_crc", "n1", 0, _slow_ramp(steps, step, steps, hours))               # from the start
+    fleet.add("nvlink_crc", "n1", 1, f"_x{6 * hour}", (0, 15, steps - 6 * hour))          # joins, chronic
+    fleet.add("nvlink_crc", "n1", 2, f"_x{6 * hour}", (0, 0, 4 * hour), (15, 15, steps - 10 * hour - 1))
+    joining = [None] * (6 * hour) + [4 + 0.5 * (i - 6 * hour) / hour for i in range(6 * hour, steps + 1)]
+    fleet.add("nvlink_crc", "n1", 3, _counter(joining, step))                             # joins degrading
+    fleet.add("nvlink_crc", "n1", 4, (100_000, 0, 8 * hour - 1), (0, 45, steps - 8 * hour))  # reset at 8 h
+    flap = " ".join(str(300 * ((i - 22) // 3)) if i >= 24 else "0" for i in range(steps + 1))
+    fleet.add("nvlink_crc", "n1", 5, flap)
+    fleet.add("nvlink_crc", "n1", 6, (0, 50, steps))                                      # steady, high
+    exprs = [*(_nvlink_never(gpu, f"{hours}h", "n0") for gpu in range(7)),
+             _nvlink_never(0, "5h30m"), _nvlink_firing(0, "7h"), _nvlink_firing(0, "47h"),
+             *(_nvlink_never(gpu, f"{hours}h") for gpu in (1, 2, 5, 6)),
+             _nvlink_never(3, "14h30m"), _nvlink_firing(3, "16h"), _nvlink_firing(3, "40h"),
+             _nvlink_never(4, "8h"), _nvlink_firing(4, "8h30m"), _nvlink_firing(4, "30h")]
     run_promtool(tmp_path, source, ["nvlink"],
                  [{"interval": f"{step}m", "input_series": fleet.input_series(), "promql_expr_test": exprs}],
                  evaluation_interval=f"{step}m", rules_dir=rules_dir)
