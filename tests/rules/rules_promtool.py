@@ -274,20 +274,28 @@ def needed_groups(files: list[Path], tests: list[dict[str, Any]], out: Path) -> 
 
 
 def run_promtool(tmp_path: Path, source: str, groups: list[str], tests: list[dict[str, Any]],
-                 evaluation_interval: str = "1m", rules_dir: Path = GENERATED) -> None:
+                 evaluation_interval: str = "1m", rules_dir: Path = GENERATED, timeout: int = 240,
+                 in_file_order: bool = False) -> None:
     """Write a promtool unit-test file for ``groups`` of ``source`` (only their groups the tests can
-    observe, see ``needed_groups``) and run it; fail with its output."""
+    observe, see ``needed_groups``) and run it, for at most ``timeout`` seconds; fail with its output.
+    promtool evaluates groups in no fixed order within a step unless told; ``in_file_order`` tells it
+    the files' order (producers first), which a test needs when a step is longer than the 5-minute
+    lookback: a record read from a group evaluated later in the step would be the last step's, gone."""
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.fail("promtool not found: install the Debian package 'prometheus' (scripts/bootstrap.sh)")
     files = [rules_dir / source / f"{group}.yml" for group in groups]
-    spec = {
-        "rule_files": [str(f) for f in needed_groups(files, tests, tmp_path / f"{source}-rules")],
+    kept = needed_groups(files, tests, tmp_path / f"{source}-rules")
+    spec: dict[str, Any] = {
+        "rule_files": [str(f) for f in kept],
         "evaluation_interval": evaluation_interval,
         "tests": tests,
     }
+    if in_file_order:
+        spec["group_eval_order"] = [group["name"] for path in kept
+                                    for group in yaml.safe_load(path.read_text())["groups"]]
     path = tmp_path / f"{source}-{'-'.join(groups)}.test.yml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False, width=1000))
     result = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True,
-                            timeout=240)
+                            timeout=timeout)
     assert result.returncode == 0, f"promtool test rules {path}:\n{result.stdout}\n{result.stderr}"
