@@ -47,8 +47,8 @@ def test_ranged_records_lists_only_records_read_under_a_range() -> None:
     expanded = expander.expand(BASELINE)
     read = [s for s in selectors(expanded) if s.name == SAMPLED]
     # Every read is the stored series under its range (the baseline reads it twice: its own GPU's drift
-    # and the node-wide drift that marks a rack's cooling).
-    assert read and {s.range_seconds for s in read} == {86400.0}
+    # and the node-wide drift that marks a rack's cooling; each drift over the day and its last hours).
+    assert read and {s.range_seconds for s in read} == {86400.0, 21600.0}
     assert f"{DEVIATION})" not in expanded  # instant reads expanded
     assert f"{SAMPLED}[" not in expander.expand(f"{SAMPLED} > 0")
 

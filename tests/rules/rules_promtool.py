@@ -274,24 +274,31 @@ def needed_groups(files: list[Path], tests: list[dict[str, Any]], out: Path) -> 
 
 
 def run_promtool(tmp_path: Path, source: str, groups: list[str], tests: list[dict[str, Any]],
-                 evaluation_interval: str = "1m", rules_dir: Path = GENERATED,
-                 group_eval_order: list[str] | None = None) -> None:
+                 evaluation_interval: str = "1m", rules_dir: Path = GENERATED, timeout: int = 240,
+                 group_eval_order: list[str] | None = None, in_file_order: bool = False) -> None:
     """Write a promtool unit-test file for ``groups`` of ``source`` (only their groups the tests can
-    observe, see ``needed_groups``) and run it; fail with its output. ``group_eval_order``: the rule
-    groups promtool evaluates first at each step, in that order (Prometheus runs each group at an offset
-    of its own within the interval, promtool all at the same instant)."""
+    observe, see ``needed_groups``) and run it, for at most ``timeout`` seconds; fail with its output.
+    promtool evaluates groups in no fixed order within a step unless told, and all at the same instant
+    (Prometheus runs each group at an offset of its own within the interval): ``group_eval_order`` names
+    the groups it evaluates first, in that order; ``in_file_order`` gives it the files' order (producers
+    first), which a test needs when a step is longer than the 5-minute lookback: a record read from a
+    group evaluated later in the step would be the last step's, gone."""
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.fail("promtool not found: install the Debian package 'prometheus' (scripts/bootstrap.sh)")
     files = [rules_dir / source / f"{group}.yml" for group in groups]
-    spec = {
-        "rule_files": [str(f) for f in needed_groups(files, tests, tmp_path / f"{source}-rules")],
+    kept = needed_groups(files, tests, tmp_path / f"{source}-rules")
+    spec: dict[str, Any] = {
+        "rule_files": [str(f) for f in kept],
         "evaluation_interval": evaluation_interval,
         **({"group_eval_order": group_eval_order} if group_eval_order else {}),
         "tests": tests,
     }
+    if in_file_order and not group_eval_order:
+        spec["group_eval_order"] = [group["name"] for path in kept
+                                    for group in yaml.safe_load(path.read_text())["groups"]]
     path = tmp_path / f"{source}-{'-'.join(groups)}.test.yml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False, width=1000))
     result = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True,
-                            timeout=240)
+                            timeout=timeout)
     assert result.returncode == 0, f"promtool test rules {path}:\n{result.stdout}\n{result.stderr}"

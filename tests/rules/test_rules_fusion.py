@@ -231,7 +231,10 @@ def test_each_signal_and_benign_noise(tmp_path, source):
         exprs.append(_evidence(signal, "n3", None, at))                     # idle, not collapsed
     for signal in ("temperature_peer", "temperature_baseline"):
         exprs.append(_evidence(signal, "n10", 0, at))           # warmer only by what its power explains
-        exprs.append(_evidence(signal, "n10", 3, at, 0.5))      # warmer at the same power: its cooling
+        exprs.append(_evidence(signal, "n10", 3, "90m", 0.5))   # warmer at the same power: its cooling
+        # ...until it has held that offset for most of its samples of `rise_window` (90 of 140 minutes):
+        # a cooling that fails keeps warming, a GPU that settled warm is at its steady offset.
+        exprs.append(_evidence(signal, "n10", 3, at))
     for gpu in range(8):     # most GPUs of the node drifted, either way: the rack's air, no GPU's
         for signal in ("temperature_peer", "temperature_baseline"):
             exprs.append(_evidence(signal, "n8", gpu, at))

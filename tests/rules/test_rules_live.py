@@ -33,6 +33,8 @@ def _prometheus(tmp_path: Path, fleets: list[SyntheticFleet],
     # median sees only some of its GPUs and the deviations it records are off; a short baseline lets
     # those samples age out within seconds instead of the demo's minutes.
     overlay["defaults"]["evidence"]["temperature_baseline"].update(baseline_window="32s", step="8s")
+    # The daily means of the slow thermal trend, like the NVLink slices below, are hourly.
+    overlay["defaults"]["evidence"].setdefault("temperature_trend", {})["step"] = "8s"
     # The NVLink baseline's hourly slices would first be evaluated up to an hour after start-up.
     overlay["defaults"]["definitive"]["nvlink_error_rate"].update(
         baseline_step="8s", baseline_age="16s", baseline_window="32s")

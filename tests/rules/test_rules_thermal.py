@@ -1,0 +1,102 @@
+"""Thermal evidence over days, on both input sources: a cooling that degrades a degree a day is seen
+against the GPU's own past days; a GPU that always ran warm, a rack whose cooling falters and a new node
+with no history are not. Sampled every 10 minutes for a week and a day (one GPU shard), the thermal
+evidence only: how each signal weighs in the risk score is `test_rules_fusion.py`'s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gpuhealth.rules import catalogue
+from gpuhealth.rules.render import render_all
+from rules_promtool import SOURCES, Fleet, run_promtool
+
+STEP = 10                     # minutes between samples and evaluations
+DAY = 24 * 60 // STEP         # samples in a day
+DAYS = 8
+STEPS = DAYS * DAY
+
+
+def _render(tmp_path: Path, source: str) -> Path:
+    """The default rules in one GPU shard: the same expressions, a tenth of the groups to evaluate."""
+    rules_dir = tmp_path / "rules"
+    for path, text in render_all(catalogue.resolve({"defaults": {"gpu_shards": 1}}), (source,)).items():
+        (rules_dir / path).parent.mkdir(parents=True, exist_ok=True)
+        (rules_dir / path).write_text(text)
+    return rules_dir
+
+
+def _busy_node(fleet: Fleet, node: str, temperatures: dict[int, str], first: int = 0) -> None:
+    """A busy node at 60 C but for the GPUs in ``temperatures`` (promtool values), scraped from sample
+    ``first`` on (absent before: a node that joins the fleet then)."""
+    absent = (f"_x{first}",) if first else ()
+    for gpu in range(8):
+        fleet.add("info", node, gpu, *absent, (1, 0, STEPS - first), uuid=f"GPU-{node}-{gpu}")
+        fleet.add("utilization", node, gpu, *absent, (0.9, 0, STEPS - first))
+        flat = " ".join([*absent, f"60+0x{STEPS - first}"])
+        fleet.add("temperature", node, gpu, temperatures.get(gpu, flat))
+
+
+def _evidence(signal: str, node: str, gpu: int, at: str, above: float | None = None) -> dict:
+    expr = f'gpuhealth:gpu_evidence:{signal}{{node="{node}", gpu="{gpu}"}}'
+    if above is None:
+        return {"expr": expr, "eval_time": at, "exp_samples": []}
+    return {"expr": f"{expr} > bool {above}", "eval_time": at,
+            "exp_samples": [{"labels": f'{{gpu="{gpu}", node="{node}"}}', "value": 1}]}
+
+
+def _never(signal: str, node: str, gpus: range | list[int], within: str, at: str) -> dict:
+    """No evidence of ``signal`` on any of ``gpus`` over the ``within`` before ``at``."""
+    selector = f'node="{node}", gpu=~"{"|".join(str(g) for g in gpus)}"'
+    return {"expr": f"count_over_time(gpuhealth:gpu_evidence:{signal}{{{selector}}}[{within}])",
+            "eval_time": at, "exp_samples": []}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("source", SOURCES)
+def test_thermal_drift_over_a_week(tmp_path, source):
+    """n1 GPU 0's cooling degrades: its temperature rises 1 C a day, at the same load, all week. n1 GPU 1
+    ran 5 C warmer than its node mates all week (its place in the airflow) and corrects a few SBEs all
+    along (chatter). n2 and n3 are one rack whose
+    cooling falters for three hours on day 7: every GPU warms by its place in the airflow. n4 joins the
+    fleet on day 7 with a GPU 5 C warmer than its mates and SBE chatter."""
+    fleet = Fleet(source)
+    ramp = " ".join(f"{60 + i / DAY:.3f}" for i in range(STEPS + 1))
+    _busy_node(fleet, "n1", {0: ramp, 1: f"65+0x{STEPS}"})
+    fleet.add("ecc_corrected", "n1", 1, (0, 1, STEPS))
+    incident, hours = 7 * DAY, 3 * 60 // STEP
+    after = STEPS - incident - hours - 1
+    for node, heat in (("n2", (3, 4, 5, 6, 7, 8, 9, 10)), ("n3", (4, 4, 6, 6, 8, 8, 10, 11))):
+        _busy_node(fleet, node, {gpu: f"60+0x{incident} {60 + h}+0x{hours} 60+0x{after}"
+                                 for gpu, h in enumerate(heat)})
+    joins = 7 * DAY
+    _busy_node(fleet, "n4", {0: f"_x{joins} 65+0x{STEPS - joins}"}, first=joins)
+    fleet.add("ecc_corrected", "n4", 0, f"_x{joins} 0+1x{STEPS - joins}")
+
+    end = f"{DAYS}d"
+    exprs = [
+        # A degree a day never stands `low` (2 C) above its own last day or its last hours...
+        _never("temperature_baseline", "n1", [0], "8d", end),
+        # ...but it rose on each of the last three days, 3 C in all: the trend, once three past days
+        # exist (not on day 2), and with it the peer comparison (7 C above its node mates).
+        _never("temperature_trend", "n1", [0], "2d", "2d"),
+        _evidence("temperature_trend", "n1", 0, "5d", 0.99),
+        _evidence("temperature_trend", "n1", 0, "7d", 0.99),
+        _evidence("temperature_peer", "n1", 0, "6d", 0.99),
+        # Always 5 C warm: its own normal, all week, beside its SBE chatter (memory evidence only).
+        *(_never(s, "n1", [1], "8d", end) for s in ("temperature_peer", "temperature_baseline",
+                                                     "temperature_trend")),
+        _evidence("ecc_corrected_growth", "n1", 1, end, 0.99),
+        # The rack's air: every GPU of both nodes warms, none is a GPU's own drift.
+        *(_never(s, n, range(8), "1d", end) for n in ("n2", "n3")
+          for s in ("temperature_peer", "temperature_baseline", "temperature_trend")),
+        # A new node: its warm GPU's only history is warm, no normal to depart from.
+        *(_never(s, "n4", range(8), "1d", end) for s in ("temperature_peer", "temperature_baseline",
+                                                          "temperature_trend")),
+    ]
+    run_promtool(tmp_path, source, ["evidence"],
+                 [{"interval": f"{STEP}m", "input_series": fleet.input_series(), "promql_expr_test": exprs}],
+                 evaluation_interval=f"{STEP}m", rules_dir=_render(tmp_path, source), timeout=600,
+                 in_file_order=True)
+
