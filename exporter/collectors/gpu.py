@@ -33,11 +33,6 @@ PREINITIALISED_ERRORS = ("gpu_is_lost", "timeout", "unknown")
 # Counters, health fields and link state move slowly and cost most of a sample: read them every few
 # seconds (still several times per 15 s scrape), the temperatures, clocks and load every second.
 FULL_EVERY_SECONDS = 5.0
-# A GPU's full readings keep the phase its index gives it within FULL_EVERY_SECONDS, so a run reads
-# one or two GPUs in full rather than all of them together every few seconds (such a run held the GIL
-# for tens of milliseconds on a Blackwell node's hundreds of NVLink fields, and the scrapes that met
-# it were the slowest).
-FULL_PHASES = 5
 SAMPLE = "sample"  # the query label of errors that marked the GPU down
 Outcome = tuple[GpuIdentity | None, GpuReading, float] | BaseException  # one GPU's sample, or why none
 
@@ -183,10 +178,7 @@ class GpuCollector:
         if not track.up and track.last_sample is not None:
             log.info("gpu up gpu=%d", index)
         if reading.full:
-            # the first full reading sets the GPU's phase: the next one comes a fraction sooner
-            phase = 0.0 if track.last_full is not None else \
-                FULL_EVERY_SECONDS * (index % FULL_PHASES) / FULL_PHASES
-            track.slow, track.last_full = _by_family(str(index), reading.slow), now - phase
+            track.slow, track.last_full = _by_family(str(index), reading.slow), now
             track.slowdown_threshold = reading.slowdown_threshold
             track.driver_clock_event_reasons = reading.driver_clock_event_reasons
         for reason, active in reading.clock_events.items():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import threading
 
 import pytest
@@ -268,33 +267,3 @@ def test_counters_are_read_every_few_seconds_and_load_every_second(clock: FakeCl
     power = [value(t, "gpuhealth_gpu_power_watts", gpu="0") for t in (first, second)]
     assert ecc[0] == ecc[1] < ecc[2]  # counters: the last full read until the next one
     assert power[0] != power[1]       # load: every second
-
-
-def test_full_readings_are_spread_over_runs_and_each_gpu_keeps_its_period(clock: FakeClock) -> None:
-    """Eight GPUs read in full together every few seconds made one run long enough to hold up the
-    scrapes that met it: after the first run, a run reads at most two GPUs in full, and every GPU is
-    still read in full once every FULL_EVERY_SECONDS."""
-    from gpuhealth.exporter.collectors.gpu import FULL_EVERY_SECONDS
-
-    ctx = sim_context({"gpus": 8, "nvlinks": 0}, clock)
-    collector = make_collector("gpu", ctx)
-    full_runs: dict[int, list[int]] = {}
-    read, run = ctx.reader.read, [0]
-
-    def spy(index: int, full: bool):
-        if full:
-            full_runs.setdefault(index, []).append(run[0])
-        return read(index, full)
-
-    ctx.reader.read = spy
-    runs = 4 * int(FULL_EVERY_SECONDS)
-    for run[0] in range(runs):
-        scrape(collector)
-        clock.advance(1)
-    per_run = [sum(run in r for r in full_runs.values()) for run in range(runs)]
-    assert per_run[0] == 8                 # the first run reads every GPU in full
-    assert max(per_run[1:]) <= 2, per_run  # then one or two a run, not all eight every few runs
-    for index, at in full_runs.items():
-        gaps = {b - a for a, b in itertools.pairwise(at[1:])}
-        assert gaps == {int(FULL_EVERY_SECONDS)}, (index, at)  # each GPU's period unchanged
-        assert at[1] <= int(FULL_EVERY_SECONDS), (index, at)   # the first never later than a period
