@@ -112,6 +112,9 @@ class ClosedLoopStack:
         self.options = options or StackOptions()
         self._own_workdir = workdir is None
         self.root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="gpuhealth-demo-"))
+        # the exporters' control sockets in a short /tmp folder, whatever the length of ``workdir``
+        # (a Unix socket path holds at most 107 bytes)
+        self._sockets = Path(tempfile.mkdtemp(prefix="gpuhealth-sim-"))
         self.token = secrets.token_hex(16)
         self.slurm = SlurmCluster(self.root / "slurm", nodes=self.options.nodes, prefix="node")
         self.nodes = self.slurm.node_names
@@ -163,6 +166,7 @@ class ClosedLoopStack:
             if proc is not None:
                 proc.stop()
         self.slurm.stop()
+        shutil.rmtree(self._sockets, ignore_errors=True)
         if self._own_workdir:
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -179,7 +183,7 @@ class ClosedLoopStack:
 
     def _control_path(self, node: str) -> Path:
         """The socket through which ``gpuhealth-sim-reset`` resets the node's simulated GPUs."""
-        return self.root / "nodes" / node / "sim-control.sock"
+        return self._sockets / f"{node}.sock"
 
     def _write_scenario(self, node: str) -> None:
         """The exporter's scenario (each fault from its precursor's onset), and the node's hardware as
