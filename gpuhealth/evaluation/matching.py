@@ -4,12 +4,16 @@ The failure instant is the first XID the fault logs (``Failure.instant``); nothi
 after it predicts. Per failure, over the alerts about its GPU or its node (an alert without a ``gpu``
 label) that make the webhook act (``action`` other than ``none``):
 
-- *predicted*: one started between precursor onset and ``min_lead`` before the instant, time enough
-  to checkpoint the job and drain the node;
+- *predicted*: one that suspects the hardware started between precursor onset and ``min_lead``
+  before the instant, time enough to checkpoint the job and drain the node;
 - *late warning*: the first one started later than that (or, for a fault without precursor or with
   a short one, within ``min_lead`` before the instant), but before the instant;
 - *detected*: one started within ``detect_window`` (1 minute) after the instant;
 - *missed*: none of these.
+
+An alert that blames the job (``restart_job``: a buggy job's application XIDs) warns of nothing on
+the hardware: one that happens to fire on the node before the failure neither predicts it nor is
+excused as a warning (it stays a false alarm); after the instant it detects like any other.
 
 A failure can be warned of and detected both; ``status`` keeps the best. Episodes on a node while it
 is out of service (from the failure instant until it is repaired) are counted apart
@@ -43,6 +47,8 @@ REFERENCE_NODES = 64  # false alarms are quoted per day per 64 nodes, like the 5
 # Webhook actions that take a node out of service (docs/contract.md: action label).
 DRAINING_ACTIONS = ("checkpoint_drain", "checkpoint_drain_reset_gpu", "drain", "drain_reset_gpu",
                     "drain_reboot", "replace")
+# Actions that blame the job, not the hardware (docs/contract.md): they warn of no hardware failure.
+JOB_ACTIONS = ("restart_job",)
 DRAIN_MERGE = 300.0  # a drain alert off for one (fused) evaluation and back is still the same drain
 LEMON_ALERTS = "Lemon"  # alert names matching this (a regular expression) are lemon alerts
 
@@ -179,7 +185,7 @@ def warning_window(failure: Failure, start: float, min_lead: float) -> tuple[flo
 def _outcome(failure: Failure, mine: list[Episode], start: float, min_lead: float) -> Outcome:
     onset, instant = start + failure.onset, start + failure.instant
     first, _ = warning_window(failure, start, min_lead)
-    before = [e for e in mine if first <= e.start < instant]
+    before = [e for e in mine if first <= e.start < instant and e.action not in JOB_ACTIONS]
     early = [e for e in before if onset <= e.start <= instant - min_lead]
     after = [e for e in mine if instant <= e.start <= instant + AFTER_HORIZON]
     latency = min(e.start for e in after) - instant if after else None
@@ -225,7 +231,12 @@ def score(
         outcomes.append(outcome)
         instant = start + failure.instant
         first, _ = warning_window(failure, start, min_lead)
-        matched.update(id(e) for e in mine if first <= e.start <= instant + AFTER_HORIZON)
+        matched.update(
+            id(e)
+            for e in mine
+            if first <= e.start <= instant + AFTER_HORIZON
+            and (e.start >= instant or e.action not in JOB_ACTIONS)
+        )
     out_spans = [
         (f.node, start + f.instant, math.inf if f.repaired is None else start + f.repaired) for f in failures
     ]

@@ -234,10 +234,25 @@ def test_precision_at_the_field_rate(field_rate: float, false_drains: int, expec
     assert result.precision_at_field_rate == pytest.approx(expected)
 
 
-def test_a_prediction_by_an_alert_that_does_not_drain_buys_no_precision() -> None:
+def test_precision_needs_a_prediction_by_a_drain() -> None:
+    result = score([failure()], [episode(10.5 * HOUR, action="checkpoint_drain")], START, 86400, 64)
+    assert result.outcomes[0].drain_predicted and result.precision_at_field_rate == 1.0
     result = score([failure()], [episode(10.5 * HOUR, action="restart_job")], START, 86400, 64)
-    assert result.outcomes[0].status == "predicted"
     assert result.precision_at_field_rate is None
+
+
+def test_a_job_restart_before_the_failure_is_no_warning_but_detects_after_it() -> None:
+    """A buggy job's application XIDs on the node during a precursor blame the job: crediting them
+    would score a coincidence as a prediction."""
+    before = episode(10.5 * HOUR, alert="XidRestartJob", action="restart_job")
+    late = episode(12 * HOUR - 60, alert="XidRestartJob", action="restart_job")
+    result = run([failure()], [before, late])
+    assert result.outcomes[0].status == "missed"
+    assert len(result.false_alarms) == 2
+    after = episode(12 * HOUR + 30, alert="XidNvlinkError", action="restart_job")
+    result = run([failure()], [before, after])
+    assert result.outcomes[0].status == "detected" and result.outcomes[0].alerts == ["XidNvlinkError"]
+    assert [e.alert for e in result.false_alarms] == ["XidRestartJob"]
 
 
 @pytest.mark.parametrize(
