@@ -27,6 +27,17 @@ The sender stands in for Alertmanager and is measured with the rest: one notific
 the same bodies, each sender waiting for its answer before it sends again, as Alertmanager's
 per-receiver delivery does; it was not made cheaper for the commit window.
 
+What ``--concurrency`` stands for: Alertmanager's dispatcher runs one goroutine per aggregation
+group (``go group.run(...)`` in ``dispatch/dispatch.go``); each flush sends that group's one
+notification and waits for it, retried with exponential backoff until the flush's timeout
+(``notify.RetryStage``), before the group can flush again. Towards one receiver there is no other
+cap: as many notifications are in flight as groups flush at the same moment. gpuhealth's routes
+group by ``cluster, node`` (``rules/alertmanager.yml``), so a sender here is one node's group with a
+notification in flight; 8 is a steady trickle of nodes, a storm across hundreds of nodes (their
+``group_wait`` ending together) briefly many more, each waiting longer. Throughput at a fixed
+concurrency is bounded by latency (about senders / p50), so the default measures whether intake is
+fast enough per notification, not how much queueing a burst adds (``--concurrency 32`` shows that).
+
 SIGINT (Ctrl-C) and SIGTERM stop every PostgreSQL and webhook the benchmark started, and remove its
 files.
 

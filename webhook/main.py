@@ -92,12 +92,7 @@ def load(args: argparse.Namespace) -> tuple[Config, Backend]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prometheus_client.disable_created_metrics()  # *_created series only double the exposition
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(OneLineFormatter(LOG_FORMAT))
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
-    # The format names no thread or process: not gathering them makes every line (one per
-    # notification) cheaper, as the logging HOWTO's "Optimization" advises.
-    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
+    configure_logging(args.verbose)
     try:
         config, backend = load(args)
         context = _ssl_context(config.tls) if config.tls else None
@@ -128,6 +123,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 LOG_FORMAT = "ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
+
+
+def configure_logging(verbose: bool) -> None:
+    """One-line records on stderr. ``LOG_FORMAT`` names no thread, process or source line: not
+    gathering them (the caller lookup walks the stack on every record) makes every line, one per
+    notification, cheaper, as the logging HOWTO's "Optimization" section advises."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(OneLineFormatter(LOG_FORMAT))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
+    logging._srcfile = None  # the HOWTO's documented switch for the caller lookup
 
 
 def _escaped(text: str) -> str:
