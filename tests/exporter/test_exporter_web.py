@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import gzip
 import ipaddress
@@ -433,3 +434,29 @@ def test_a_slowloris_head_is_cut_at_the_head_deadline_not_per_byte(sampler: Samp
                 time.sleep(0.1)  # the client's pace, one byte per tenth of a second
             assert closed and time.monotonic() - start < 5  # a byte now and then does not renew the deadline
         assert get(f"http://{address}/healthz")[0] == 200
+
+
+def test_half_open_tls_handshakes_neither_block_scrapes_nor_outlive_the_handshake_deadline(
+        tmp_path: Path, sampler: Sampler) -> None:
+    cert, key = self_signed_certificate(tmp_path)
+    server = make_server("127.0.0.1", free_port(), sampler, cert, key, limits=Limits(handshake_timeout=1.0))
+    context = ssl.create_default_context(cafile=str(cert))
+    for address in serve(server):
+        host, port = address.rsplit(":", 1)
+        half_open = [socket.create_connection((host, int(port)), timeout=10) for _ in range(200)]
+        try:
+            for index, sock in enumerate(half_open):  # nothing, or the first bytes of a ClientHello
+                if index % 2:
+                    sock.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")
+            assert get(f"https://{address}/healthz", context=context)[0] == 200
+            assert get(f"https://{address}/metrics", context=context)[0] == 200
+            deadline = time.monotonic() + 10
+            for sock in half_open:  # each is closed by the server once its handshake deadline passes
+                sock.settimeout(max(0.1, deadline - time.monotonic()))
+                with contextlib.suppress(ConnectionResetError):  # a TLS alert, then EOF, or a reset
+                    while sock.recv(65536):
+                        pass
+        finally:
+            for sock in half_open:
+                sock.close()
+        assert get(f"https://{address}/metrics", context=context)[0] == 200
