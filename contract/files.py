@@ -4,7 +4,9 @@ A path is typed by hand: ``--config /dev/zero``, a directory or a log file by mi
 error, not fill memory or hang. Only regular files and pipes (``<(...)``, a FIFO) are read, at most
 ``limit`` bytes of UTF-8; anything else is an ``OSError`` whose ``strerror`` says why, as ``open``
 failures do. A configuration's YAML is parsed refusing a key given twice: YAML keeps the last one
-silently, so a careless second ``token_file:`` or ``gpus_expected:`` would quietly win.
+silently, so a careless second ``token_file:`` or ``gpus_expected:`` would quietly win. Aliases are
+bounded too: nine levels of nine aliases each (a "billion laughs" in 300 bytes) would have
+validation walk 387 million nodes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import yaml
 
 MAX_FILE_BYTES = 1 << 20  # far above any configuration, scenario or secret gpuhealth reads
+MAX_YAML_NODES = 1_000_000  # nodes once aliases are expanded; a 1 MiB file without aliases has fewer
 
 
 def read_text(path: str | os.PathLike[str], limit: int = MAX_FILE_BYTES) -> str:
@@ -39,8 +42,40 @@ def read_text(path: str | os.PathLike[str], limit: int = MAX_FILE_BYTES) -> str:
         raise OSError(errno.EILSEQ, f"not UTF-8 text (byte {exc.start})") from None
 
 
+def _expanded_nodes(root: yaml.Node) -> int:
+    """How many nodes the document holds with every alias expanded, each shared node counted once
+    per use but visited once (no recursion: a deeply nested document must not overflow the stack)."""
+    sizes: dict[int, int] = {}
+    entered: set[int] = set()  # a recursive alias (a node holding itself) is counted once, not walked
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in sizes or (not children_done and id(node) in entered):
+            continue
+        entered.add(id(node))
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        if children_done or not children:
+            sizes[id(node)] = min(1 + sum(sizes.get(id(child), 0) for child in children), MAX_YAML_NODES + 1)
+            continue
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if id(child) not in entered)
+    return sizes[id(root)]
+
+
 class _UniqueKeys(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a mapping that names one key twice."""
+    """PyYAML's safe loader, refusing a mapping that names one key twice and a document whose aliases
+    expand past ``MAX_YAML_NODES``."""
+
+    def compose_document(self) -> yaml.Node | None:
+        node = super().compose_document()
+        if node is not None and _expanded_nodes(node) > MAX_YAML_NODES:
+            raise yaml.composer.ComposerError(
+                None, None, f"aliases expand past {MAX_YAML_NODES} nodes (an alias bomb?)", node.start_mark)
+        return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -57,5 +92,9 @@ class _UniqueKeys(yaml.SafeLoader):
 
 
 def parse_yaml(text: str) -> Any:
-    """``yaml.safe_load``, with a key given twice in one mapping a ``yaml.YAMLError``."""
-    return yaml.load(text, Loader=_UniqueKeys)  # a SafeLoader subclass: no arbitrary objects
+    """``yaml.safe_load``, with a key given twice in one mapping, an alias bomb or nesting too deep
+    for PyYAML's recursive composer a ``yaml.YAMLError``."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeys)  # a SafeLoader subclass: no arbitrary objects
+    except RecursionError:  # PyYAML composes recursively: ~1,000 levels of nesting exhaust the stack
+        raise yaml.YAMLError("nested too deeply") from None

@@ -31,6 +31,7 @@ from http import HTTPStatus
 from os import PathLike
 
 import bcrypt
+from gpuhealth.exporter.request_head import MAX_HEAD_BYTES, Refusal, Request, parse_head, read_head
 from gpuhealth.exporter.sampler import Sampler
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -40,7 +41,6 @@ HASH_SCHEME = "pbkdf2_sha256"
 HASH_ITERATIONS = 200_000
 MIN_ITERATIONS = 1000
 _BCRYPT = re.compile(r"^\$2[aby]\$(0[4-9]|[12]\d|3[01])\$[./A-Za-z0-9]{53}$")
-MAX_HEAD_BYTES = 8192
 LINGER_SECONDS = 1.0  # reading and dropping what a refused client still sends
 MAX_VERIFIED = 64
 BCRYPT_MAX_BYTES = 72
@@ -225,15 +225,15 @@ class ExporterServer:
             while True:
                 try:
                     async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
-                        head = await reader.readuntil(b"\r\n\r\n")
-                except asyncio.LimitOverrunError:
-                    await self._refuse_oversized(reader, writer)
+                        request = parse_head(await read_head(reader))
+                except Refusal as refusal:
+                    await self._refuse(reader, writer, refusal)
                     break
                 connection = self._connections.get(key)
                 if connection is None:
                     break
                 connection.waiting = False
-                keep_alive = await self._respond(head, writer)
+                keep_alive = await self._respond(request, writer)
                 async with asyncio.timeout(self.limits.write_timeout):
                     await writer.drain()
                 if not keep_alive:
@@ -246,16 +246,13 @@ class ExporterServer:
             self._connections.pop(key, None)
             writer.close()
 
-    async def _refuse_oversized(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """A head over ``MAX_HEAD_BYTES``: 414 when its request line alone is that long, else 431. The
-        rest of what the client sends is read and dropped for a moment, so that closing with unread
-        input (a TCP reset) does not destroy the answer before the client reads it."""
-        start = await reader.read(MAX_HEAD_BYTES)  # buffered already: the overrun left it there
-        if b"\r\n" in start:
-            status, body = HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, b"request headers too large\n"
-        else:
-            status, body = HTTPStatus.REQUEST_URI_TOO_LONG, b"request line too long\n"
-        self._write(writer, status, body, "text/plain", {}, False)
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      refusal: Refusal) -> None:
+        """Answers a head that is not served and closes. What the client still sends is read and
+        dropped for a moment, so that closing with unread input (a TCP reset) does not destroy the
+        answer before the client reads it."""
+        log.debug("http request refused status=%d reason=%r", refusal.status.value, refusal.reason)
+        self._write(writer, refusal.status, f"{refusal.reason}\n".encode(), "text/plain", {}, False)
         async with asyncio.timeout(self.limits.write_timeout):
             await writer.drain()
         if writer.can_write_eof():
@@ -265,34 +262,12 @@ class ExporterServer:
                 while await reader.read(65536):
                     pass
 
-    async def _respond(self, head: bytes, writer: asyncio.StreamWriter) -> bool:
-        try:
-            request_line, *header_lines = head.decode("latin-1").split("\r\n")
-            method, target, version = request_line.split(" ")
-        except ValueError:
-            self._write(writer, HTTPStatus.BAD_REQUEST, b"bad request\n", "text/plain", {}, False)
-            return False
-        headers = {}
-        has_body = False  # any framing header, repeated ones included, that announces a body
-        for line in header_lines:
-            name, sep, value = line.partition(":")
-            if sep:
-                name, value = name.strip().lower(), value.strip()
-                if name == "authorization" and name in headers:
-                    value = ""  # two credentials: a proxy may have checked the other one, so neither counts
-                headers[name] = value
-                has_body |= name == "transfer-encoding" or (name == "content-length" and value != "0")
-        keep_alive = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
-        if has_body:
-            # no endpoint takes a body, and one left unread would be parsed as the next request
-            self._write(writer, HTTPStatus.BAD_REQUEST, b"a request body is not accepted\n", "text/plain", {},
-                        False)
-            return False
+    async def _respond(self, request: Request, writer: asyncio.StreamWriter) -> bool:
+        method, path, headers, keep_alive = request.method, request.path, request.headers, request.keep_alive
         if method not in ("GET", "HEAD"):
             self._write(writer, HTTPStatus.METHOD_NOT_ALLOWED, b"method not allowed\n", "text/plain",
                         {"Allow": "GET, HEAD"}, keep_alive)
             return keep_alive
-        path = target.split("?", 1)[0]
         head_only = method == "HEAD"  # no body then, or a kept-alive client reads it as the next answer
         if path == "/healthz":  # for the process supervisor: no credentials, no metrics in it
             ok = self.sampler.healthy()

@@ -21,7 +21,7 @@ from gpuhealth.contract.faults import (
     RESET_REPAIRS_KINDS,
 )
 from gpuhealth.contract.faults import SIMULATED_NODE_NOISE_KINDS as NOISE_KINDS
-from gpuhealth.contract.files import read_text
+from gpuhealth.contract.files import parse_yaml, read_text
 from gpuhealth.contract.validation import Location, Model, OneOf, problems
 from pydantic import Field, ValidationError
 
@@ -255,7 +255,7 @@ def load_scenario(path: Path | None) -> Scenario:
     if path is None:
         return Scenario()
     try:
-        data = yaml.safe_load(read_text(path))
+        data = parse_yaml(read_text(path))
     except OSError as exc:
         raise ScenarioError(str(path), [f"cannot read: {exc.strerror}"]) from None
     except yaml.YAMLError as exc:

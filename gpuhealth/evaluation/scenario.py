@@ -39,7 +39,7 @@ from gpuhealth.contract.faults import (
     PORT_KINDS,
     SUDDEN_KINDS,
 )
-from gpuhealth.contract.files import read_text
+from gpuhealth.contract.files import parse_yaml, read_text
 from gpuhealth.contract.validation import Location, Model, OneOf, problems
 
 # How a precursor evolves between onset and the first XID (``none``: no precursor at all).
@@ -399,7 +399,7 @@ def load_scenario(path: Path, seed: int | None = None) -> Scenario:
     """Read, validate and expand a scenario file; ``seed`` overrides the file's seed."""
     path = Path(path)
     try:
-        data = yaml.safe_load(read_text(path))
+        data = parse_yaml(read_text(path))
     except OSError as exc:
         raise ScenarioError(str(path), [f"cannot read: {exc.strerror}"]) from None
     except yaml.YAMLError as exc:

@@ -54,3 +54,34 @@ def test_the_webhook_and_exporter_configurations_refuse_a_key_given_twice(tmp_pa
     path.write_text("gpus_expected: 8\ngpus_expected: 4\n")
     problems: list[str] = []
     assert read_yaml(path, problems) == {} and "'gpus_expected' is given twice" in problems[0]
+
+
+BOMB = "".join(f"{level}: &{level} [{', '.join([f'*{prev}'] * 9)}]\n"
+               for prev, level in zip("abcdefgh", "bcdefghi", strict=True))
+
+
+@pytest.mark.parametrize("document", [
+    'a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]\n' + BOMB,  # 387 million nodes in 400 bytes
+    "a: &a [x]\n" + BOMB + "j: &j [*i, *i, *i, *i, *i, *i, *i, *i, *i]\n",
+])
+def test_an_alias_bomb_is_refused_before_it_is_walked(document: str) -> None:
+    with pytest.raises(yaml.YAMLError, match="aliases expand past"):
+        parse_yaml(document)
+
+
+def test_aliases_within_the_bound_nesting_and_recursive_aliases_still_load() -> None:
+    assert parse_yaml("base: &b {x: 1}\nuse: *b\nmerged:\n  <<: *b\n  y: 2\n") == {
+        "base": {"x": 1}, "use": {"x": 1}, "merged": {"x": 1, "y": 2}}
+    assert parse_yaml('a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]\n' + BOMB[:BOMB.index("f:")])["e"]
+    recursive = parse_yaml("&r [1, *r]\n")
+    assert recursive[0] == 1 and recursive[1] is recursive
+    depth = 200
+    nested = parse_yaml("[" * depth + "]" * depth)
+    for _ in range(depth - 1):
+        nested = nested[0]
+    assert nested == []
+
+
+def test_nesting_too_deep_for_pyyaml_is_a_yaml_error_not_a_recursion_traceback() -> None:
+    with pytest.raises(yaml.YAMLError, match="nested too deeply"):
+        parse_yaml("[" * 10_000 + "]" * 10_000)

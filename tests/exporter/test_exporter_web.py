@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import gzip
 import ipaddress
@@ -166,18 +167,20 @@ def test_a_silent_connection_is_closed_after_the_head_deadline(sampler: Sampler)
     for address in serve(server):
         host, port = address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(b"GET /metrics HTTP/1.1\r\n")
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
             assert sock.recv(100) == b""  # closed by the server, long before the 10 s client timeout
 
 
 def test_oversized_or_garbled_requests_are_refused_and_serving_goes_on(sampler: Sampler) -> None:
     for address in serve(make_server("127.0.0.1", free_port(), sampler)):
-        assert _raw(address, b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n").startswith(
+        assert _raw(address, b"GET /metrics HTTP/1.1\r\n"
+                             b"Host: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n").startswith(
             b"HTTP/1.1 431 ")
-        long_line = b"GET /metrics?" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n"
+        long_line = b"GET /metrics?" + b"a" * 20000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
         assert _raw(address, long_line).startswith(b"HTTP/1.1 414 ")
         many = b"".join(b"X-%d: 1\r\n" % i for i in range(2000))
-        assert _raw(address, b"GET /metrics HTTP/1.1\r\n" + many + b"\r\n").startswith(b"HTTP/1.1 431 ")
+        assert _raw(address, b"GET /metrics HTTP/1.1\r\n"
+                             b"Host: x\r\n" + many + b"\r\n").startswith(b"HTTP/1.1 431 ")
         assert _raw(address, b"\x16\x03\x01garbage\r\n\r\n").startswith(b"HTTP/1.1 400")
         assert _raw(address, b"POST /metrics HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.1 405")
         assert get(f"http://{address}/metrics")[0] == 200
@@ -185,14 +188,15 @@ def test_oversized_or_garbled_requests_are_refused_and_serving_goes_on(sampler: 
 
 def test_gzip_when_the_scraper_accepts_it_and_keep_alive(sampler: Sampler) -> None:
     for address in serve(make_server("127.0.0.1", free_port(), sampler)):
-        plain = _raw(address, b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n")
-        zipped = _raw(address, b"GET /metrics HTTP/1.1\r\nAccept-Encoding: gzip\r\nConnection: close\r\n\r\n")
+        plain = _raw(address, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        zipped = _raw(address, b"GET /metrics HTTP/1.1\r\n"
+                               b"Host: x\r\nAccept-Encoding: gzip\r\nConnection: close\r\n\r\n")
         plain_head, plain_body = plain.split(b"\r\n\r\n", 1)
         zipped_head, zipped_body = zipped.split(b"\r\n\r\n", 1)
         assert b"Content-Encoding: gzip" in zipped_head and b"Content-Encoding" not in plain_head
         assert gzip.decompress(zipped_body) == plain_body and len(zipped_body) < len(plain_body)
-        two = _raw(address, b"GET /healthz HTTP/1.1\r\n\r\n"
-                            b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
+        two = _raw(address, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+                            b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert two.count(b"HTTP/1.1 200 OK") == 2  # one kept-alive connection, two answers
 
 
@@ -200,8 +204,8 @@ def test_gzip_costs_nothing_until_a_scraper_asks_for_it_and_stops_when_none_does
     now = [0.0]
     sampler = Sampler({"host": load_collectors()["host"].factory(Context())}, clock=lambda: now[0])
     sampler.sample_once()
-    plain = b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n"
-    zipped = b"GET /metrics HTTP/1.1\r\nAccept-Encoding: gzip\r\nConnection: close\r\n\r\n"
+    plain = b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    zipped = b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept-Encoding: gzip\r\nConnection: close\r\n\r\n"
     for address in serve(make_server("127.0.0.1", free_port(), sampler)):
         for _ in range(3):
             assert b"Content-Encoding" not in _raw(address, plain).split(b"\r\n\r\n", 1)[0]
@@ -272,7 +276,7 @@ def test_a_password_longer_than_bcrypt_reads_is_refused_not_dropped(sampler: Sam
 def test_gzip_only_when_the_accept_encoding_header_allows_it(sampler: Sampler, accept: str,
                                                              gzipped: bool) -> None:
     for address in serve(make_server("127.0.0.1", free_port(), sampler)):
-        answer = _raw(address, b"GET /metrics HTTP/1.1\r\nAccept-Encoding: " + accept.encode()
+        answer = _raw(address, b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept-Encoding: " + accept.encode()
                       + b"\r\nConnection: close\r\n\r\n")
         head = answer.split(b"\r\n\r\n", 1)[0]
         assert head.startswith(b"HTTP/1.1 200") and b"Vary: Accept-Encoding" in head
@@ -282,12 +286,13 @@ def test_gzip_only_when_the_accept_encoding_header_allows_it(sampler: Sampler, a
 def test_a_request_with_a_body_is_refused_so_it_cannot_smuggle_a_second_request(sampler: Sampler) -> None:
     hashed = bcrypt.hashpw(b"scrape-me", bcrypt.gensalt(rounds=4)).decode()
     for address in serve(make_server("127.0.0.1", free_port(), sampler, users={"prometheus": hashed})):
-        smuggled = b"GET /metrics HTTP/1.1\r\nAuthorization: Basic eDp5\r\n\r\n"
+        smuggled = b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic eDp5\r\n\r\n"
         for framing in (b"Content-Length: %d" % len(smuggled), b"Transfer-Encoding: chunked",
                         b"Content-Length: %d\r\nContent-Length: 0" % len(smuggled)):
-            answer = _raw(address, b"GET /healthz HTTP/1.1\r\n" + framing + b"\r\n\r\n" + smuggled)
+            answer = _raw(address, b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\n\r\n" + smuggled)
             assert answer.startswith(b"HTTP/1.1 400") and answer.count(b"HTTP/1.1 ") == 1, answer[:200]
-        assert _raw(address, b"GET /healthz HTTP/1.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        assert _raw(address, b"GET /healthz HTTP/1.1\r\n"
+                             b"Host: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
                     ).startswith(b"HTTP/1.1 200")
 
 
@@ -296,11 +301,12 @@ def test_basic_is_case_insensitive_and_two_authorization_headers_are_refused(sam
     token = base64.b64encode(b"prometheus:scrape-me")
     for address in serve(make_server("127.0.0.1", free_port(), sampler, users={"prometheus": hashed})):
         for scheme in (b"Basic", b"basic", b"BASIC"):
-            answer = _raw(address, b"GET /metrics HTTP/1.1\r\nAuthorization: " + scheme + b" " + token
+            answer = _raw(address, b"GET /metrics HTTP/1.1\r\n"
+                                   b"Host: x\r\nAuthorization: " + scheme + b" " + token
                           + b"\r\nConnection: close\r\n\r\n")
             assert answer.startswith(b"HTTP/1.1 200"), scheme
         for first, second in ((token, b"eDp5"), (b"eDp5", token), (token, token)):
-            answer = _raw(address, b"GET /metrics HTTP/1.1\r\nAuthorization: Basic " + first
+            answer = _raw(address, b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic " + first
                           + b"\r\nAuthorization: Basic " + second + b"\r\nConnection: close\r\n\r\n")
             assert answer.startswith(b"HTTP/1.1 401"), (first, second)
 
@@ -330,9 +336,127 @@ def test_head_answers_carry_no_body_so_a_kept_alive_client_stays_in_step(sampler
     as the start of the next answer (one answer injected ahead of the real one)."""
     hashed = bcrypt.hashpw(b"scrape-me", bcrypt.gensalt(rounds=4)).decode()
     for address in serve(make_server("127.0.0.1", free_port(), sampler, users={"prometheus": hashed})):
-        for first in (b"HEAD /nope HTTP/1.1\r\n\r\n", b"HEAD /metrics HTTP/1.1\r\n\r\n",
-                      b"HEAD /healthz HTTP/1.1\r\n\r\n",
-                      b"HEAD / HTTP/1.1\r\nAuthorization: Basic eDp5\r\n\r\n"):
-            answer = _raw(address, first + b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
+        for first in (b"HEAD /nope HTTP/1.1\r\nHost: x\r\n\r\n", b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n",
+                      b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
+                      b"HEAD / HTTP/1.1\r\nHost: x\r\nAuthorization: Basic eDp5\r\n\r\n"):
+            answer = _raw(address, first + b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             _, sep, rest = answer.partition(b"\r\n\r\n")
             assert sep and rest.startswith(b"HTTP/1.1 200 OK\r\n") and rest.endswith(b"\r\n\r\nok\n"), answer
+
+
+# RFC 9112 MUSTs a lenient parser let through (request smuggling, a 10 s wait), each with its answer
+STRICT_HEAD_PROBES = {
+    "unsupported version": (b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n", 505),
+    "version 2.0": (b"GET /healthz HTTP/2.0\r\nHost: x\r\n\r\n", 505),
+    "garbled version": (b"GET /healthz HTTP/1.1x\r\nHost: x\r\n\r\n", 400),
+    "lower-case version": (b"GET /healthz http/1.1\r\nHost: x\r\n\r\n", 400),
+    "two spaces in the request line": (b"GET  /healthz HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    "method not a token": (b"G(T /healthz HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    "raw byte over 0x7f in the target": (b"GET /metrics\xc0\xae HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    "target neither path nor URL": (b"GET metrics HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    "space before the colon": (b"GET /healthz HTTP/1.1\r\nHost : x\r\n\r\n", 400),
+    "tab before the colon": (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A\t: 1\r\n\r\n", 400),
+    "obs-fold": (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n  folded\r\n\r\n", 400),
+    "whitespace before the first header": (b"GET /healthz HTTP/1.1\r\n Host: x\r\n\r\n", 400),
+    "header line without a colon": (b"GET /healthz HTTP/1.1\r\nHost: x\r\nnocolon\r\n\r\n", 400),
+    "header name not a token": (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX[a]: 1\r\n\r\n", 400),
+    "NUL in a value": (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n", 400),
+    "bare CR in a value": (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: a\rb\r\n\r\n", 400),
+    "no Host on HTTP/1.1": (b"GET /healthz HTTP/1.1\r\n\r\n", 400),
+    "two Host headers": (b"GET /healthz HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", 400),
+    "two Content-Length 0": (b"GET /healthz HTTP/1.1\r\n"
+                             b"Host: x\r\nContent-Length: 0\r\nContent-Length: 0\r\n\r\n",
+                             400),
+    "Content-Length not a number": (b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: -0\r\n\r\n", 400),
+    "Content-Length list": (b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 0, 0\r\n\r\n", 400),
+    "Transfer-Encoding on a GET": (b"GET /healthz HTTP/1.1\r\n"
+                                   b"Host: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+                                   400),
+    "bare LF line ends": (b"GET /healthz HTTP/1.1\nHost: x\n\n", 400),
+    "bare LF after CRLF lines": (b"GET /healthz HTTP/1.1\r\nHost: x\n\r\n", 400),
+    "150 small header lines": (b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"A: b\r\n" * 150 + b"\r\n", 431),
+}
+
+
+@pytest.mark.parametrize("probe", STRICT_HEAD_PROBES)
+def test_malformed_request_heads_are_refused_at_once_as_rfc_9112_says(sampler: Sampler, probe: str) -> None:
+    request, status = STRICT_HEAD_PROBES[probe]
+    # a head deadline far past the socket timeout: an answer held back until the deadline fails here
+    server = make_server("127.0.0.1", free_port(), sampler, limits=Limits(head_timeout=60))
+    for address in serve(server):
+        host, port = address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(request)
+            answer = sock.recv(65536)  # the connection is left open: the answer must come unprompted
+        assert answer.startswith(b"HTTP/1.1 %d " % status) and b"Connection: close" in answer, answer[:200]
+        assert get(f"http://{address}/healthz")[0] == 200  # and serving goes on
+
+
+def test_odd_but_valid_requests_are_served(sampler: Sampler) -> None:
+    cases = {  # request line (+ headers), expected status
+        b"GET http://x/metrics HTTP/1.1\r\nHost: x": 200,  # absolute-form: a server MUST accept it
+        b"GET https://x:9/healthz?a=b HTTP/1.1\r\nHost: x": 200,
+        b"GET /metrics?x=&y=%00&z=%C0%AE%C0%AE%2F&&== HTTP/1.1\r\nHost: x": 200,
+        b"GET /metrics/../metrics HTTP/1.1\r\nHost: x": 404,  # no path is normalised into another
+        b"GET /%2e%2e/metrics HTTP/1.1\r\nHost: x": 404,
+        b"GET /metrics%00 HTTP/1.1\r\nHost: x": 404,
+        b"GET /healthz HTTP/1.0": 200,  # HTTP/1.0 needs no Host
+        b"GET /healthz HTTP/1.2\r\nHost: x": 200,  # a later 1.x is read as 1.1 (RFC 9110 section 2.5)
+        b"OPTIONS * HTTP/1.1\r\nHost: x": 405,
+        b"TRACE /metrics HTTP/1.1\r\nHost: x": 405,  # no echo of the request (cross-site tracing)
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Latin: caf\xe9\tok": 200,  # obs-text and HTAB are allowed
+    }
+    for address in serve(make_server("127.0.0.1", free_port(), sampler)):
+        for request, status in cases.items():
+            # a leading CRLF is skipped (RFC 9112 section 2.2)
+            answer = _raw(address, b"\r\n" + request + b"\r\nConnection: close\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 %d " % status), (request, answer[:200])
+            assert b"TRACE" not in answer.partition(b"\r\n\r\n")[2]
+
+
+def test_a_slowloris_head_is_cut_at_the_head_deadline_not_per_byte(sampler: Sampler) -> None:
+    server = make_server("127.0.0.1", free_port(), sampler, limits=Limits(head_timeout=1.0))
+    for address in serve(server):
+        host, port = address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            start, closed = time.monotonic(), False
+            for byte in b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+                try:
+                    sock.sendall(bytes([byte]))
+                    readable = sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b""
+                except BlockingIOError:
+                    readable = False
+                except OSError:
+                    readable = True
+                if readable:
+                    closed = True
+                    break
+                time.sleep(0.1)  # the client's pace, one byte per tenth of a second
+            assert closed and time.monotonic() - start < 5  # a byte now and then does not renew the deadline
+        assert get(f"http://{address}/healthz")[0] == 200
+
+
+def test_half_open_tls_handshakes_neither_block_scrapes_nor_outlive_the_handshake_deadline(
+        tmp_path: Path, sampler: Sampler) -> None:
+    cert, key = self_signed_certificate(tmp_path)
+    server = make_server("127.0.0.1", free_port(), sampler, cert, key, limits=Limits(handshake_timeout=1.0))
+    context = ssl.create_default_context(cafile=str(cert))
+    for address in serve(server):
+        host, port = address.rsplit(":", 1)
+        half_open = [socket.create_connection((host, int(port)), timeout=10) for _ in range(200)]
+        try:
+            for index, sock in enumerate(half_open):  # nothing, or the first bytes of a ClientHello
+                if index % 2:
+                    sock.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")
+            assert get(f"https://{address}/healthz", context=context)[0] == 200
+            assert get(f"https://{address}/metrics", context=context)[0] == 200
+            deadline = time.monotonic() + 10
+            for sock in half_open:  # each is closed by the server once its handshake deadline passes
+                sock.settimeout(max(0.1, deadline - time.monotonic()))
+                with contextlib.suppress(ConnectionResetError):  # a TLS alert, then EOF, or a reset
+                    while sock.recv(65536):
+                        pass
+        finally:
+            for sock in half_open:
+                sock.close()
+        assert get(f"https://{address}/metrics", context=context)[0] == 200

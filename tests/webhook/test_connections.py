@@ -153,3 +153,40 @@ def test_over_long_request_lines_and_headers_are_refused_with_414_and_431(tmp_pa
     log = (tmp_path / "webhook.log").read_text()
     assert "Traceback" not in log and "aaaa" not in log, log[-2000:]
     assert len(re.findall(r"event=bad_request status=(\d+)", log)) == len(OVERSIZED)
+
+
+# the exporter's RFC 9112 probes, against aiohttp's llhttp parser (strict: its lenient flags are off)
+STRICT_HEAD_PROBES = {
+    "unsupported version": (b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n", 400),  # RFC: 505 or 400
+    "garbled version": (b"GET /healthz HTTP/1.1x\r\nHost: x\r\n\r\n", 400),
+    "space before the colon": (b"GET /healthz HTTP/1.1\r\nHost : x\r\n\r\n", 400),
+    "obs-fold": (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n  folded\r\n\r\n", 400),
+    "header name not a token": (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX[a]: 1\r\n\r\n", 400),
+    "NUL in a value": (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n", 400),
+    "two Content-Length": (b"POST /alerts HTTP/1.1\r\nHost: x\r\n"
+                           b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400),
+    "Content-Length not a number": (b"POST /alerts HTTP/1.1\r\nHost: x\r\nContent-Length: +2\r\n\r\n{}", 400),
+    "Content-Length and Transfer-Encoding": (b"POST /alerts HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                                             b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
+    "bare LF line ends": (b"GET /healthz HTTP/1.1\nHost: x\n\n", 400),
+    "no Host on HTTP/1.1": (b"GET /healthz HTTP/1.1\r\n\r\n", 400),
+    "two Host headers": (b"GET /healthz HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
+    "raw byte over 0x7f in the target": (b"GET /\xc0\xae HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+}
+
+
+@pytest.mark.slow
+def test_malformed_request_heads_are_refused_at_once_without_a_traceback(tmp_path: Path):
+    proc, port = start_webhook(tmp_path)
+    try:
+        proc.wait_ready(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=30)
+        for name, (request, status) in STRICT_HEAD_PROBES.items():
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(request)
+                answer = sock.recv(65536)  # left open: the answer must come unprompted
+            assert answer.split(b"\r\n")[0].split(b" ")[1] == str(status).encode(), (name, answer[:300])
+        assert intake_accepted(port)
+    finally:
+        proc.stop()
+    log = (tmp_path / "webhook.log").read_text()
+    assert "Traceback" not in log, log[-2000:]
