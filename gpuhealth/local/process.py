@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -22,11 +23,41 @@ class ProcessError(RuntimeError):
     """A daemon failed to start or become ready; the message carries the tail of its log."""
 
 
+def _port_slice() -> range:
+    """The ports ``free_port`` hands out in this process: below the kernel's ephemeral range (where
+    every outgoing connection and every ``bind(0)`` takes its port, so a client socket or another
+    process's probe never lands there) and, under pytest-xdist, this worker's own share of them."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    low, high = 10000, ephemeral_low
+    if high - low < 1000:  # a site that widened the ephemeral range: nothing is left below it
+        return range(0)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % max(workers, 1)
+    share = (high - low) // max(workers, 1)
+    return range(low + share * worker, low + share * (worker + 1))
+
+
+_SLICE = _port_slice()
+_cursor = itertools.count(os.getpid())  # two processes outside pytest start far apart
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that is free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """Return a TCP port that is free on ``host`` right now and unlikely to be taken before the
+    daemon it is meant for binds it: ports come from ``_port_slice`` in turn, never twice in a row."""
+    for _ in range(len(_SLICE)):
+        port = _SLICE[next(_cursor) % len(_SLICE)]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # no slice, or all of it in use
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.1, what: str = "") -> None:
