@@ -175,6 +175,16 @@ def test_gpu_shards_cover_every_gpu_once(shards):
 
 
 @pytest.mark.parametrize("shards", [1, 2, 5, 10])
+def test_group_names_are_unique_in_every_file_at_any_shard_count(shards):
+    """Prometheus refuses a rule file that names a group twice, so a split into one shard (no suffix)
+    must not meet a group of the same name."""
+    overlay = {"defaults": {"gpu_shards": shards, "fabric": {"hca_shards": shards}}}
+    for path, text in render_all(catalogue.resolve(overlay)).items():
+        names = [group["name"] for group in (yaml.safe_load(text) or {}).get("groups", [])]
+        assert sorted(set(names)) == sorted(names), path
+
+
+@pytest.mark.parametrize("shards", [1, 2, 5, 10])
 def test_hca_shards_cover_every_port_once(shards):
     """The rate alert and the ports' link-error evidence are split into `hca_shards` groups by HCA name:
     any name, with a last digit or none, is in exactly one of each, or a port would be read twice or

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from gpuhealth.rules import catalogue
 from gpuhealth.rules.render import render_all
-from rules_promtool import SOURCES, Fleet, run_promtool
+from rules_promtool import SOURCES, Fleet, alert, run_promtool
 
 STEP = 10                     # minutes between samples and evaluations
 DAY = 24 * 60 // STEP         # samples in a day
@@ -100,3 +100,69 @@ def test_thermal_drift_over_a_week(tmp_path, source):
                  evaluation_interval=f"{STEP}m", rules_dir=_render(tmp_path, source), timeout=600,
                  in_file_order=True)
 
+
+
+def _cooling_failing(value: str) -> dict:
+    name = "GPUHealthGpuCoolingFailing"
+    return alert(name, {"alertname": name, "node": "n1", "gpu": "0"},
+                 "GPU 0 on n1 keeps warming at the same load: its cooling is failing",
+                 "GPU 0 on n1 has warmed against its node mates doing the same work, half-hour after "
+                 f"half-hour for two hours, and runs {value} C above its own recent history. A GPU whose "
+                 "cooling holds does not keep warming at the same power: a fan or pump is slowing, or the "
+                 "cold plate or thermal interface is losing contact. Let its jobs checkpoint, drain the "
+                 "node and have the GPU's cooling checked before it reaches its slowdown and shutdown "
+                 "temperatures (XID 79 follows a thermal shutdown).", "warning", "checkpoint_drain")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("source", SOURCES)
+def test_cooling_failing_alert_on_a_gpu_that_keeps_warming(tmp_path, source):
+    """After a day of history, from hour 6 of day 2: n1 GPU 0 warms 1.5 C an hour against its node mates
+    for 8 hours, then holds (a cooling failing, then settled); GPU 1 steps 8 C warm and stays; GPU 2
+    warms 0.5 C an hour (a slow drift: the trend evidence's, not this alert's). From hour 7 the air of
+    node n2 warms for 3 hours, each GPU by its place in the airflow (2 to 16 C), holds 3 hours and
+    cools: GPU 7 rises 7 C against its node mates in those 3 hours, faster than n1 GPU 0, and would
+    fire without the node-wide exclusion."""
+    days = 2
+    steps, start = days * DAY, DAY + 6 * 60 // STEP
+    fleet = Fleet(source)
+    ramp, hold = 8 * 60 // STEP, steps - start - 8 * 60 // STEP
+    _busy_node(fleet, "n1", {
+        0: f"60+0x{start} 60.25+0.25x{ramp - 1} 72+0x{hold}",
+        1: f"60+0x{start} 68+0x{steps - start}",
+        2: " ".join([f"60+0x{start}", *(f"{60 + (i + 1) / 12:.3f}" for i in range(steps - start))]),
+    })
+    incident, hours = start + 60 // STEP, 3 * 60 // STEP
+    after = steps - incident - 3 * hours
+    def warms(heat: int) -> str:
+        slope = f"{heat / hours:.4f}"
+        return " ".join([f"60+0x{incident - 1}", f"60+{slope}x{hours}", f"{60 + heat}+0x{hours - 1}",
+                         f"{60 + heat}-{slope}x{hours}", f"60+0x{after}"])
+    _busy_node(fleet, "n2", {gpu: warms(heat) for gpu, heat in enumerate((2, 4, 6, 8, 10, 12, 14, 16))})
+
+    def at(index: int) -> str:
+        return f"{index * STEP}m"
+
+    # GPU 0 is 4 C above its history 17 samples into its ramp (170 min), its half-hour means rising all
+    # the while: pending from then, firing one `for` (15 min, two evaluations) later, quiet again once it
+    # stops warming (its drift stays: the slices no longer rise).
+    checks = [
+        {"eval_time": at(start + 16), "alertname": "GPUHealthGpuCoolingFailing", "exp_alerts": []},
+        {"eval_time": at(start + 18), "alertname": "GPUHealthGpuCoolingFailing", "exp_alerts": []},
+        {"eval_time": at(start + 20), "alertname": "GPUHealthGpuCoolingFailing",
+         "exp_alerts": [_cooling_failing("4.5")]},
+        {"eval_time": at(start + ramp - 1), "alertname": "GPUHealthGpuCoolingFailing",
+         "exp_alerts": [_cooling_failing("4.5")]},
+        {"eval_time": at(start + ramp + 6), "alertname": "GPUHealthGpuCoolingFailing", "exp_alerts": []},
+    ]
+    # Neither the step, nor the slow drift, nor any GPU of the warming node, ever.
+    others = 'alertname="GPUHealthGpuCoolingFailing", alertstate="pending"'
+    exprs = [{"expr": f'count_over_time(ALERTS{{{others}, node="n1", gpu!="0"}}[{days}d])',
+              "eval_time": f"{days}d", "exp_samples": []},
+             {"expr": f'count_over_time(ALERTS{{{others}, node="n2"}}[{days}d])',
+              "eval_time": f"{days}d", "exp_samples": []}]
+    run_promtool(tmp_path, source, ["evidence", "definitive"],
+                 [{"interval": f"{STEP}m", "input_series": fleet.input_series(), "alert_rule_test": checks,
+                   "promql_expr_test": exprs}],
+                 evaluation_interval=f"{STEP}m", rules_dir=_render(tmp_path, source), timeout=600,
+                 in_file_order=True)
