@@ -75,12 +75,17 @@ class JobInfo:
 
 
 def _poll(fetch: Callable[[], T], predicate: Callable[[T], bool], timeout: float, what: str) -> T:
+    """Fetch until ``predicate`` holds; a timeout names what was last seen, so that a wait that failed
+    in a loaded run says where Slurm stood (a node NOT_RESPONDING, still DOWN, still rebooting)."""
     found: list[T] = []
 
     def check() -> bool:
         found[:] = [fetch()]
         return predicate(found[0])
-    wait_until(check, timeout, interval=0.2, what=what)
+    try:
+        wait_until(check, timeout, interval=0.2, what=what)
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}; last seen: {found[0] if found else 'nothing'}") from None
     return found[0]
 
 
