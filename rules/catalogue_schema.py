@@ -61,7 +61,6 @@ BOUNDS: dict[str, dict[str, Any]] = {
     "definitive.nvlink_error_rate.young_slices": POSITIVE_INTEGER,
     "definitive.cooling_failing.steps": POSITIVE_INTEGER,
     "definitive.cooling_failing.min_rise_celsius": {"type": "number", "exclusiveMinimum": 0},
-    "definitive.cooling_failing.min_drift_celsius": {"type": "number", "minimum": 0},
     "fabric.switch_event.min_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     "fusion.threshold": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     "fusion.weights.*": {"type": "number", "minimum": 0, "maximum": 1},

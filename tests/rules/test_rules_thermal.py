@@ -101,7 +101,6 @@ def test_thermal_drift_over_a_week(tmp_path, source):
                  in_file_order=True)
 
 
-
 def _cooling_failing(value: str) -> dict:
     name = "GPUHealthGpuCoolingFailing"
     return alert(name, {"alertname": name, "node": "n1", "gpu": "0"},
