@@ -78,6 +78,22 @@ def test_tuning_differs_from_the_reference_in_its_generator_not_only_its_seed() 
     assert tuning["noise"]["kinds"] != reference["noise"]["kinds"]
 
 
+def test_thermal_tuning_fleet_is_the_tuning_generator_with_thermal_faults_among_benign_heat() -> None:
+    """Tuned on, so it must stay of the tuning family (its precursors, not the reference's) and hold
+    every benign kind that warms a GPU or its node, several times a fleet."""
+    thermal = load_scenario(SCENARIOS / "tuning-thermal.yaml")
+    tuning = load_scenario(SCENARIOS / "tuning.yaml")
+    assert {f.kind for f in thermal.failures} == {"thermal_runaway"}
+    assert (thermal.fleet, thermal.duration) == (tuning.fleet, tuning.duration)
+    def failures(name: str) -> dict:
+        return yaml.safe_load((SCENARIOS / f"{name}.yaml").read_text())["random"]["failures"]
+
+    assert failures("tuning-thermal")["precursor"] == failures("tuning")["precursor"]
+    heat = Counter(n.kind for n in thermal.noise)
+    assert all(heat[kind] >= 5 for kind in ("warm_gpu", "hot_aisle", "rack_cooling", "load_imbalance",
+                                            "power_cap", "power_brake", "idle_node")), heat
+
+
 def test_seed_changes_the_draws_and_is_reproducible() -> None:
     path = SCENARIOS / "reference.yaml"
     assert load_scenario(path, seed=5).failures == load_scenario(path, seed=5).failures

@@ -101,16 +101,23 @@ def test_thermal_drift_over_a_week(tmp_path, source):
                  in_file_order=True)
 
 
-def _cooling_failing(value: str) -> dict:
+def _cooling_failing(node: str, value: str) -> dict:
     name = "GPUHealthGpuCoolingFailing"
-    return alert(name, {"alertname": name, "node": "n1", "gpu": "0"},
-                 "GPU 0 on n1 keeps warming at the same load: its cooling is failing",
-                 "GPU 0 on n1 has warmed against its node mates doing the same work, half-hour after "
-                 f"half-hour for two hours, and runs {value} C above its own recent history. A GPU whose "
+    return alert(name, {"alertname": name, "node": node, "gpu": "0"},
+                 f"GPU 0 on {node} keeps warming at the same load: its cooling is failing",
+                 f"GPU 0 on {node} has warmed against its node mates doing the same work, half-hour after "
+                 f"half-hour for hours, and runs {value} C above its mean of the last day. A GPU whose "
                  "cooling holds does not keep warming at the same power: a fan or pump is slowing, or the "
                  "cold plate or thermal interface is losing contact. Let its jobs checkpoint, drain the "
                  "node and have the GPU's cooling checked before it reaches its slowdown and shutdown "
                  "temperatures (XID 79 follows a thermal shutdown).", "warning", "checkpoint_drain")
+
+
+def _warming(start: int, per_sample: float, samples: int, total: int) -> str:
+    """60 C until sample ``start``, then warmer by ``per_sample`` each sample for ``samples``, then held."""
+    top = 60 + per_sample * samples
+    return (f"60+0x{start} {60 + per_sample:g}+{per_sample:g}x{samples - 1} "
+            f"{top:g}+0x{total - start - samples}")
 
 
 @pytest.mark.timeout(600)
@@ -118,19 +125,26 @@ def _cooling_failing(value: str) -> dict:
 def test_cooling_failing_alert_on_a_gpu_that_keeps_warming(tmp_path, source):
     """After a day of history, from hour 6 of day 2: n1 GPU 0 warms 1.5 C an hour against its node mates
     for 8 hours, then holds (a cooling failing, then settled); GPU 1 steps 8 C warm and stays; GPU 2
-    warms 0.5 C an hour (a slow drift: the trend evidence's, not this alert's). From hour 7 the air of
-    node n2 warms for 3 hours, each GPU by its place in the airflow (2 to 16 C), holds 3 hours and
-    cools: GPU 7 rises 7 C against its node mates in those 3 hours, faster than n1 GPU 0, and would
-    fire without the node-wide exclusion."""
+    warms 0.5 C an hour (a slow drift: the trend evidence's, not this alert's). n3 GPU 0 warms 1.2 C an
+    hour for 10 hours: against its median of the last 6 hours (the baseline's drift) it never stands
+    more than 3.6 C, under the baseline's `high`, but it keeps warming and ends 12 C above its day.
+    From hour 7 the air of node n2 warms for 3 hours, each GPU by its place in the airflow (2 to 16 C),
+    holds 3 hours and cools: GPU 7 rises 7 C against its node mates in those 3 hours, faster than n1
+    GPU 0, and would fire without the node-wide exclusion. n4 GPU 0 wobbles 1.5 C warm for 40 minutes,
+    then steps 8 C warm and stays: the step lifts two half-hour means, the wobble a third (three rises
+    in a row, for three evaluations), never a fourth."""
     days = 2
     steps, start = days * DAY, DAY + 6 * 60 // STEP
     fleet = Fleet(source)
-    ramp, hold = 8 * 60 // STEP, steps - start - 8 * 60 // STEP
+    ramp = 8 * 60 // STEP
     _busy_node(fleet, "n1", {
-        0: f"60+0x{start} 60.25+0.25x{ramp - 1} 72+0x{hold}",
+        0: _warming(start, 0.25, ramp, steps),
         1: f"60+0x{start} 68+0x{steps - start}",
         2: " ".join([f"60+0x{start}", *(f"{60 + (i + 1) / 12:.3f}" for i in range(steps - start))]),
     })
+    _busy_node(fleet, "n3", {0: _warming(start, 0.2, 10 * 60 // STEP, steps)})
+    wobble = 4
+    _busy_node(fleet, "n4", {0: f"60+0x{start} 61.5+0x{wobble - 1} 68+0x{steps - start - wobble}"})
     incident, hours = start + 60 // STEP, 3 * 60 // STEP
     after = steps - incident - 3 * hours
     def warms(heat: int) -> str:
@@ -142,24 +156,31 @@ def test_cooling_failing_alert_on_a_gpu_that_keeps_warming(tmp_path, source):
     def at(index: int) -> str:
         return f"{index * STEP}m"
 
-    # GPU 0 is 4 C above its history 17 samples into its ramp (170 min), its half-hour means rising all
-    # the while: pending from then, firing one `for` (15 min, two evaluations) later, quiet again once it
-    # stops warming (its drift stays: the slices no longer rise).
+    # n1 GPU 0's last half-hour stands 4 C above its day 19 samples into its ramp (190 min), its
+    # half-hour means rising all the while: pending from then, firing one `for` (15 min, two
+    # evaluations) later, quiet again once it stops warming. n3 GPU 0, warming slower, gets there 50
+    # minutes later; it keeps firing until its warming stops, 10 hours in.
+    name = "GPUHealthGpuCoolingFailing"
+    n3_ramp = 10 * 60 // STEP
     checks = [
-        {"eval_time": at(start + 16), "alertname": "GPUHealthGpuCoolingFailing", "exp_alerts": []},
-        {"eval_time": at(start + 18), "alertname": "GPUHealthGpuCoolingFailing", "exp_alerts": []},
-        {"eval_time": at(start + 20), "alertname": "GPUHealthGpuCoolingFailing",
-         "exp_alerts": [_cooling_failing("4.5")]},
-        {"eval_time": at(start + ramp - 1), "alertname": "GPUHealthGpuCoolingFailing",
-         "exp_alerts": [_cooling_failing("4.5")]},
-        {"eval_time": at(start + ramp + 6), "alertname": "GPUHealthGpuCoolingFailing", "exp_alerts": []},
+        {"eval_time": at(start + 18), "alertname": name, "exp_alerts": []},
+        {"eval_time": at(start + 20), "alertname": name, "exp_alerts": []},
+        {"eval_time": at(start + 21), "alertname": name, "exp_alerts": [_cooling_failing("n1", "4.5")]},
+        {"eval_time": at(start + 25), "alertname": name, "exp_alerts": [_cooling_failing("n1", "5.3")]},
+        {"eval_time": at(start + 26), "alertname": name,
+         "exp_alerts": [_cooling_failing("n1", "5.5"), _cooling_failing("n3", "4.4")]},
+        {"eval_time": at(start + ramp + 6), "alertname": name,
+         "exp_alerts": [_cooling_failing("n3", "8.5")]},
+        {"eval_time": at(start + n3_ramp - 1), "alertname": name,
+         "exp_alerts": [_cooling_failing("n3", "9.1")]},
+        {"eval_time": at(start + n3_ramp + 6), "alertname": name, "exp_alerts": []},
     ]
-    # Neither the step, nor the slow drift, nor any GPU of the warming node, ever.
+    # Neither the steps, nor the slow drift, nor any GPU of the warming node, ever.
     others = 'alertname="GPUHealthGpuCoolingFailing", alertstate="pending"'
     exprs = [{"expr": f'count_over_time(ALERTS{{{others}, node="n1", gpu!="0"}}[{days}d])',
               "eval_time": f"{days}d", "exp_samples": []},
-             {"expr": f'count_over_time(ALERTS{{{others}, node="n2"}}[{days}d])',
-              "eval_time": f"{days}d", "exp_samples": []}]
+             *({"expr": f'count_over_time(ALERTS{{{others}, node="{node}"}}[{days}d])',
+                "eval_time": f"{days}d", "exp_samples": []} for node in ("n2", "n4"))]
     run_promtool(tmp_path, source, ["evidence", "definitive"],
                  [{"interval": f"{STEP}m", "input_series": fleet.input_series(), "alert_rule_test": checks,
                    "promql_expr_test": exprs}],
