@@ -14,7 +14,12 @@ interleaved rounds so that Prometheus's own background bursts land on no one gro
     .venv/bin/python bench/rules.py --nodes 64 --minutes 2
 
 Range windows only hold the minutes the benchmark ran, so rules over long windows (ECC growth over
-6 h, remapped rows over 24 h, lemon nodes over 7 d) read fewer samples than in production.
+6 h, remapped rows over 24 h, lemon nodes over 7 d) read fewer samples than in production. With
+`--history DAYS`, the GPU temperature history the thermal groups read (the 10-minute peer-deviation
+samples and their hourly daily means) is written for every GPU as TSDB blocks before Prometheus
+starts, so those groups (baseline drift, daily trend, cooling) read full windows:
+
+    .venv/bin/python bench/rules.py --minutes 3 --history 4 --groups 'temperature|cooling'
 """
 
 from __future__ import annotations
@@ -30,10 +35,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import yaml
 from gpuhealth.rules.catalogue import load
 from gpuhealth.rules.render import render_all
 
+from gpuhealth.evaluation.blocks import BlockWriter
+from gpuhealth.evaluation.openmetrics import Thinning
+from gpuhealth.evaluation.scenario import parse_duration
+from gpuhealth.evaluation.signals import Family
+from gpuhealth.evaluation.workload import Timeline
 from gpuhealth.local.process import ProcessError, free_port
 from gpuhealth.local.prometheus import PrometheusServer
 from gpuhealth.local.synthetic_fleet import SyntheticFleet
@@ -63,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
             ],
         }
         prometheus = PrometheusServer(workdir / "prometheus", config, port=port,
-                                      extra_args=["--storage.tsdb.retention.time=1d"])
+                                      extra_args=[f"--storage.tsdb.retention.time={args.history + 1:g}d"])
+        if args.history:
+            _write_history(prometheus.data_dir, fleet.names, args.gpus, args.history)
         try:
             prometheus.start(timeout=120)
             api = prometheus.api
@@ -101,6 +114,34 @@ def _render(directory: Path) -> list[str]:
             path.write_text(text)
             rule_files.append(str(path))
     return rule_files
+
+
+def _write_history(data_dir: Path, nodes: list[str], gpus: int, days: float) -> None:
+    """``days`` of the two temperature records that are read over days, ending a minute ago, at the
+    catalogue's intervals: each GPU's 10-minute peer-deviation samples (its own steady offset, about
+    1 C either way, plus 0.4 C of noise) and their hourly daily means. A healthy fleet: the values
+    only need to be realistic enough that the rules' filters keep what they would keep."""
+    evidence = load().defaults["evidence"]
+    rng = np.random.default_rng(0)
+    end = time.time() - 60
+    labels = [f'gpu="{gpu}",node="{node}"' for node in nodes for gpu in range(gpus)]
+    offsets = rng.normal(0, 1, len(labels))
+    records = (("peer_deviation_sampled", evidence["temperature_baseline"]["step"], 0.4),
+               ("peer_deviation_daily", evidence["temperature_trend"]["step"], 0.05))
+    started = time.monotonic()
+    timelines = []
+    for record, interval, noise in records:
+        step = parse_duration(interval)
+        count = int(days * 86400 // step)
+        timelines.append((f"gpuhealth:gpu_temperature_celsius:{record}",
+                          Timeline(end - (count - 1) * step, step, count), noise))
+    writer = BlockWriter(data_dir, timelines[0][1])
+    for name, timeline, noise in timelines:
+        values = offsets[:, None] + rng.normal(0, noise, (len(labels), timeline.count))
+        writer.write(Family(name, "gauge", list(zip(labels, values, strict=True))), Thinning(0, 0), timeline)
+    writer.close()
+    print(f"history: {days:g} days of {', '.join(name for name, _, _ in timelines)} for {len(labels)} "
+          f"GPUs, {writer.samples:,} samples written in {time.monotonic() - started:.0f} s")
 
 
 def _wait_for_targets(api, nodes: int, timeout: float) -> bool:
@@ -299,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scrape-interval", default="15s", help="scrape interval (default 15s)")
     parser.add_argument("--start-timeout", type=float, default=600,
                         help="seconds to wait for every node to be scraped once (default 600)")
+    parser.add_argument("--history", type=float, default=0, metavar="DAYS",
+                        help="write DAYS of the GPU temperature history (10-minute samples, hourly daily "
+                             "means) before Prometheus starts, so the thermal groups read full windows "
+                             "(default 0: none)")
     parser.add_argument("--top", type=int, default=8, help="slowest rules to list (default 8)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="evaluations per group for the CPU figure (default 5)")
@@ -312,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure the CPU of the groups whose name matches REGEX only (default: all); "
                              "every group is still loaded and evaluated")
     args = parser.parse_args(argv)
+    if args.history < 0:
+        parser.error("--history: days of history, 0 or more")
     try:
         re.compile(args.groups)
     except re.error as exc:

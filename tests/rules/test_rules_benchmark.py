@@ -42,6 +42,27 @@ def test_cpu_is_measured_for_the_groups_asked_for():
 
 
 @pytest.mark.slow
+def test_history_gives_the_thermal_groups_full_windows():
+    """Two days of the 10-minute samples and hourly daily means, written as blocks before Prometheus
+    starts, are read by it (a daily mean needs half a day of samples: none without history), and the
+    drift record reads them."""
+    run = _bench("--minutes", "1.2", "--repeats", "1", "--idle-seconds", "1", "--history", "2",
+                 "--groups", "temperature-drift-0$|cooling")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(r"history: 2 days of \S+peer_deviation_sampled, \S+peer_deviation_daily for 16 GPUs, "
+                     r"5,376 samples written", run.stdout), run.stdout
+    for record in ("sampled", "daily"):
+        assert re.search(rf":peer_deviation_{record}\s+16$", run.stdout, re.MULTILINE), run.stdout
+    assert re.search(r":peer_deviation_drift\s+\d+$", run.stdout, re.MULTILINE), run.stdout
+    assert re.search(r"^gpuhealth-definitive-cooling\s+\d+\.\d{3}\s", run.stdout, re.MULTILINE)
+
+
+def test_negative_history_is_a_usage_error():
+    run = _bench("--history", "-1")
+    assert run.returncode == 2 and "--history: days of history, 0 or more" in run.stderr
+
+
+@pytest.mark.slow
 def test_targets_that_do_not_come_up_are_a_clear_error():
     run = _bench("--start-timeout", "0")
     assert run.returncode == 2

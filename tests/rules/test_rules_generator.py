@@ -215,6 +215,10 @@ def test_hca_shards_cover_every_port_once(shards):
     ("evidence.yml", "gpuhealth:gpu_evidence:pcie_aer_errors"),
     ("evidence.yml", "gpuhealth:gpu_set_node_evidence:zero"),
     ("definitive.yml", "GPUHealthPcieReplayRate"),
+    ("evidence.yml", "gpuhealth:gpu_temperature_celsius:peer_deviation_daily"),
+    ("evidence.yml", "gpuhealth:gpu_temperature_celsius:peer_deviation_daily_rise"),
+    ("definitive.yml", "gpuhealth:gpu_temperature_celsius:peer_deviation_moved"),
+    ("definitive.yml", "GPUHealthGpuCoolingFailing"),
 ])
 def test_rules_split_by_gpu_index_cover_every_gpu_once(shards, file, name):
     """A rule split into `gpu_shards` groups by GPU index reads each GPU in exactly one of them (in
