@@ -54,7 +54,8 @@ def test_history_gives_the_thermal_groups_full_windows():
     for record in ("sampled", "daily"):
         assert re.search(rf":peer_deviation_{record}\s+16$", run.stdout, re.MULTILINE), run.stdout
     assert re.search(r":peer_deviation_drift\s+\d+$", run.stdout, re.MULTILINE), run.stdout
-    assert re.search(r"^gpuhealth-definitive-cooling(-\d+)?\s+\d+\.\d{3}\s", run.stdout, re.MULTILINE), run.stdout
+    cooling = re.search(r"^gpuhealth-definitive-cooling(-\d+)?\s+\d+\.\d{3}\s", run.stdout, re.MULTILINE)
+    assert cooling, run.stdout
 
 
 def test_negative_history_is_a_usage_error():
